@@ -1,0 +1,41 @@
+# One-command set-up and checks. Everything runs inside .venv (created by `make install`).
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip
+STAMP   := .venv/.installed
+TINY    := models/tiny
+ENGINE  := engines/tiny
+
+.PHONY: install test lint demo bench tiny-model gpu-check clean
+
+$(STAMP): requirements.lock pyproject.toml
+	python3 -m venv .venv
+	$(PIP) install --quiet --upgrade pip
+	# torch==2.13.0 (CPU build) comes from local disk on the dev/CI machines; everything else is pinned.
+	$(PIP) install --quiet -r requirements.lock
+	$(PIP) install --quiet --no-deps tensorrt-stubs==10.13.0.35.1
+	$(PIP) install --quiet --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	.venv/bin/ruff check builder plugins runtime models tests
+	.venv/bin/mypy builder plugins runtime models
+
+demo: $(STAMP)
+	$(PY) -m runtime.demo --checkpoint $(TINY) --engine $(ENGINE)
+
+bench: $(STAMP)
+	$(PY) -m runtime.bench --checkpoint $(TINY) --engine $(ENGINE)
+
+tiny-model: $(STAMP)
+	$(PY) -m models.train_tiny --output $(TINY)
+
+gpu-check: $(STAMP)
+	$(PY) -m plugins.gpu_check
+
+clean:
+	rm -rf .venv engines build

@@ -1,0 +1,305 @@
+"""Checkpoint import/export: Hugging Face checkpoint directories <-> the model's canonical weights.
+
+The only place that knows Hugging Face tensor names. A layout is a table of rules (regex on the
+checkpoint name -> canonical name); adding DeepSeek-V3 / MiMo / Qwen3-Next means adding a table, not
+new code paths. Every canonical parameter must be filled exactly once, every checkpoint tensor must be
+used (or explicitly ignored), and shapes must match; errors name the tensor, the expected and found.
+
+Canonical names (models/glm4_moe.py): `embed_tokens`, `layers.{i}.*`, `norm`, `lm_head`, `mtp.{j}.*`
+with routed experts fused per layer as `mlp.w_gate_up [E, 2I, H]` (gate rows, then up rows) and
+`mlp.w_down [E, H, I]`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from models.config import ConfigError, ModelConfig
+from models.glm4_moe import Glm4MoeMTPModel
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    pattern: str  # regex over the checkpoint name; {L} is replaced by num_hidden_layers
+    target: str  # canonical name template using the regex groups (\1, \2...), "" = ignore the tensor
+    expert_part: str = ""  # "gate" | "up" | "down": a per-expert tensor stacked into the fused layout
+
+
+# GLM-4.5 / DeepSeek-V3 layout: MTP module j stored as model.layers.{L+j}.* (design section 3).
+# Rules are tried in order; the first match wins. MTP rules come first (they also match layers.N).
+_BLOCK = r"(input_layernorm|post_attention_layernorm|self_attn\.[a-z_]+|mlp\.(?:gate|shared_experts\.[a-z_]+|[a-z]+_proj))"
+GLM4_MOE_RULES: tuple[Rule, ...] = (
+    Rule(r"model\.layers\.MTP(\d+)\.(enorm|hnorm|eh_proj)\.weight", r"mtp.\1.\2.weight"),
+    Rule(r"model\.layers\.MTP(\d+)\.shared_head\.norm\.weight", r"mtp.\1.final_norm.weight"),
+    Rule(r"model\.layers\.MTP(\d+)\.(shared_head\.head|embed_tokens)\.weight", ""),  # shared with the main model
+    Rule(r"model\.layers\.MTP(\d+)\.mlp\.experts\.(\d+)\.gate_proj\.weight", r"mtp.\1.block.mlp.w_gate_up", "gate"),
+    Rule(r"model\.layers\.MTP(\d+)\.mlp\.experts\.(\d+)\.up_proj\.weight", r"mtp.\1.block.mlp.w_gate_up", "up"),
+    Rule(r"model\.layers\.MTP(\d+)\.mlp\.experts\.(\d+)\.down_proj\.weight", r"mtp.\1.block.mlp.w_down", "down"),
+    Rule(r"model\.layers\.MTP(\d+)\." + _BLOCK + r"\.(weight|bias|e_score_correction_bias)", r"mtp.\1.block.\2.\3"),
+    Rule(r"model\.embed_tokens\.weight", "embed_tokens.weight"),
+    Rule(r"model\.norm\.weight", "norm.weight"),
+    Rule(r"lm_head\.weight", "lm_head.weight"),
+    Rule(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.gate_proj\.weight", r"layers.\1.mlp.w_gate_up", "gate"),
+    Rule(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.up_proj\.weight", r"layers.\1.mlp.w_gate_up", "up"),
+    Rule(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.down_proj\.weight", r"layers.\1.mlp.w_down", "down"),
+    Rule(r"model\.layers\.(\d+)\." + _BLOCK + r"\.(weight|bias|e_score_correction_bias)", r"layers.\1.\2.\3"),
+)
+LAYOUTS: dict[str, tuple[Rule, ...]] = {"glm4_moe": GLM4_MOE_RULES}
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    hf_config: dict
+    tensors: dict[str, torch.Tensor]  # checkpoint names -> tensors (loaded lazily is not needed at our sizes)
+    path: Path
+    notes: list[str] = field(default_factory=list)
+
+
+def _mtp_rename(name: str, num_layers: int) -> str:
+    """model.layers.{L+j}.x -> model.layers.MTP{j}.x so MTP rules can match without arithmetic in regexes."""
+    m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+    if m and int(m.group(1)) >= num_layers:
+        return f"model.layers.MTP{int(m.group(1)) - num_layers}.{m.group(2)}"
+    return name
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """Read config.json and all safetensors tensors of a checkpoint directory, validating the config."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist; pass --checkpoint DIR with config.json")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path} has no config.json; a Hugging Face checkpoint directory needs one")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); fix or re-export the checkpoint") from e
+    try:
+        config = ModelConfig.from_hf_dict(hf)
+    except ConfigError as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from e
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensors[name] = f.get_tensor(name)
+    return Checkpoint(config=config, hf_config=hf, tensors=tensors, path=path)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"shards named in {index.name} are missing: {missing}; copy them next to it")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json; save with safetensors")
+
+
+def checkpoint_hash(path: str | Path) -> str:
+    """sha256 over config.json and the weight files (recorded in engine configs)."""
+    path = Path(path)
+    h = hashlib.sha256()
+    for file in [path / "config.json", *_weight_files(path)]:
+        h.update(file.name.encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def to_canonical(ckpt: Checkpoint) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Map checkpoint tensors to canonical names (experts stacked). Drops MTP modules that are absent."""
+    cfg = ckpt.config
+    rules = LAYOUTS[cfg.model_type]
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    unmatched = []
+    for name, tensor in ckpt.tensors.items():
+        renamed = _mtp_rename(name, cfg.num_hidden_layers)
+        for rule in rules:
+            m = re.fullmatch(rule.pattern, renamed)
+            if m is None:
+                continue
+            if rule.target == "":
+                break
+            target = m.expand(rule.target)
+            if rule.expert_part:
+                experts.setdefault(target, {}).setdefault(int(m.group(2)), {})[rule.expert_part] = tensor
+            elif target in out:
+                raise CheckpointError(f"tensor {target} is given twice (second time as {name}); remove the duplicate")
+            else:
+                out[target] = tensor
+            break
+        else:
+            unmatched.append(name)
+    if unmatched:
+        raise CheckpointError(
+            f"unexpected tensors not in the {cfg.model_type} layout: {sorted(unmatched)[:10]}"
+            f"{' ...' if len(unmatched) > 10 else ''}; is model_type right, or is this a different checkpoint?"
+        )
+    for target, per_expert in experts.items():
+        out[target] = _stack_experts(target, per_expert, cfg.n_routed_experts)
+    if cfg.tie_word_embeddings and "lm_head.weight" not in out and "embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    present_mtp = {int(k.split(".")[1]) for k in out if k.startswith("mtp.")}
+    num_mtp = cfg.num_nextn_predict_layers
+    if num_mtp and not present_mtp:
+        ckpt.notes.append(
+            f"config says num_nextn_predict_layers={num_mtp} but the checkpoint has no MTP weights "
+            f"(model.layers.{cfg.num_hidden_layers}.*): MTP speculative decoding is unavailable for this model"
+        )
+        cfg = ModelConfig.from_dict({**cfg.to_dict(), "num_nextn_predict_layers": 0})
+    return cfg, out
+
+
+def _stack_experts(target: str, per_expert: dict[int, dict[str, torch.Tensor]], num_experts: int) -> torch.Tensor:
+    missing = [e for e in range(num_experts) if e not in per_expert]
+    if missing:
+        raise CheckpointError(f"{target}: experts {missing[:8]} are missing from the checkpoint")
+    if target.endswith("w_down"):
+        return torch.stack([per_expert[e]["down"] for e in range(num_experts)])
+    parts = [per_expert[e] for e in range(num_experts)]
+    for e, p in enumerate(parts):
+        if "gate" not in p or "up" not in p:
+            raise CheckpointError(f"{target}: expert {e} lacks its {'gate' if 'gate' not in p else 'up'}_proj tensor")
+    return torch.stack([torch.cat([p["gate"], p["up"]], dim=0) for p in parts])
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, ep_rank: int = 0, ep_size: int = 1
+) -> tuple[Glm4MoeMTPModel, Checkpoint]:
+    """Build the model from a checkpoint directory (experts sliced to this EP rank's share)."""
+    ckpt = read_checkpoint(path)
+    cfg, weights = to_canonical(ckpt)
+    if cfg.has_moe and cfg.n_routed_experts % ep_size:
+        raise CheckpointError(f"n_routed_experts={cfg.n_routed_experts} does not split over ep_size={ep_size}")
+    with torch.device("meta"):
+        model = Glm4MoeMTPModel(cfg, ep_size=ep_size)
+    expected = dict(model.state_dict())
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:10]}; it does not match config.json")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise CheckpointError(f"checkpoint {path} has tensors the config does not describe: {extra[:10]}")
+    loaded = {}
+    for name, param in expected.items():
+        w = weights[name]
+        if ep_size > 1 and (name.endswith("mlp.w_gate_up") or name.endswith("mlp.w_down")):
+            n = w.shape[0] // ep_size
+            w = w[ep_rank * n : (ep_rank + 1) * n]
+        if tuple(w.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"tensor {name}: expected shape {tuple(param.shape)} from config.json, found {tuple(w.shape)}"
+            )
+        loaded[name] = w.to(dtype) if name.split(".")[-1] != "e_score_correction_bias" else w.float()
+    model.load_state_dict(loaded, assign=True, strict=True)
+    for note in ckpt.notes:
+        log.warning(note)
+    return model.eval(), ckpt
+
+
+def to_hf_tensors(model: Glm4MoeMTPModel) -> dict[str, torch.Tensor]:
+    """Canonical weights -> Hugging Face checkpoint names (inverse of GLM4_MOE_RULES; MTP shares head)."""
+    cfg = model.cfg
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().contiguous()
+        m = re.match(r"(layers\.(\d+)|mtp\.(\d+)\.block)\.mlp\.(w_gate_up|w_down)$", name)
+        prefix = _hf_prefix(name, cfg.num_hidden_layers)
+        if m:
+            for e in range(t.shape[0]):
+                if m.group(4) == "w_down":
+                    out[f"{prefix}.mlp.experts.{e}.down_proj.weight"] = t[e].clone()
+                else:
+                    gate, up = t[e].chunk(2, dim=0)
+                    out[f"{prefix}.mlp.experts.{e}.gate_proj.weight"] = gate.clone()
+                    out[f"{prefix}.mlp.experts.{e}.up_proj.weight"] = up.clone()
+        elif name == "lm_head.weight":
+            out[name] = t.clone()
+        elif name.startswith("mtp."):
+            rest = name.split(".", 2)[2]
+            rest = rest.replace("block.", "", 1).replace("final_norm", "shared_head.norm")
+            out[f"{prefix}.{rest}"] = t.clone()
+        else:
+            out[f"model.{name}"] = t.clone()
+    return out
+
+
+def _hf_prefix(name: str, num_layers: int) -> str:
+    m = re.match(r"layers\.(\d+)", name)
+    if m:
+        return f"model.layers.{m.group(1)}"
+    m = re.match(r"mtp\.(\d+)", name)
+    if m:
+        return f"model.layers.{num_layers + int(m.group(1))}"
+    return "model"
+
+
+def save_hf_checkpoint(model: Glm4MoeMTPModel, hf_config: dict, path: str | Path) -> None:
+    """Write config.json + model.safetensors in the Hugging Face Glm4Moe layout (loadable by transformers)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(to_hf_tensors(model), str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+
+
+def to_hf_config(cfg: ModelConfig) -> dict:
+    """A Hugging Face Glm4MoeConfig dict for `cfg` (what save_hf_checkpoint writes as config.json)."""
+    return {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": cfg.partial_rotary_factor,
+        },
+        "attention_bias": cfg.attention_bias,
+        "use_qk_norm": cfg.use_qk_norm,
+        "first_k_dense_replace": cfg.first_k_dense_replace,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "n_routed_experts": cfg.n_routed_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "n_shared_experts": cfg.n_shared_experts,
+        "num_nextn_predict_layers": cfg.num_nextn_predict_layers,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "eos_token_id": list(cfg.eos_token_id) or None,
+        "dtype": "float32",
+    }

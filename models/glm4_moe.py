@@ -1,0 +1,282 @@
+"""GLM-4.5 / DeepSeek-V3-layout decoder with MTP modules, written over a paged KV pool.
+
+The single source of truth for the math (HF reference: transformers `Glm4MoeForCausalLM` and its
+`MtpLayer`). Tokens are *packed*: a step's rows from all requests are concatenated, described by
+per-request counts. Every attention layer does exactly two KV calls, both plugin ops:
+`mtp::kv_write` (append this step's K/V) and `mtp::paged_attention` (read). Swapping the KV backend
+means swapping those two calls (see `PagedKV`).
+
+Three entry points, one per engine graph (design section 6):
+  forward_main   packed tokens -> post-final-norm hidden rows (main KV appended inside)
+  forward_draft  one MTP depth for R requests: (hidden, token) -> (MTP hidden, logits); MTP KV written
+  forward_commit packed (main hidden, next token) rows -> only the MTP attention's K/V written
+
+Hidden-state convention (pinned by tests/models/test_hf_parity.py, written up in docs/MTP_HIDDEN_STATES.md):
+the MTP module takes the main model's POST-final-norm hidden, and its output hidden after
+`shared_head.norm` is both what the shared head projects and what the next depth chains.
+
+Shape names: T packed rows, R requests, H hidden, Hq/Hkv heads, D head dim, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import plugins.ops  # noqa: F401  (registers torch.ops.mtp.*)
+from models.config import ModelConfig
+from plugins.kv_pool import KVPoolGeometry
+from plugins.rope import apply_rope
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKV:
+    """Where K/V live: the pool address and geometry. One per forward; planes select the layer."""
+
+    pool_ptr: torch.Tensor  # int64 [1] (CPU): address of the pool
+    geom: KVPoolGeometry
+
+    def write(self, plane: int, k, v, counts, starts, block_tables, rope_dim: int = 0, rope_theta: float = 0.0):
+        g = self.geom
+        return torch.ops.mtp.kv_write(
+            k, v, counts, starts, block_tables, self.pool_ptr, plane,
+            g.num_planes, g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim, g.dtype_code,
+            rope_dim, rope_theta,
+        )  # fmt: skip
+
+    def attend(self, plane: int, q, q_counts, kv_lens, block_tables, after, scale: float):
+        g = self.geom
+        return torch.ops.mtp.paged_attention(
+            q, q_counts, kv_lens, block_tables, self.pool_ptr, after, plane,
+            g.num_planes, g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim, g.dtype_code, scale,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class StepMeta:
+    """Per-forward varlen metadata (explicit forward arguments, hence named graph inputs)."""
+
+    positions: torch.Tensor  # int64 [T] position of each packed row
+    q_counts: torch.Tensor  # int32 [R] rows of each request in this forward (0 = padded request)
+    kv_lens: torch.Tensor  # int32 [R] KV length of each request after this forward's write
+    block_tables: torch.Tensor  # int32 [R, max_blocks]
+
+    @property
+    def write_starts(self) -> torch.Tensor:
+        return self.kv_lens - self.q_counts
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, plane: int) -> None:
+        super().__init__()
+        self.plane = plane  # which KV plane of the pool this layer owns
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.rope_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
+        self.scale = self.head_dim**-0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, not yet roped) and V: [T, Hkv, D]."""
+        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return k, v
+
+    def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
+        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        k, v = self.project_kv(x)
+        q = apply_rope(q, meta.positions, self.rope_dim, self.rope_theta)
+        k = apply_rope(k, meta.positions, self.rope_dim, self.rope_theta)
+        written = kv.write(self.plane, k, v, meta.q_counts, meta.write_starts, meta.block_tables)
+        out = kv.attend(self.plane, q, meta.q_counts, meta.kv_lens, meta.block_tables, written, self.scale)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+    def write_kv_only(self, x, counts, starts, block_tables, kv: PagedKV) -> torch.Tensor:
+        """The commit pass: K/V projections of x, K roped at its write position inside the plugin."""
+        k, v = self.project_kv(x)
+        return kv.write(self.plane, k, v, counts, starts, block_tables, self.rope_dim, self.rope_theta)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores + correction bias, group-limited top-k (DeepSeek-V3 / GLM-4.5)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.num_experts = cfg.num_experts_per_tok, cfg.n_routed_experts
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        per_group = self.num_experts // self.n_group
+        group_scores = choice.view(-1, self.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
+        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0)
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
+        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        topk_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_ids)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+        return topk_ids, topk_weights * self.routed_scaling_factor
+
+
+class MoE(nn.Module):
+    """Routed experts (fused canonical layout, one plugin op) + shared experts.
+
+    With expert parallelism (ep_size > 1) this rank holds E/ep_size experts and the plugin op exchanges
+    tokens with the other ranks; the router and shared experts are replicated.
+    """
+
+    def __init__(self, cfg: ModelConfig, ep_size: int = 1) -> None:
+        super().__init__()
+        self.num_experts, self.ep_size = cfg.n_routed_experts, ep_size
+        num_local = cfg.n_routed_experts // ep_size
+        inter = cfg.moe_intermediate_size
+        self.gate = Router(cfg)
+        self.w_gate_up = nn.Parameter(torch.zeros(num_local, 2 * inter, cfg.hidden_size))  # gate rows, then up rows
+        self.w_down = nn.Parameter(torch.zeros(num_local, cfg.hidden_size, inter))
+        self.shared_experts = MLP(cfg.hidden_size, inter * cfg.n_shared_experts) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = self.gate(x)
+        out = torch.ops.mtp.moe_experts(
+            x, topk_ids, topk_weights.to(x.dtype), self.w_gate_up, self.w_down, self.num_experts, self.ep_size
+        )
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, plane: int, is_moe: bool, ep_size: int = 1) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, plane)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = MoE(cfg, ep_size) if is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MTPModule(nn.Module):
+    """One MTP module: input = cat([enorm(emb(t_{p+1})), hnorm(h_p)]) (embedding first), a decoder block,
+    then `final_norm` (checkpoint name `shared_head.norm`). The head/embedding are the main model's."""
+
+    def __init__(self, cfg: ModelConfig, plane: int, ep_size: int = 1) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = DecoderLayer(cfg, plane, is_moe=cfg.has_moe, ep_size=ep_size)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def fuse(self, token_emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat([self.enorm(token_emb), self.hnorm(hidden)], dim=-1))
+
+
+class Glm4MoeMTPModel(nn.Module):
+    """Main decoder + lm_head + MTP modules. Planes: main layer i -> i, MTP module j -> num_hidden_layers + j."""
+
+    def __init__(self, cfg: ModelConfig, ep_size: int = 1) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(cfg, i, cfg.is_moe_layer(i), ep_size) for i in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(
+            [MTPModule(cfg, cfg.num_hidden_layers + j, ep_size) for j in range(cfg.num_mtp_modules)]
+        )
+
+    @property
+    def num_kv_planes(self) -> int:
+        return self.cfg.num_hidden_layers + self.cfg.num_mtp_modules
+
+    def forward_main(self, input_ids: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
+        """input_ids [T] -> post-final-norm hidden [T, H]. Appends K/V of every row to each layer's plane."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, meta, kv)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def forward_draft(
+        self,
+        hidden: torch.Tensor,  # [R, H] main hidden at base-1 (depth 0) or previous depth's output
+        token_ids: torch.Tensor,  # [R] base token (depth 0) or previous draft
+        positions: torch.Tensor,  # [R] write position base-1+d
+        counts: torch.Tensor,  # int32 [R] 1 = live request, 0 = padded row (writes and reads nothing)
+        block_tables: torch.Tensor,  # int32 [R, max_blocks]
+        kv: PagedKV,
+        mtp_index: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft depth -> (chained hidden [R, H] after shared_head.norm, logits [R, V])."""
+        module = self.mtp[mtp_index]
+        meta = StepMeta(positions.long(), counts, (positions.to(counts.dtype) + 1) * counts, block_tables)
+        x = module.fuse(self.embed_tokens(token_ids), hidden)
+        out = module.final_norm(module.block(x, meta, kv))
+        return out, self.compute_logits(out)
+
+    def forward_commit(
+        self,
+        hidden: torch.Tensor,  # [N, H] main hiddens h_p, packed by request
+        token_ids: torch.Tensor,  # [N] the token at p+1 for each row (roll-by-one pairing)
+        counts: torch.Tensor,  # int32 [R] one segment per active request (0 allowed)
+        starts: torch.Tensor,  # int32 [R] position p of each segment's first row
+        block_tables: torch.Tensor,
+        kv: PagedKV,
+        mtp_index: int = 0,
+    ) -> torch.Tensor:
+        """The commit pass: write the MTP plane's K/V for committed positions from main hiddens.
+
+        Only the MTP attention's K/V projections run (K roped at its write position inside the plugin);
+        the rest of the MTP block is not needed for these rows. Returns rows written (int64 [1]).
+        """
+        module = self.mtp[mtp_index]
+        x = module.block.input_layernorm(module.fuse(self.embed_tokens(token_ids), hidden))
+        return module.block.self_attn.write_kv_only(x, counts, starts, block_tables, kv)

@@ -1,0 +1,94 @@
+"""The paged KV pool: its geometry, allocation, and how a kernel gets a view of it from an address.
+
+Layout (one contiguous tensor, row-major):
+
+    pool[plane, kv, block, slot, kv_head, head_dim]
+         plane in 0..num_planes-1   main layer i -> plane i; MTP module j -> plane num_hidden_layers + j
+         kv    in {0: K, 1: V}
+         block in 0..num_blocks-1   block 0 is the reserved null/dummy block (never handed to a request)
+         slot  in 0..block_size-1   position p of a request lives in block table[p // B], slot p % B
+
+Plugin nodes take the pool *by address* (an int64 tensor of shape [1]) plus this geometry as
+attributes; ONNX Runtime Python custom ops receive copies of tensor inputs, so a pool passed as a tensor
+would be copied per layer per step (see docs/ENGINE_FORMAT.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+CODE_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KVPoolGeometry:
+    num_planes: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_code: int = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return CODE_DTYPES[self.dtype_code]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        return (self.num_planes, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def attrs(self) -> dict[str, int]:
+        """The geometry as plugin-node attributes (names match the ONNX/TensorRT node contract)."""
+        return {
+            "num_planes": self.num_planes,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype_code,
+        }
+
+
+def allocate_pool(geom: KVPoolGeometry, device: str | torch.device = "cpu") -> torch.Tensor:
+    return torch.zeros(geom.shape, dtype=geom.dtype, device=device)
+
+
+def pool_address(pool: torch.Tensor) -> torch.Tensor:
+    """The pool's address as the int64[1] tensor plugin ops take (always on CPU: it is metadata)."""
+    if not pool.is_contiguous():
+        raise ValueError("the KV pool must be contiguous: plugin kernels index it by raw offsets")
+    return torch.tensor([pool.data_ptr()], dtype=torch.int64)
+
+
+class _CudaArray:
+    """Minimal __cuda_array_interface__ wrapper so torch can view device memory by address."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 3}
+
+
+def view_pool(ptr: int, geom: KVPoolGeometry, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor view over the pool memory at `ptr` (no copy). The caller guarantees the memory is alive."""
+    if ptr == 0:
+        raise ValueError("KV pool address is 0: the engine passed no pool")
+    device = torch.device(device)
+    if device.type == "cuda":
+        raw = torch.as_tensor(_CudaArray(ptr, (geom.nbytes,), "|u1"), device=device)
+    else:
+        buf = (ctypes.c_uint8 * geom.nbytes).from_address(ptr)
+        raw = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
+    return raw.view(geom.dtype).view(geom.shape)

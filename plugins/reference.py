@@ -1,0 +1,108 @@
+"""PyTorch reference implementations: the one semantic definition of every plugin, and the test oracle.
+
+Written for clarity, not speed: loops over requests and rows. Every other implementation (the CPU
+torch op, the Triton kernels, the ONNX Runtime ops, the TensorRT plugins) must match these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plugins.rope import apply_rope
+
+
+def kv_write_ref(
+    pool: torch.Tensor,  # [planes, 2, blocks, B, Hkv, D], written in place
+    k: torch.Tensor,  # [T, Hkv, D] packed rows: request r's rows follow request r-1's
+    v: torch.Tensor,  # [T, Hkv, D]
+    counts: torch.Tensor,  # [R] rows of each request's segment (0 allowed)
+    starts: torch.Tensor,  # [R] position of each segment's first row
+    block_tables: torch.Tensor,  # [R, max_blocks] block ids, -1 = none
+    plane: int,
+    rope_dim: int = 0,  # > 0: rope K's first rope_dim dims at the write position before storing
+    rope_theta: float = 10000.0,
+) -> int:
+    """Row j of request r goes to position starts[r]+j -> block table[r, pos // B], slot pos % B.
+
+    Rows past sum(counts) are padding and ignored; a block id of -1 (or a position past the table) makes
+    the row a no-op. Returns the number of rows actually stored.
+    """
+    block_size = pool.shape[3]
+    written = 0
+    row = 0
+    for r in range(counts.shape[0]):
+        for j in range(int(counts[r])):
+            pos = int(starts[r]) + j
+            col = pos // block_size
+            if col < block_tables.shape[1] and int(block_tables[r, col]) >= 0:
+                block, slot = int(block_tables[r, col]), pos % block_size
+                key = k[row]
+                if rope_dim > 0:
+                    key = apply_rope(key[None].float(), torch.tensor([pos]), rope_dim, rope_theta)[0]
+                pool[plane, 0, block, slot] = key.to(pool.dtype)
+                pool[plane, 1, block, slot] = v[row].to(pool.dtype)
+                written += 1
+            row += 1
+    return written
+
+
+def paged_attention_ref(
+    pool: torch.Tensor,  # [planes, 2, blocks, B, Hkv, D]
+    q: torch.Tensor,  # [T, Hq, D] packed by request
+    q_counts: torch.Tensor,  # [R] queries of each request (0 = padded request)
+    kv_lens: torch.Tensor,  # [R] total KV length of each request, including these queries
+    block_tables: torch.Tensor,  # [R, max_blocks]
+    plane: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal GQA attention: query j of request r sits at kv_lens[r]-q_counts[r]+j and sees 0..that.
+
+    Rows past sum(q_counts) are padding and come back as zeros. Computed in fp32, returned in q's dtype.
+    """
+    block_size = pool.shape[3]
+    num_q_heads, num_kv_heads = q.shape[1], pool.shape[4]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    row = 0
+    for r in range(q_counts.shape[0]):
+        n_q, n_kv = int(q_counts[r]), int(kv_lens[r])
+        if n_q == 0:
+            continue
+        positions = torch.arange(n_kv)
+        blocks = block_tables[r, positions // block_size].long()
+        slots = positions % block_size
+        keys = pool[plane, 0, blocks, slots].float()  # [n_kv, Hkv, D]
+        values = pool[plane, 1, blocks, slots].float()
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+        queries = q[row : row + n_q].float()  # [n_q, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        q_pos = n_kv - n_q + torch.arange(n_q)
+        mask = positions[None, :] > q_pos[:, None]  # [n_q, n_kv]
+        scores = scores.masked_fill(mask[None], float("-inf"))
+        out[row : row + n_q] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+        row += n_q
+    return out
+
+
+def moe_experts_ref(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, K] global expert ids
+    topk_weights: torch.Tensor,  # [T, K]
+    w_gate_up: torch.Tensor,  # [E, 2*I, H]  (gate rows first, then up rows)
+    w_down: torch.Tensor,  # [E, H, I]
+    expert_offset: int = 0,  # global id of w_gate_up[0]; experts outside the local range contribute 0
+) -> torch.Tensor:
+    """sum_k w[t,k] * down(silu(gate(x_t)) * up(x_t)) over the token's experts held here."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    num_local = w_gate_up.shape[0]
+    inter = w_gate_up.shape[1] // 2
+    for t in range(x.shape[0]):
+        for slot in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, slot]) - expert_offset
+            if not 0 <= e < num_local:
+                continue
+            gate_up = w_gate_up[e].float() @ x[t].float()
+            h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += float(topk_weights[t, slot]) * (w_down[e].float() @ h)
+    return out.to(x.dtype)
