@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import plugins.ops  # noqa: F401  (registers torch.ops.mtp.*)
 from models.config import ModelConfig
 from plugins.kv_pool import KVPoolGeometry
+from plugins.ops import moe_experts_local
 from plugins.rope import apply_rope
 
 
@@ -104,16 +104,29 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         return k, v
 
-    def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
+    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """Roped q [T, Hq, D], roped k and v [T, Hkv, D] for packed rows at `positions` [T]."""
         q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         k, v = self.project_kv(x)
-        q = apply_rope(q, meta.positions, self.rope_dim, self.rope_theta)
-        k = apply_rope(k, meta.positions, self.rope_dim, self.rope_theta)
+        q = apply_rope(q, positions, self.rope_dim, self.rope_theta)
+        k = apply_rope(k, positions, self.rope_dim, self.rope_theta)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
+        q, k, v = self.project_qkv(x, meta.positions)
         written = kv.write(self.plane, k, v, meta.q_counts, meta.write_starts, meta.block_tables)
         out = kv.attend(self.plane, q, meta.q_counts, meta.kv_lens, meta.block_tables, written, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+    def forward_train(self, x: torch.Tensor) -> torch.Tensor:
+        """Training path: x [B, S, H], causal self-attention over each sequence (no KV pool, autograd-able)."""
+        b, s, _ = x.shape
+        q, k, v = self.project_qkv(x.reshape(b * s, -1), torch.arange(s, device=x.device).repeat(b))
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def write_kv_only(self, x, counts, starts, block_tables, kv: PagedKV) -> torch.Tensor:
         """The commit pass: K/V projections of x, K roped at its write position inside the plugin."""
@@ -185,6 +198,15 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return out
 
+    def forward_train(self, x: torch.Tensor) -> torch.Tensor:
+        """Autograd-able path (plain torch grouped experts); x [..., H]."""
+        flat = x.reshape(-1, x.shape[-1])
+        topk_ids, topk_weights = self.gate(flat)
+        out = moe_experts_local(flat, topk_ids, topk_weights.to(x.dtype), self.w_gate_up, self.w_down, 0)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view_as(x)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, plane: int, is_moe: bool, ep_size: int = 1) -> None:
@@ -197,6 +219,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), meta, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_train(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.forward_train(self.input_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp.forward_train(h) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class MTPModule(nn.Module):
@@ -280,3 +307,22 @@ class Glm4MoeMTPModel(nn.Module):
         module = self.mtp[mtp_index]
         x = module.block.input_layernorm(module.fuse(self.embed_tokens(token_ids), hidden))
         return module.block.self_attn.write_kv_only(x, counts, starts, block_tables, kv)
+
+    def forward_train(self, input_ids: torch.Tensor, mtp_index: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Training forward over full sequences input_ids [B, S] (dense causal attention, no KV pool).
+
+        Returns main logits [B, S, V] (row p predicts t_{p+1}) and, when the model has an MTP module,
+        MTP logits [B, S-1, V] (row p pairs h_p with t_{p+1} and predicts t_{p+2}): the DeepSeek-V3
+        MTP objective at depth 1.
+        """
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer.forward_train(x)
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden)
+        if not len(self.mtp):
+            return logits, None
+        module = self.mtp[mtp_index]
+        m = module.fuse(self.embed_tokens(input_ids[:, 1:]), hidden[:, :-1])
+        m = module.final_norm(module.block.forward_train(m))
+        return logits, self.lm_head(m)

@@ -22,6 +22,13 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
+def _flag(cond):
+    """`cond` as a proper int1 scalar. Needed by Triton 3.9's interpreter only: it tags a scalar comparison with
+    the operands' integer type, so broadcasting it into a tensor mask yields ints and `tl.load` rejects the mask."""
+    return tl.where(cond, True, False)
+
+
+@triton.jit
 def _request_of_row(counts_ptr, row, num_requests, BLOCK_R: tl.constexpr):
     """(request index, row index inside the request) of packed row `row`; request == num_requests past the end.
 
@@ -46,15 +53,15 @@ def _kv_write_kernel(
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     req, j = _request_of_row(counts_ptr, row, num_requests, BLOCK_R)
-    live = req < num_requests  # rows past sum(counts) are padding
+    live = _flag(req < num_requests)  # rows past sum(counts) are padding
     req_safe = tl.where(live, req, 0)
     pos = tl.load(starts_ptr + req_safe).to(tl.int64) + j
     col = pos // BLOCK_SIZE
-    in_table = live & (col < max_blocks) & (col >= 0)
+    in_table = _flag(live & (col < max_blocks) & (col >= 0))
     block = tl.load(tables_ptr + req_safe * stride_table + tl.where(in_table, col, 0), mask=in_table, other=-1)
     block = block.to(tl.int64)
     # A -1 block is a padded entry; an id past the pool is a caller bug, but never a wild write.
-    valid = in_table & (block >= 0) & (block < NUM_BLOCKS)
+    valid = _flag(in_table & (block >= 0) & (block < NUM_BLOCKS))
 
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -99,7 +106,7 @@ def _paged_attention_kernel(
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     req, j = _request_of_row(q_counts_ptr, row, num_requests, BLOCK_R)
-    live = req < num_requests
+    live = _flag(req < num_requests)
     req_safe = tl.where(live, req, 0)
     n_q = tl.load(q_counts_ptr + req_safe).to(tl.int64)
     n_kv = tl.load(kv_lens_ptr + req_safe).to(tl.int64)

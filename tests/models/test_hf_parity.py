@@ -136,3 +136,17 @@ def test_mtp_commit_pass_then_draft_matches_hf(tmp_path):
         _, logits = ours.forward_draft(hidden[n - 2 : n - 1], ids[n - 1 :], torch.tensor([n - 2]),
                                        torch.tensor([1], dtype=torch.int32), table, kv)  # fmt: skip
     torch.testing.assert_close(logits[0], expected_logits[n - 2], atol=1e-4, rtol=1e-4)
+
+
+def test_training_forward_matches_hf(tmp_path):
+    """The dense training path (used by models/train_tiny.py) computes the same main and MTP logits."""
+    cfg = tiny_config()
+    make_checkpoint(tmp_path, cfg, seed=9)
+    ours, _ = load_model(tmp_path)
+    hf = load_hf(tmp_path)
+    ids = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        _, expected_mtp, _ = hf_mtp_logits(hf, tmp_path, ids)
+        logits, mtp_logits = ours.forward_train(ids[None])
+    torch.testing.assert_close(logits[0], hf(ids[None]).logits[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mtp_logits[0], expected_mtp, atol=1e-4, rtol=1e-4)
