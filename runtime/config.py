@@ -1,0 +1,43 @@
+"""RuntimeConfig: the serving limits and MTP switches of one engine instance (validated on creation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    max_batch: int = 8  # requests in flight
+    max_num_tokens: int = 256  # packed main rows per step (token budget)
+    max_seq_len: int = 512  # prompt + output tokens per request
+    block_size: int = 16  # KV block size in tokens
+    num_blocks: int = 256  # KV pool blocks, block 0 reserved
+    num_draft_tokens: int = 3  # k MTP draft depths; 0 disables MTP
+    max_prefill_chunk: int = 256  # longest prefill chunk per step (chunked prefill)
+    enable_prefix_caching: bool = True
+    commit_pass: bool = True  # False = ablation: skip the decode refresh of the MTP plane (measurement only)
+
+    def __post_init__(self) -> None:
+        k = self.num_draft_tokens
+        checks = [
+            (self.max_batch >= 1, f"max_batch={self.max_batch}: must be >= 1"),
+            (k >= 0, f"num_draft_tokens={k}: must be >= 0 (0 disables MTP)"),
+            (k < self.block_size, f"num_draft_tokens={k} must be < block_size={self.block_size}"),
+            (self.max_num_tokens >= self.max_batch * (1 + k),
+             f"max_num_tokens={self.max_num_tokens} < max_batch*(1+k)={self.max_batch * (1 + k)}: "
+             "raise max_num_tokens or lower max_batch / num_draft_tokens"),
+            (self.max_prefill_chunk >= 1, f"max_prefill_chunk={self.max_prefill_chunk}: must be >= 1"),
+            (self.num_blocks >= 2, f"num_blocks={self.num_blocks}: need at least 2 (block 0 is reserved)"),
+        ]  # fmt: skip
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        """Block-table width: max_seq_len plus the draft lookahead (2k positions)."""
+        return -(-(self.max_seq_len + 2 * self.num_draft_tokens) // self.block_size)

@@ -1,0 +1,73 @@
+"""The executor contract: three calls on per-step arrays (design section 7).
+
+The runtime's scheduling and MTP logic never knows which executor runs: it hands over numpy arrays
+in these dataclasses and gets numpy arrays back. Executors own the KV pool (allocated once, at a
+stable address) and the model/engine; they never own blocks (runtime/kv_manager.py does).
+
+Shapes: T packed main rows, R requests in the forward, N commit rows, H hidden, V vocab, MB max blocks.
+Padding: a request with count 0 and block table row of -1 (or the null block 0) reads and writes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class MainInput:
+    input_ids: np.ndarray  # int64 [T] packed tokens, request by request
+    positions: np.ndarray  # int64 [T] position of each token
+    q_counts: np.ndarray  # int32 [R] rows of each request (0 = padded request)
+    kv_lens: np.ndarray  # int32 [R] KV length of each request after this step's append
+    block_tables: np.ndarray  # int32 [R, MB]
+    logit_rows: np.ndarray  # int64 [N] rows whose logits are needed (sampling / verification)
+
+
+@dataclass(slots=True)
+class MainOutput:
+    hidden: np.ndarray  # float32 [T, H] post-final-norm hidden of every row (feeds the MTP module)
+    logits: np.ndarray  # float32 [N, V] logits of `logit_rows`
+
+
+@dataclass(slots=True)
+class DraftInput:
+    hidden: np.ndarray  # float32 [R, H] main hidden at base-1 (depth 0) or previous depth's output
+    token_ids: np.ndarray  # int64 [R] base token (depth 0) or previous depth's draft
+    positions: np.ndarray  # int64 [R] MTP write position base-1+d
+    counts: np.ndarray  # int32 [R] 1 = live, 0 = padded row
+    block_tables: np.ndarray  # int32 [R, MB]
+
+
+@dataclass(slots=True)
+class DraftOutput:
+    hidden: np.ndarray  # float32 [R, H] chained hidden (after shared_head.norm)
+    logits: np.ndarray  # float32 [R, V]
+
+
+@dataclass(slots=True)
+class CommitInput:
+    hidden: np.ndarray  # float32 [N, H] main hiddens h_p, packed by request
+    token_ids: np.ndarray  # int64 [N] t_{p+1} for each row
+    counts: np.ndarray  # int32 [R] one segment per active request (0 allowed)
+    starts: np.ndarray  # int32 [R] position of each segment's first row
+    block_tables: np.ndarray  # int32 [R, MB]
+
+
+class Executor(Protocol):
+    """What the runtime needs from a backend (torch, onnxruntime, tensorrt)."""
+
+    hidden_size: int
+    vocab_size: int
+
+    def run_main(self, inp: MainInput) -> MainOutput: ...
+
+    def run_draft(self, inp: DraftInput) -> DraftOutput: ...
+
+    def run_commit(self, inp: CommitInput) -> int: ...
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy every plane of block src to block dst (prefix-cache copy-on-write)."""
+        ...

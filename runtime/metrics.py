@@ -1,0 +1,74 @@
+"""Run metrics (design section 10): acceptance by draft position, tokens/s, executor vs host time, KV use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Metrics:
+    num_draft_tokens: int
+    proposed_per_position: list[int] = field(default_factory=list)  # verify steps that proposed position i
+    accepted_per_position: list[int] = field(default_factory=list)  # ... and accepted it
+    num_verify_steps: int = 0  # decode verify steps over all requests (one per request per step)
+    num_emitted_tokens: int = 0  # tokens emitted by decode verify steps (bonus included)
+    num_generated_tokens: int = 0  # all output tokens (incl. the first token after prefill)
+    num_steps: int = 0
+    executor_seconds: float = 0.0
+    step_seconds: float = 0.0
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+
+    def __post_init__(self) -> None:
+        self.proposed_per_position = [0] * self.num_draft_tokens
+        self.accepted_per_position = [0] * self.num_draft_tokens
+
+    def record_verify(self, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
+        self.num_verify_steps += 1
+        self.num_emitted_tokens += num_emitted
+        for i in range(num_proposed):
+            self.proposed_per_position[i] += 1
+            self.accepted_per_position[i] += int(i < num_accepted)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify step, bonus token included (1.0 = no draft ever accepted)."""
+        return self.num_emitted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """Unconditional: accepted at position i / proposed at position i."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position, strict=True)]
+
+    @property
+    def conditional_acceptance_per_position(self) -> list[float]:
+        """P(accept i | accepted 0..i-1) = accepted[i] / accepted[i-1] (position 0: / proposed)."""
+        out = []
+        for i, a in enumerate(self.accepted_per_position):
+            prev = self.proposed_per_position[0] if i == 0 else self.accepted_per_position[i - 1]
+            out.append(a / prev if prev else 0.0)
+        return out
+
+    @property
+    def host_fraction(self) -> float:
+        return 1.0 - self.executor_seconds / self.step_seconds if self.step_seconds else 0.0
+
+    def summary(self, wall_seconds: float, num_requests: int) -> dict:
+        return {
+            "num_requests": num_requests,
+            "num_generated_tokens": self.num_generated_tokens,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "acceptance_rate_per_position": [round(x, 4) for x in self.acceptance_rate_per_position],
+            "conditional_acceptance_per_position": [round(x, 4) for x in self.conditional_acceptance_per_position],
+            "tokens_per_second": round(self.num_generated_tokens / wall_seconds, 2) if wall_seconds else 0.0,
+            "num_steps": self.num_steps,
+            "step_time_ms": round(1000 * self.step_seconds / max(self.num_steps, 1), 3),
+            "executor_time_ms": round(1000 * self.executor_seconds / max(self.num_steps, 1), 3),
+            "host_fraction": round(self.host_fraction, 4),
+            "prefix_cache_hit_tokens": self.prefix_hit_tokens,
+            "num_preemptions": self.num_preemptions,
+            "kv_blocks_used": self.kv_blocks_used,
+            "kv_blocks_free": self.kv_blocks_free,
+        }

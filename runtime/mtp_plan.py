@@ -1,0 +1,127 @@
+"""Pure planning for one engine step: which rows the main forward, the commit pass and the draft depths
+get. No executor, no state changes: inputs are the scheduled requests and numbers, outputs are arrays.
+
+Notation (design section 4): a request forwards positions start..start+n-1 (n real tokens) plus its
+drafts. After acceptance of `a` drafts, positions 0..base-1 are committed with base = start + n + a
+(for a decode step start = P0 and n = 1, so base = P0 + 1 + a).
+
+Commit pass segment of one request (the roll-by-one pairing (h_p, t_{p+1}), invariant 1):
+
+    p from  start - 1   (only with a chunk carry: the seam row, hidden from the previous chunk)
+       or   start
+    p to    start + n - 2 + a         (the last p whose partner token t_{p+1} is committed and whose
+                                       h_p is not the depth-0 input)
+    decode:  count = a, start = P0          prefill chunk: count = n - 1 (+1 with carry)
+
+Depth 0 then writes p = base - 1 with (h_{base-1}, base token); depth d writes base - 1 + d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.executors.base import CommitInput, DraftInput, MainInput
+from runtime.scheduler import ScheduledRequest
+
+
+@dataclass(slots=True)
+class MainPlan:
+    inp: MainInput
+    row_offsets: list[int]  # first packed row of each scheduled request
+    logit_offsets: list[int]  # first logits row of each request (-1 = no logits: a non-final chunk)
+
+
+def padded_table(table: list[int], width: int) -> list[int]:
+    if len(table) > width:
+        raise ValueError(f"block table of {len(table)} blocks exceeds the width {width}")
+    return table + [-1] * (width - len(table))
+
+
+def plan_main(scheduled: list[ScheduledRequest], tables: list[list[int]], width: int) -> MainPlan:
+    ids: list[int] = []
+    positions: list[int] = []
+    logit_rows: list[int] = []
+    row_offsets, logit_offsets = [], []
+    for s in scheduled:
+        row_offsets.append(len(ids))
+        tokens = s.req.token_ids[s.start : s.start + s.num_new_tokens] + s.req.drafts[: s.num_drafts]
+        ids += tokens
+        positions += range(s.start, s.start + len(tokens))
+        if s.reaches_end:  # rows of the last real token and every draft: sampling + verification
+            logit_offsets.append(len(logit_rows))
+            first = row_offsets[-1] + s.num_new_tokens - 1
+            logit_rows += range(first, first + 1 + s.num_drafts)
+        else:
+            logit_offsets.append(-1)
+    inp = MainInput(
+        input_ids=np.asarray(ids, dtype=np.int64),
+        positions=np.asarray(positions, dtype=np.int64),
+        q_counts=np.asarray([s.num_rows for s in scheduled], dtype=np.int32),
+        kv_lens=np.asarray([s.start + s.num_rows for s in scheduled], dtype=np.int32),
+        block_tables=np.asarray([padded_table(t, width) for t in tables], dtype=np.int32).reshape(-1, width),
+        logit_rows=np.asarray(logit_rows, dtype=np.int64),
+    )
+    return MainPlan(inp, row_offsets, logit_offsets)
+
+
+@dataclass(slots=True)
+class CommitSegment:
+    """One request's commit rows, before packing (kept for the coverage tests)."""
+
+    start: int  # position of the first row
+    hidden: np.ndarray  # float32 [count, H]
+    token_ids: list[int]  # t_{p+1} per row
+
+
+def commit_segment(
+    s: ScheduledRequest,
+    num_accepted: int,
+    committed_ids: list[int],  # the request's tokens after appending this step's accepted drafts
+    main_hidden: np.ndarray,  # [T, H] this step's main hidden rows
+    row_offset: int,
+    carry_hidden: np.ndarray | None,  # [H] h_{start-1} from the previous chunk, or None
+    refresh_drafts: bool = True,  # False = --no-commit-pass ablation (decode refresh skipped)
+) -> CommitSegment:
+    if s.num_drafts and not refresh_drafts:
+        return CommitSegment(s.start, main_hidden[:0], [])
+    first_p = s.start - (1 if carry_hidden is not None else 0)
+    last_p = s.start + s.num_new_tokens - 2 + num_accepted
+    hidden = main_hidden[row_offset : row_offset + max(0, s.num_new_tokens - 1 + num_accepted)]
+    if carry_hidden is not None:
+        hidden = np.concatenate([carry_hidden[None], hidden])
+    tokens = committed_ids[first_p + 1 : last_p + 2]
+    if len(tokens) != hidden.shape[0]:
+        raise RuntimeError(f"commit plan mismatch: {hidden.shape[0]} hiddens vs {len(tokens)} tokens")
+    return CommitSegment(first_p, hidden, tokens)
+
+
+def pack_commit(segments: list[CommitSegment], tables: list[list[int]], width: int, hidden_size: int) -> CommitInput:
+    """One packed varlen write: exactly one (count, start) segment per active request (invariant 5)."""
+    hiddens = [seg.hidden for seg in segments if len(seg.token_ids)]
+    return CommitInput(
+        hidden=np.concatenate(hiddens).astype(np.float32) if hiddens else np.zeros((0, hidden_size), np.float32),
+        token_ids=np.asarray([t for seg in segments for t in seg.token_ids], dtype=np.int64),
+        counts=np.asarray([len(seg.token_ids) for seg in segments], dtype=np.int32),
+        starts=np.asarray([seg.start for seg in segments], dtype=np.int32),
+        block_tables=np.asarray([padded_table(t, width) for t in tables], dtype=np.int32).reshape(-1, width),
+    )
+
+
+def plan_draft(
+    hidden: np.ndarray,  # [R, H]
+    token_ids: list[int],  # [R]
+    bases: list[int],  # [R] base position of each drafting request
+    depth: int,
+    tables: list[list[int]],
+    width: int,
+) -> DraftInput:
+    """Depth d writes the MTP plane at base-1+d and attends to 0..base-1+d (derived, never tracked)."""
+    return DraftInput(
+        hidden=hidden.astype(np.float32),
+        token_ids=np.asarray(token_ids, dtype=np.int64),
+        positions=np.asarray([b - 1 + depth for b in bases], dtype=np.int64),
+        counts=np.ones(len(bases), dtype=np.int32),
+        block_tables=np.asarray([padded_table(t, width) for t in tables], dtype=np.int32).reshape(-1, width),
+    )
