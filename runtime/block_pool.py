@@ -39,6 +39,7 @@ class KVBlock:
     ref_count: int = 0  # number of block tables (plus pinned copy sources) holding the block
     block_hash: int | None = None  # chained content hash, set once when published; None while private
     token_ids: tuple[int, ...] | None = None  # tokens of a published block, compared on lookup (collision guard)
+    next_token_id: int | None = None  # token the MTP draft KV at the block's last position was paired with
     num_hits: int = 0  # times the block was re-used after publication (reset on eviction)
 
 
@@ -92,14 +93,17 @@ class BlockPool:
     def is_free(self, block_id: int) -> bool:
         return self._block(block_id).ref_count == 0
 
-    def lookup(self, block_hash: int) -> tuple[int, tuple[int, ...]] | None:
-        """Return (block_id, token_ids) of the published block with this hash, or None. No side effects."""
+    def lookup(self, block_hash: int) -> tuple[int, tuple[int, ...], int | None] | None:
+        """Return (block_id, token_ids, next_token_id) of the block published with this hash, or None.
+
+        No side effects; the caller compares token_ids (hash collisions) and next_token_id (MTP draft entry).
+        """
         block_id = self._hash_to_block.get(block_hash)
         if block_id is None:
             return None
-        token_ids = self.blocks[block_id].token_ids
-        assert token_ids is not None  # published blocks always carry their tokens
-        return block_id, token_ids
+        block = self.blocks[block_id]
+        assert block.token_ids is not None  # published blocks always carry their tokens
+        return block_id, block.token_ids, block.next_token_id
 
     def eviction_order(self) -> list[int]:
         """Cached free blocks, next-to-evict first (for tests and debugging)."""
@@ -158,8 +162,12 @@ class BlockPool:
                 else:
                     self._cached_free[block_id] = None
 
-    def publish(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> bool:
+    def publish(self, block_id: int, block_hash: int, token_ids: Sequence[int], next_token_id: int | None = None) -> bool:
         """Make a full, verified block findable by `lookup(block_hash)`.
+
+        Args:
+            next_token_id: the token after the block, which its last MTP draft KV entry was paired with
+                (None: unknown, so no lookup may reuse that entry).
 
         Returns:
             True when the block is now the hash's owner; False when another block already publishes the
@@ -174,14 +182,16 @@ class BlockPool:
                                  f"({self.block_size} tokens) are published")
         tokens = tuple(token_ids)
         if block.block_hash is not None:
-            if block.block_hash != block_hash or block.token_ids != tokens:
-                raise BlockPoolError(f"block {block_id} already published with hash {block.block_hash}, "
-                                     f"refusing to republish it with hash {block_hash}")
+            if block.block_hash != block_hash or block.token_ids != tokens or block.next_token_id != next_token_id:
+                raise BlockPoolError(f"block {block_id} already published with hash {block.block_hash} (next token "
+                                     f"{block.next_token_id}), refusing to republish it with hash {block_hash} "
+                                     f"(next token {next_token_id})")
             return True
         if block_hash in self._hash_to_block:
             return False
         block.block_hash = block_hash
         block.token_ids = tokens
+        block.next_token_id = next_token_id
         self._hash_to_block[block_hash] = block_id
         return True
 
@@ -193,6 +203,7 @@ class BlockPool:
             del self._hash_to_block[block.block_hash]
         block.block_hash = None
         block.token_ids = None
+        block.next_token_id = None
         block.num_hits = 0
 
     def _block(self, block_id: int) -> KVBlock:

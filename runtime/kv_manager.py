@@ -11,11 +11,18 @@ Token/block layout of a request (block_size B = 4, `|` = block boundary)::
     committed   ........................ P0-1 | b d_0 .. d_{k-1} | lookahead for next step's drafts
 
 MTP prefix rule (DESIGN.md invariant 6): the MTP (draft) KV entry at a block's last position p pairs
-`h_p` with token `t_{p+1}`, the *next* block's first token. A hit on the last matched block therefore
-cannot reuse that entry, so the hit gives up the last matched block (`num_cached_tokens = (m-1)*B`).
-With `mtp_cow=True` the manager keeps all m blocks and recomputes only position `m*B-1`: the last
-matched block is copied into a private block (the executor performs `pending_copies()` before the
-step) and the request's table points at the copy. A request holding a chunk carry gets no hit at all.
+`h_p` with token `t_{p+1}`, the *next* block's first token. Each published block therefore records that
+token (`next_token_id`), and a matched block is reused as-is only when the prompt continues with the same
+token. The first matched block that fails this (for a plain prompt repeat: the last matched block) is
+given up: `num_cached_tokens = (m-1)*B`. With `mtp_cow=True` that block is kept and only its last
+position is recomputed (`num_cached_tokens = m*B - 1`): it is copied into a private block (the executor
+performs `pending_copies()` before the step) and the request's table points at the copy. A request
+holding a chunk carry gets no hit at all. The whole prompt never matches: one position is always computed.
+
+NOTE: the plain "give up the last matched block" rule is not enough on its own. Two requests may publish
+the same content twice (the second copy stays private), so block j of a hit chain can come from a request
+that continued differently from the one that published block j+1; checking `next_token_id` per block
+covers that case, and also lets a follow-up turn reuse its last block when the continuation matches.
 
 Only verified tokens reach the cache: `publish_full_blocks` hashes blocks fully covered by committed
 positions. A shared or published block is never written (`writable` lets the runtime check every write).
@@ -48,7 +55,7 @@ class PrefixHit:
     block_hashes: list[int]  # hash of each entry of block_ids (re-checked by allocate: stale-hit guard)
     num_cached_tokens: int  # positions 0..num_cached_tokens-1 need no compute; prefill starts here
     num_prompt_tokens: int = 0  # length of the looked-up prompt (stats only)
-    num_matched_blocks: int = 0  # full blocks found in the cache before the MTP give-up rule
+    num_matched_blocks: int = 0  # full blocks whose tokens are cached, before the MTP next-token check
     cow_block_id: int | None = None  # mtp_cow: last matched block, copied into a private block
     cow_block_hash: int | None = None  # hash of cow_block_id (stale-hit guard)
 
@@ -109,7 +116,7 @@ class KVCacheManager:
             A `PrefixHit`; at least one position is always left to compute.
         """
         B = self.block_size
-        matched: list[tuple[int, int]] = []  # (block_id, hash)
+        matched: list[tuple[int, int, int | None]] = []  # (block_id, hash, next_token_id), content matches
         parent = ROOT_HASH
         if self.enable_prefix_caching:
             for j in range(len(token_ids) // B):
@@ -118,18 +125,19 @@ class KVCacheManager:
                 found = self.pool.lookup(block_hash)
                 if found is None or found[1] != tokens:  # miss, or a hash collision
                     break
-                matched.append((found[0], block_hash))
+                matched.append((found[0], block_hash, found[2]))
                 parent = block_hash
-        hit = PrefixHit([], [], 0, num_prompt_tokens=len(token_ids), num_matched_blocks=len(matched))
-        if not matched or hold_carry:
-            return hit
-        if self.mtp_cow:
-            hit.cow_block_id, hit.cow_block_hash = matched[-1]
-            hit.num_cached_tokens = len(matched) * B - 1
-        else:
-            hit.num_cached_tokens = (len(matched) - 1) * B
-        hit.block_ids = [block_id for block_id, _ in matched[:-1]]
-        hit.block_hashes = [block_hash for _, block_hash in matched[:-1]]
+        # A matched block is reusable as-is only if its last draft entry was paired with our next token.
+        num_full = 0
+        while (not hold_carry and num_full < len(matched) and (num_full + 1) * B < len(token_ids)
+               and matched[num_full][2] == token_ids[(num_full + 1) * B]):
+            num_full += 1
+        hit = PrefixHit(block_ids=[m[0] for m in matched[:num_full]], block_hashes=[m[1] for m in matched[:num_full]],
+                        num_cached_tokens=num_full * B, num_prompt_tokens=len(token_ids),
+                        num_matched_blocks=len(matched))
+        if self.mtp_cow and num_full < len(matched) and not hold_carry:  # main KV of the block fits, its last draft entry does not
+            hit.cow_block_id, hit.cow_block_hash = matched[num_full][:2]
+            hit.num_cached_tokens += B - 1
         return hit
 
     # ------------------------------------------------------------------ allocation
@@ -240,10 +248,12 @@ class KVCacheManager:
                              f"({len(table)}) of request {req_id!r}")
         parent = hashes[-1] if hashes else ROOT_HASH
         start = len(hashes)
-        for j in range(start, num_committed // B):
+        # Block j needs token (j+1)*B too: its last draft entry was paired with it (see find_prefix).
+        for j in range(start, min(num_committed // B, (len(token_ids) - 1) // B)):
             tokens = token_ids[j * B:(j + 1) * B]
             parent = hash_block_tokens(parent, tokens)
-            self.pool.publish(table[j], parent, tokens)  # False when another block already holds this content
+            # False when another block holds this content already; this one then stays private.
+            self.pool.publish(table[j], parent, tokens, next_token_id=token_ids[(j + 1) * B])
             hashes.append(parent)
         return len(hashes) - start
 

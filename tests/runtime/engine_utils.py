@@ -1,0 +1,107 @@
+"""Factories for runtime tests: engines over tiny random models, and a write-recording executor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from models.testing import random_model, tiny_config
+from runtime.config import RuntimeConfig
+from runtime.engine import LLMEngine
+from runtime.executors.torch_executor import TorchExecutor
+
+_MODELS: dict = {}
+
+
+def cached_model(seed: int = 3, **overrides):
+    key = (seed, tuple(sorted(overrides.items())))
+    if key not in _MODELS:
+        cfg = tiny_config(**overrides)
+        _MODELS[key] = (cfg, random_model(cfg, seed))
+    return _MODELS[key]
+
+
+def make_engine(k: int, model=None, executor_cls=TorchExecutor, **rc) -> LLMEngine:
+    cfg, m = model or cached_model()
+    defaults = dict(max_batch=4, max_num_tokens=64, max_seq_len=128, block_size=4, num_blocks=200, num_draft_tokens=k)
+    defaults.update(rc)
+    rcfg = RuntimeConfig(**defaults)
+    return LLMEngine(executor_cls(m, rcfg.num_blocks, rcfg.block_size), cfg, rcfg)
+
+
+def random_prompts(lengths, vocab=96, seed=0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@dataclass
+class Write:
+    step: int
+    kind: str  # "main" | "commit" | "draft{d}"
+    plane: str  # "main" | "mtp"
+    block: int
+    slot: int
+    position: int
+    row: int  # request row in that forward
+    token: int  # token whose embedding went into the entry (draft/commit: t_{p+1}; main: t_p)
+    hidden_source: str  # "main" (a main-model hidden) or "chained" (a previous draft depth's output)
+
+
+@dataclass
+class RecordingExecutor:
+    """Wraps a real executor; records every KV write's (block, slot, plane) with its provenance."""
+
+    inner: TorchExecutor
+    writes: list[Write] = field(default_factory=list)
+    step: int = 0
+    depth: int = 0
+    kv: object = None  # KVCacheManager: when set, every write is checked at write time (invariant 8)
+    ownership_violations: list = field(default_factory=list)
+
+    @property
+    def hidden_size(self):
+        return self.inner.hidden_size
+
+    @property
+    def vocab_size(self):
+        return self.inner.vocab_size
+
+    def _record(self, kind, plane, counts, starts, tables, tokens, source):
+        row = 0
+        bs = self.inner.geom.block_size
+        for r, (n, s0) in enumerate(zip(counts.tolist(), starts.tolist(), strict=True)):
+            for j in range(n):
+                pos = s0 + j
+                block = int(tables[r, pos // bs])
+                if self.kv is not None and (block < 1 or self.kv.pool.ref_count(block) != 1
+                                            or self.kv.pool.is_published(block)):  # fmt: skip
+                    self.ownership_violations.append((self.step, kind, block, pos))
+                self.writes.append(Write(self.step, kind, plane, block, pos % bs, pos, r, int(tokens[row]), source))
+                row += 1
+
+    def run_main(self, inp):
+        self.step += 1
+        self.depth = 0
+        starts = inp.kv_lens - inp.q_counts
+        self._record("main", "main", inp.q_counts, starts, inp.block_tables, inp.input_ids, "main")
+        return self.inner.run_main(inp)
+
+    def run_commit(self, inp):
+        self._record("commit", "mtp", inp.counts, inp.starts, inp.block_tables, inp.token_ids, "main")
+        return self.inner.run_commit(inp)
+
+    def run_draft(self, inp):
+        live = inp.counts.astype(bool)
+        self._record(f"draft{self.depth}", "mtp", inp.counts, inp.positions, inp.block_tables,
+                     inp.token_ids[live] if live.all() else inp.token_ids, "main" if self.depth == 0 else "chained")  # fmt: skip
+        self.depth += 1
+        return self.inner.run_draft(inp)
+
+    def copy_blocks(self, pairs):
+        return self.inner.copy_blocks(pairs)
+
+
+def np_equal(a, b) -> bool:
+    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
