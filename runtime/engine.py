@@ -23,7 +23,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from runtime.config import ConfigError, RuntimeConfig
-from runtime.executors.base import Executor
+from runtime.executors.base import DraftInput, Executor, MainInput
 from runtime.kv_manager import KVCacheManager
 from runtime.metrics import Metrics
 from runtime.mtp_plan import commit_segment, pack_commit, plan_draft, plan_main
@@ -56,7 +56,8 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, executor: Executor, model_cfg: ModelConfig, cfg: RuntimeConfig, tokenizer=None) -> None:
+    def __init__(self, executor: Executor, model_cfg: ModelConfig, cfg: RuntimeConfig, tokenizer=None,
+                 lockstep: bool = False) -> None:  # fmt: skip
         if cfg.num_draft_tokens > 0 and model_cfg.num_mtp_modules == 0:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
         self.executor, self.model_cfg, self.cfg, self.tokenizer = executor, model_cfg, cfg, tokenizer
@@ -68,6 +69,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._rng = np.random.default_rng(0)
         self.width = cfg.max_blocks_per_request
+        # Multi-rank expert parallelism: every rank must issue the same collective-bearing forwards each step
+        # (1 main + k drafts), so an idle rank runs dummy forwards that touch only the null block (invariant 9).
+        self.lockstep = lockstep
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, req_id: str | None = None) -> str:
@@ -124,6 +128,8 @@ class LLMEngine:
             self.executor.copy_blocks(sched.block_copies)
             self.kv.complete_copies()
         if not sched.scheduled:
+            if self.lockstep:
+                self._dummy_forwards(main=True)
             return []
         scheduled = sched.scheduled
         tables = [self.kv.block_table(s.req.req_id) for s in scheduled]
@@ -202,8 +208,21 @@ class LLMEngine:
         self.executor.run_commit(inp)
         return time.perf_counter() - t0
 
+    def _dummy_forwards(self, main: bool) -> None:
+        """One padded row (count 0, null block): joins the MoE exchange, reads and writes no KV."""
+        table = np.full((1, self.width), -1, dtype=np.int32)
+        table[0, 0] = 0
+        zero_i32, zero_i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
+        if main:
+            self.executor.run_main(MainInput(zero_i64, zero_i64, zero_i32, zero_i32, table, np.zeros(0, np.int64)))
+        hidden = np.zeros((1, self.executor.hidden_size), np.float32)
+        for _ in range(self.k):
+            self.executor.run_draft(DraftInput(hidden, zero_i64, zero_i64, zero_i32, table))
+
     def _draft_loop(self, reqs: list[Request], hidden: np.ndarray, tables: list[list[int]]) -> float:
         if not reqs:
+            if self.lockstep:
+                self._dummy_forwards(main=False)
             return 0.0
         bases = [r.num_computed for r in reqs]
         for r, b in zip(reqs, bases, strict=True):

@@ -1,0 +1,151 @@
+"""mtp-run: generate from prompts with MTP speculative decoding; streams text, then prints stats.
+
+    mtp-run --engine DIR --prompt "def main(" [--max-tokens 64] [--num-draft-tokens 3] [--json]
+    mpirun -np 2 mtp-run --engine DIR_EP2 --prompts-file prompts.txt --json
+
+--json prints JSON Lines: one object per request, then {"summary": {...}} (format in README.md).
+Under mpirun each rank serves prompts[rank::world_size] and only rank 0 prints (it gathers the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from runtime.config import ConfigError
+from runtime.engine import RequestError
+from runtime.factory import EXECUTORS, create_engine
+from runtime.parallel import abort_on_error, lockstep_stream, mpi_world
+from runtime.sampling import SamplingParams
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mtp-run", description=__doc__.splitlines()[0])
+    src = p.add_argument_group("model")
+    src.add_argument("--engine", type=Path, help="engine directory built by mtp-build")
+    src.add_argument("--checkpoint", type=Path, help="checkpoint directory (torch executor, no build needed)")
+    src.add_argument("--executor", choices=EXECUTORS, default=None, help="default: onnxruntime with --engine")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    prompts.add_argument("--prompts-file", type=Path, help="one prompt per line")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--acceptance", choices=["exact", "rejection"], default="exact")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    r = p.add_argument_group("runtime")
+    r.add_argument("--num-draft-tokens", type=int, default=None, help="K draft depths; 0 disables MTP")
+    r.add_argument("--no-commit-pass", action="store_true", help="ablation: skip the MTP decode refresh")
+    r.add_argument("--max-batch", type=int, default=None)
+    r.add_argument("--max-num-tokens", type=int, default=None)
+    r.add_argument("--num-blocks", type=int, default=None)
+    r.add_argument("--prefill-chunk", type=int, default=None, help="longest prefill chunk per step")
+    r.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--json", action="store_true", help="JSON Lines output (see README)")
+    return p
+
+
+def read_prompts(args) -> list[str]:
+    if args.prompt:
+        return list(args.prompt)
+    if not args.prompts_file.is_file():
+        raise ConfigError(f"--prompts-file {args.prompts_file} does not exist")
+    lines = [line.rstrip("\n").replace("\\n", "\n") for line in args.prompts_file.read_text().splitlines()]
+    return [line for line in lines if line.strip()]
+
+
+def run(args) -> int:
+    comm, rank, world = mpi_world()
+    executor = args.executor or ("onnxruntime" if args.engine else "torch")
+    engine = create_engine(
+        args.engine, args.checkpoint, executor, rank=rank, world_size=world,
+        num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch, max_num_tokens=args.max_num_tokens,
+        num_blocks=args.num_blocks, max_prefill_chunk=args.prefill_chunk,
+        enable_prefix_caching=False if args.no_prefix_caching else None,
+        commit_pass=False if args.no_commit_pass else None,
+    )  # fmt: skip
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=tuple(args.stop), acceptance=args.acceptance)  # fmt: skip
+    prompts = read_prompts(args)
+    mine = list(range(rank, len(prompts), world))
+    ids, errors = {}, {}
+    for i in mine:
+        try:
+            ids[engine.add_request(prompts[i], params, req_id=f"prompt-{i}")] = i
+        except RequestError as e:  # rejected alone; the others run
+            errors[i] = str(e)
+    stream_live = not args.json and rank == 0 and world == 1 and len(prompts) == 1
+    t0 = time.perf_counter()
+    finals = {}
+    for out in lockstep_stream(engine, comm):
+        if stream_live and out.new_token_ids:
+            sys.stdout.write(out.text[len(getattr(run, "_shown", "")):])
+            run._shown = out.text  # type: ignore[attr-defined]
+            sys.stdout.flush()
+        if out.finished:
+            finals[ids[out.req_id]] = out
+    wall = time.perf_counter() - t0
+    records = [_record(prompts[i], finals.get(i), errors.get(i)) for i in mine]
+    summary = engine.metrics.summary(wall, len(mine))
+    if comm is not None and world > 1:
+        gathered = comm.gather((mine, records, summary), root=0)
+        if rank != 0:
+            return 0
+        records = [r for _, recs, _ in gathered for r in recs]
+        order = [i for m, _, _ in gathered for i in m]
+        records = [r for _, r in sorted(zip(order, records, strict=True), key=lambda x: x[0])]
+        summary = {**summary, "per_rank": [s for _, _, s in gathered], "num_requests": len(records)}
+    if stream_live:
+        print()
+    _print(records, summary, args.json)
+    return 1 if errors else 0
+
+
+def _record(prompt: str, out, error: str | None) -> dict:
+    if out is None:
+        return {"prompt": prompt, "error": error or "not finished"}
+    return {"prompt": prompt, "text": out.text, "output_ids": out.output_ids, "num_steps": out.num_steps,
+            "accepted_per_step": out.accepted_per_step, "finish_reason": out.finish_reason}  # fmt: skip
+
+
+def _print(records: list[dict], summary: dict, as_json: bool) -> None:
+    if as_json:
+        for rec in records:
+            print(json.dumps(rec))
+        print(json.dumps({"summary": summary}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if len(records) > 1:
+        for rec in records:
+            console.rule(repr(rec["prompt"][:60]))
+            console.print(rec.get("text", f"[red]error: {rec.get('error')}[/red]"), markup=False)
+    table = Table(title="mtp-run")
+    table.add_column("metric")
+    table.add_column("value")
+    for key in ("num_requests", "num_generated_tokens", "tokens_per_second", "mean_acceptance_length",
+                "acceptance_rate_per_position", "conditional_acceptance_per_position", "step_time_ms",
+                "host_fraction", "prefix_cache_hit_tokens", "kv_blocks_used", "kv_blocks_free"):  # fmt: skip
+        table.add_row(key, str(summary.get(key)))
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return abort_on_error(lambda: run(args))
+    except (ConfigError, RequestError, ValueError, FileNotFoundError) as e:
+        print(f"mtp-run: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

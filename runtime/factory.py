@@ -1,0 +1,96 @@
+"""Create an LLMEngine from an engine directory (onnxruntime / tensorrt / torch executor) or a checkpoint.
+
+The one place that wires executors, configs and the tokenizer together; the CLIs, the Triton backend
+and the benchmarks all call `create_engine`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from runtime.config import ConfigError, RuntimeConfig
+from runtime.engine import LLMEngine
+
+EXECUTORS = ("onnxruntime", "torch", "tensorrt")
+
+
+def load_tokenizer(directory: Path):
+    """tokenizer.json via the `tokenizers` library, or None when the directory has none."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def create_engine(
+    engine_dir: str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    executor: str = "onnxruntime",
+    rank: int = 0,
+    world_size: int = 1,
+    **overrides,
+) -> LLMEngine:
+    """Args:
+        engine_dir: a directory built by mtp-build (validated before anything runs).
+        checkpoint: a Hugging Face checkpoint directory (torch executor only, no build step).
+        executor: onnxruntime | torch | tensorrt.
+        overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...).
+    """
+    if executor not in EXECUTORS:
+        raise ConfigError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if engine_dir is not None:
+        from builder.engine_dir import load_engine_config
+
+        ecfg = load_engine_config(engine_dir)
+        if ecfg.world_size != world_size:
+            raise ConfigError(f"engine {engine_dir} was built for world_size={ecfg.world_size} but "
+                              f"{world_size} rank(s) were launched: use mpirun -np {ecfg.world_size}")  # fmt: skip
+        base = RuntimeConfig(
+            max_batch=ecfg.limits["max_batch"],
+            max_num_tokens=ecfg.limits["max_num_tokens"],
+            max_seq_len=ecfg.limits["max_seq_len"],
+            block_size=ecfg.kv["block_size"],
+            num_blocks=ecfg.kv["default_num_blocks"],
+            num_draft_tokens=ecfg.num_draft_tokens,
+            max_prefill_chunk=ecfg.limits["max_num_tokens"],
+        )
+        cfg = replace(base, **overrides)
+        if cfg.num_draft_tokens > ecfg.num_draft_tokens:
+            raise ConfigError(f"num_draft_tokens={cfg.num_draft_tokens} exceeds the {ecfg.num_draft_tokens} the "
+                              f"engine was built for; rebuild with --num-draft-tokens {cfg.num_draft_tokens}")  # fmt: skip
+        model_cfg, tokenizer = ecfg.model, load_tokenizer(Path(engine_dir))
+        if executor == "onnxruntime":
+            from runtime.executors.ort_executor import OrtExecutor
+
+            ex = OrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)
+        elif executor == "tensorrt":
+            from runtime.executors.trt_executor import TrtExecutor
+
+            ex = TrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)  # type: ignore[assignment]
+        else:
+            checkpoint = checkpoint or ecfg.checkpoint["path"]
+            ex, model_cfg = _torch_executor(checkpoint, cfg, rank, ecfg.parallel.get("ep_size", 1))  # type: ignore[assignment]
+    else:
+        if checkpoint is None:
+            raise ConfigError("give --engine DIR (built by mtp-build) or --checkpoint DIR (torch executor)")
+        if executor != "torch":
+            raise ConfigError(f"executor {executor!r} needs an engine directory; build one with mtp-build "
+                              "or use --executor torch with --checkpoint")  # fmt: skip
+        cfg = RuntimeConfig(**overrides)
+        ex, model_cfg = _torch_executor(checkpoint, cfg, rank, world_size)  # type: ignore[assignment]
+        tokenizer = load_tokenizer(Path(checkpoint))
+    if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:
+        cfg = replace(cfg, num_draft_tokens=0)  # the checkpoint has no MTP module: plain decoding
+    return LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1)
+
+
+def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, ep_size: int):
+    from models.checkpoint import load_model
+    from runtime.executors.torch_executor import TorchExecutor
+
+    model, _ = load_model(checkpoint, ep_rank=rank, ep_size=ep_size)
+    return TorchExecutor(model, cfg.num_blocks, cfg.block_size), model.cfg
