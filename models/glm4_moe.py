@@ -21,6 +21,7 @@ Shape names: T packed rows, R requests, H hidden, Hq/Hkv heads, D head dim, E ex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -266,7 +267,7 @@ class Glm4MoeMTPModel(nn.Module):
         """input_ids [T] -> post-final-norm hidden [T, H]. Appends K/V of every row to each layer's plane."""
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, meta, kv)
+            x = layer(x, meta, kv)  # DecoderLayer
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -283,7 +284,7 @@ class Glm4MoeMTPModel(nn.Module):
         mtp_index: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft depth -> (chained hidden [R, H] after shared_head.norm, logits [R, V])."""
-        module = self.mtp[mtp_index]
+        module = cast(MTPModule, self.mtp[mtp_index])
         meta = StepMeta(positions.long(), counts, (positions.to(counts.dtype) + 1) * counts, block_tables)
         x = module.fuse(self.embed_tokens(token_ids), hidden)
         out = module.final_norm(module.block(x, meta, kv))
@@ -304,7 +305,7 @@ class Glm4MoeMTPModel(nn.Module):
         Only the MTP attention's K/V projections run (K roped at its write position inside the plugin);
         the rest of the MTP block is not needed for these rows. Returns rows written (int64 [1]).
         """
-        module = self.mtp[mtp_index]
+        module = cast(MTPModule, self.mtp[mtp_index])
         x = module.block.input_layernorm(module.fuse(self.embed_tokens(token_ids), hidden))
         return module.block.self_attn.write_kv_only(x, counts, starts, block_tables, kv)
 
@@ -317,12 +318,12 @@ class Glm4MoeMTPModel(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer.forward_train(x)
+            x = cast(DecoderLayer, layer).forward_train(x)
         hidden = self.norm(x)
         logits = self.lm_head(hidden)
         if not len(self.mtp):
             return logits, None
-        module = self.mtp[mtp_index]
+        module = cast(MTPModule, self.mtp[mtp_index])
         m = module.fuse(self.embed_tokens(input_ids[:, 1:]), hidden[:, :-1])
         m = module.final_norm(module.block.forward_train(m))
         return logits, self.lm_head(m)

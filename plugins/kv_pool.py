@@ -90,5 +90,5 @@ def view_pool(ptr: int, geom: KVPoolGeometry, device: torch.device | str = "cpu"
         raw = torch.as_tensor(_CudaArray(ptr, (geom.nbytes,), "|u1"), device=device)
     else:
         buf = (ctypes.c_uint8 * geom.nbytes).from_address(ptr)
-        raw = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
+        raw = torch.from_numpy(np.frombuffer(memoryview(buf), dtype=np.uint8))
     return raw.view(geom.dtype).view(geom.shape)

@@ -186,7 +186,7 @@ class LLMEngine:
         if p.is_greedy:
             return accept_greedy(req.drafts, rows.argmax(-1).tolist())
         probs = probs_from_logits(rows, p)
-        if p.acceptance == "rejection" and req.drafts:
+        if p.acceptance == "rejection" and req.drafts and req.draft_probs is not None:
             return accept_rejection(req.drafts, req.draft_probs, probs, req.rng)
         return accept_exact_match(req.drafts, sample(probs, req.rng).tolist())
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from runtime.config import ConfigError, RuntimeConfig
 from runtime.engine import LLMEngine
+from runtime.executors.base import Executor
 
 EXECUTORS = ("onnxruntime", "torch", "tensorrt")
 
@@ -63,6 +64,7 @@ def create_engine(
             raise ConfigError(f"num_draft_tokens={cfg.num_draft_tokens} exceeds the {ecfg.num_draft_tokens} the "
                               f"engine was built for; rebuild with --num-draft-tokens {cfg.num_draft_tokens}")  # fmt: skip
         model_cfg, tokenizer = ecfg.model, load_tokenizer(Path(engine_dir))
+        ex: Executor
         if executor == "onnxruntime":
             from runtime.executors.ort_executor import OrtExecutor
 
@@ -70,10 +72,10 @@ def create_engine(
         elif executor == "tensorrt":
             from runtime.executors.trt_executor import TrtExecutor
 
-            ex = TrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)  # type: ignore[assignment]
+            ex = TrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)
         else:
             checkpoint = checkpoint or ecfg.checkpoint["path"]
-            ex, model_cfg = _torch_executor(checkpoint, cfg, rank, ecfg.parallel.get("ep_size", 1))  # type: ignore[assignment]
+            ex, model_cfg = _torch_executor(checkpoint, cfg, rank, ecfg.parallel.get("ep_size", 1))
     else:
         if checkpoint is None:
             raise ConfigError("give --engine DIR (built by mtp-build) or --checkpoint DIR (torch executor)")
@@ -81,7 +83,7 @@ def create_engine(
             raise ConfigError(f"executor {executor!r} needs an engine directory; build one with mtp-build "
                               "or use --executor torch with --checkpoint")  # fmt: skip
         cfg = RuntimeConfig(**overrides)
-        ex, model_cfg = _torch_executor(checkpoint, cfg, rank, world_size)  # type: ignore[assignment]
+        ex, model_cfg = _torch_executor(checkpoint, cfg, rank, world_size)
         tokenizer = load_tokenizer(Path(checkpoint))
     if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:
         cfg = replace(cfg, num_draft_tokens=0)  # the checkpoint has no MTP module: plain decoding

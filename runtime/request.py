@@ -44,7 +44,7 @@ class Request:
     draft_probs: np.ndarray | None = None  # float32 [k, V] (rejection sampling only)
     carry: ChunkCarry | None = None
     finish_reason: str | None = None
-    rng: np.random.Generator | None = None
+    rng: np.random.Generator = field(default_factory=np.random.default_rng)  # set from params.seed by the engine
     # stats
     num_steps: int = 0  # verify steps that emitted tokens
     accepted_per_step: list[int] = field(default_factory=list)
