@@ -1,7 +1,8 @@
 """The `torch` executor: runs models/glm4_moe.py directly over a KV pool it allocates once.
 
-On CPU this is the reference executor for the runtime tests. (CUDA graphs per batch bucket are the
-GPU path; see runtime/executors/README.md for what is and is not exercised here.)
+On CPU this is the reference executor for the runtime tests. On CUDA (with `cuda_graphs=True`) draft
+depths and decode-only verify steps replay CUDA graphs captured per request-count bucket
+(runtime/executors/cuda_graphs.py); that path has not been executed on our CPU-only machines.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInp
 
 
 class TorchExecutor:
-    def __init__(self, model: Glm4MoeMTPModel, num_blocks: int, block_size: int, device: str = "cpu") -> None:
+    def __init__(self, model: Glm4MoeMTPModel, num_blocks: int, block_size: int, device: str = "cpu",
+                 cuda_graphs: bool = False, max_batch: int = 8, num_draft_tokens: int = 0,
+                 max_blocks_per_request: int = 64) -> None:  # fmt: skip
         cfg = model.cfg
         self.model = model.to(device).eval()
         self.device = torch.device(device)
@@ -27,19 +30,84 @@ class TorchExecutor:
         self.pool = allocate_pool(self.geom, self.device)
         self.kv = PagedKV(pool_address(self.pool), self.geom)
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
+        self.num_draft_tokens = num_draft_tokens
+        self.graphed_draft = self.graphed_verify = None
+        if cuda_graphs and self.device.type == "cuda":
+            self._setup_cuda_graphs(max_batch, max_blocks_per_request)
+
+    def _setup_cuda_graphs(self, max_batch: int, width: int) -> None:
+        from runtime.executors.cuda_graphs import GraphedFunction
+
+        dev, h, rows_per_req = self.device, self.hidden_size, 1 + self.num_draft_tokens
+
+        def i64(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, device=dev)
+
+        def i32(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=dev)
+
+        def table() -> torch.Tensor:
+            return torch.full((max_batch, width), -1, dtype=torch.int32, device=dev)
+
+        def draft(hidden, token_ids, positions, counts, tables):
+            return self.model.forward_draft(hidden, token_ids, positions, counts, tables, self.kv)
+
+        self.graphed_draft = GraphedFunction(draft, {
+            "hidden": (torch.zeros(max_batch, h, dtype=self.dtype, device=dev), 0),
+            "token_ids": (i64(max_batch), 0),
+            "positions": (i64(max_batch), 0),
+            "counts": (i32(max_batch), 0),
+            "block_tables": (table(), -1),
+        }, lambda name, b: b, max_batch)  # fmt: skip
+
+        def verify(input_ids, positions, q_counts, kv_lens, tables):
+            hidden = self.model.forward_main(input_ids, StepMeta(positions, q_counts, kv_lens, tables), self.kv)
+            return hidden, self.model.compute_logits(hidden)
+
+        per_token = {"input_ids", "positions"}
+        self.graphed_verify = GraphedFunction(verify, {
+            "input_ids": (i64(max_batch * rows_per_req), 0),
+            "positions": (i64(max_batch * rows_per_req), 0),
+            "q_counts": (i32(max_batch), 0),
+            "kv_lens": (i32(max_batch), 0),
+            "block_tables": (table(), -1),
+        }, lambda name, b: b * rows_per_req if name in per_token else b, max_batch)  # fmt: skip
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
 
     @torch.inference_mode()
     def run_main(self, inp: MainInput) -> MainOutput:
+        if self.graphed_verify is not None and self._is_decode_only(inp):
+            out = self.graphed_verify(len(inp.q_counts), {
+                "input_ids": self._t(inp.input_ids), "positions": self._t(inp.positions),
+                "q_counts": self._t(inp.q_counts), "kv_lens": self._t(inp.kv_lens),
+                "block_tables": self._t(inp.block_tables),
+            })  # fmt: skip
+            if out is not None:
+                n = len(inp.input_ids)
+                return MainOutput(out[0][:n].float().cpu().numpy(), out[1][:n].float().cpu().numpy())
         meta = StepMeta(self._t(inp.positions), self._t(inp.q_counts), self._t(inp.kv_lens), self._t(inp.block_tables))
         hidden = self.model.forward_main(self._t(inp.input_ids), meta, self.kv)
         logits = self.model.compute_logits(hidden[self._t(inp.logit_rows)])
         return MainOutput(hidden.float().cpu().numpy(), logits.float().cpu().numpy())
 
+    def _is_decode_only(self, inp: MainInput) -> bool:
+        """Every request forwards exactly 1+k rows and every row's logits are wanted."""
+        k1 = 1 + self.num_draft_tokens
+        return bool((inp.q_counts == k1).all()) and np.array_equal(inp.logit_rows, np.arange(len(inp.input_ids)))
+
     @torch.inference_mode()
     def run_draft(self, inp: DraftInput) -> DraftOutput:
+        if self.graphed_draft is not None:
+            out = self.graphed_draft(len(inp.counts), {
+                "hidden": self._t(inp.hidden).to(self.dtype), "token_ids": self._t(inp.token_ids),
+                "positions": self._t(inp.positions), "counts": self._t(inp.counts),
+                "block_tables": self._t(inp.block_tables),
+            })  # fmt: skip
+            if out is not None:
+                n = len(inp.counts)
+                return DraftOutput(out[0][:n].float().cpu().numpy(), out[1][:n].float().cpu().numpy())
         hidden, logits = self.model.forward_draft(
             self._t(inp.hidden).to(self.dtype), self._t(inp.token_ids), self._t(inp.positions),
             self._t(inp.counts), self._t(inp.block_tables), self.kv,

@@ -1,0 +1,16 @@
+"""The engine builder: a Hugging Face checkpoint directory -> a checked, versioned engine directory.
+
+Owns everything between `mtp-build` and the files the runtime loads (docs/ENGINE_FORMAT.md):
+
+* `options`     build options and their validation (limits, draft depth, parallel mapping, backend);
+* `graphs`      the three graph wrappers (main / mtp_draft / mtp_commit) and their I/O contract;
+* `export`      dynamo ONNX export of each graph for each rank, weights as external data;
+* `ort_build`   the onnxruntime backend (ORT-optimized copies + recorded session options);
+* `trt_build`   the tensorrt backend (strongly typed networks, profiles, timing cache, plans);
+* `engine_dir`  config.json schema, checksums, `load_engine_config` (the checks the runtime runs first);
+* `pipeline`    the named build steps and the atomic rename that makes a build all-or-nothing;
+* `cli`         `mtp-build` (build / --check) with rich progress and a summary table.
+
+It does not own the model math (models/), the plugin ops or their ONNX/ORT/TensorRT bindings (plugins/),
+or how engines are executed (runtime/executors/).
+"""

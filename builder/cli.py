@@ -1,0 +1,113 @@
+"""`mtp-build`: build an engine directory from a checkpoint, or `--check` an existing one.
+
+Owns argument parsing, the rich progress display and the summary table; the work is builder/pipeline.py
+(build) and builder/engine_dir.py (check). Exit codes: 0 ok, 2 bad input / failed check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from builder.engine_dir import CONFIG_NAME, EngineConfig, EngineDirError, load_engine_config
+from builder.options import BACKENDS, DTYPES, BuildError, BuildOptions
+from builder.pipeline import build
+
+
+class RichReporter:
+    """Prints each step as it starts and what it produced (per rank) with its time."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def step(self, name: str) -> None:
+        self.console.print(f"[bold cyan]>[/] {name}")
+
+    def done(self, what: str, seconds: float) -> None:
+        self.console.print(f"  [green]wrote[/] {what} [dim]({seconds:.1f}s)[/]")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mtp-build", description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", type=Path, help="Hugging Face checkpoint directory (config.json + safetensors)")
+    p.add_argument("--output", type=Path, help="engine directory to write")
+    p.add_argument("--check", type=Path, metavar="ENGINE_DIR", help="check an engine directory and exit")
+    p.add_argument("--backend", default="onnxruntime", choices=BACKENDS)
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--max-batch", type=int, default=8, help="max requests per step")
+    p.add_argument("--max-num-tokens", type=int, default=256, help="max packed rows per main forward")
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--kv-block-size", type=int, default=16)
+    p.add_argument("--num-draft-tokens", type=int, default=2, help="K: MTP draft depths per step")
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--force", action="store_true", help="replace --output even if it is not an engine directory")
+    return p
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def summary(cfg: EngineConfig, seconds: float | None) -> Table:
+    title = f"engine {cfg.path} ({cfg.backend}, {cfg.dtype}, world_size={cfg.world_size})"
+    if seconds is not None:
+        title += f" built in {seconds:.1f}s"
+    table = Table(title=title)
+    table.add_column("file")
+    table.add_column("size", justify="right")
+    table.add_column("sha256")
+    total = 0
+    for rel in [CONFIG_NAME, *sorted(cfg.files)]:
+        size = (cfg.path / rel).stat().st_size
+        total += size
+        table.add_row(rel, _size(size), cfg.files.get(rel, "-")[:12])
+    table.add_row("[bold]total[/]", f"[bold]{_size(total)}[/]", "")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    console = Console(stderr=False)
+    err = Console(stderr=True, soft_wrap=True)  # error messages stay on one greppable line
+    if args.check is not None:
+        t0 = time.perf_counter()
+        try:
+            cfg = load_engine_config(args.check)
+        except EngineDirError as e:
+            err.print(f"[bold red]check failed:[/] {e}", highlight=False)
+            return 2
+        console.print(summary(cfg, None))
+        console.print(f"[green]ok[/]: schema {cfg.schema_version}, plugins {cfg.plugins['nodes']}, "
+                      f"{cfg.world_size} rank(s), {len(cfg.files)} files verified in {time.perf_counter() - t0:.1f}s")  # fmt: skip
+        return 0
+    if args.checkpoint is None or args.output is None:
+        err.print("[bold red]error:[/] --checkpoint DIR and --output ENGINE_DIR are required (or --check ENGINE_DIR)")
+        return 2
+    opts = BuildOptions(
+        checkpoint=args.checkpoint, output=args.output, backend=args.backend, dtype=args.dtype,
+        max_batch=args.max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
+        kv_block_size=args.kv_block_size, num_draft_tokens=args.num_draft_tokens, world_size=args.world_size,
+        ep_size=args.ep_size, tp_size=args.tp_size, force=args.force,
+    )  # fmt: skip
+    try:
+        result = build(opts, RichReporter(console))
+    except (BuildError, EngineDirError) as e:
+        err.print(f"[bold red]build failed:[/] {e}", highlight=False)
+        return 2
+    console.print(summary(result.config, result.seconds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Thin nn.Module wrappers that give each engine graph its exact I/O contract (docs/ENGINE_FORMAT.md).
+
+Owns: the graph names, their input/output names, dtypes and dynamic axes, and the example inputs used to
+trace them. The math is not here: every wrapper calls a method of models/glm4_moe.py
+(`forward_main` + `compute_logits`, `forward_draft`, `forward_commit`), so there is one copy of it.
+
+Hidden states cross graph boundaries as float32 whatever the engine dtype (the executor contract in
+runtime/executors/base.py is float32); the wrappers cast at the edges, as the torch executor does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
+from plugins.kv_pool import KVPoolGeometry
+
+GRAPH_NAMES = ("main", "mtp_draft", "mtp_commit")
+
+
+@dataclass(frozen=True, slots=True)
+class GraphSpec:
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    # input name -> {axis: symbolic dim name}; the dim names are what optimization profiles bucket over
+    dynamic: dict[str, dict[int, str]]
+
+
+_BT = {0: "requests", 1: "max_blocks"}
+SPECS: dict[str, GraphSpec] = {
+    "main": GraphSpec(
+        "main",
+        ("input_ids", "positions", "q_counts", "kv_lens", "block_tables", "logit_rows", "kv_pool_ptr"),
+        ("hidden", "logits"),
+        {
+            "input_ids": {0: "tokens"},
+            "positions": {0: "tokens"},
+            "q_counts": {0: "requests"},
+            "kv_lens": {0: "requests"},
+            "block_tables": _BT,
+            "logit_rows": {0: "logit_rows"},
+            "kv_pool_ptr": {},
+        },
+    ),  # fmt: skip
+    "mtp_draft": GraphSpec(
+        "mtp_draft",
+        ("hidden_in", "token_ids", "positions", "counts", "block_tables", "kv_pool_ptr"),
+        ("hidden_out", "logits"),
+        {
+            "hidden_in": {0: "requests"},
+            "token_ids": {0: "requests"},
+            "positions": {0: "requests"},
+            "counts": {0: "requests"},
+            "block_tables": _BT,
+            "kv_pool_ptr": {},
+        },
+    ),  # fmt: skip
+    "mtp_commit": GraphSpec(
+        "mtp_commit",
+        ("hidden_in", "token_ids", "counts", "starts", "block_tables", "kv_pool_ptr"),
+        ("rows_written",),
+        {
+            "hidden_in": {0: "rows"},
+            "token_ids": {0: "rows"},
+            "counts": {0: "requests"},
+            "starts": {0: "requests"},
+            "block_tables": _BT,
+            "kv_pool_ptr": {},
+        },
+    ),  # fmt: skip
+}
+
+
+class MainGraph(nn.Module):
+    def __init__(self, model: Glm4MoeMTPModel, geom: KVPoolGeometry) -> None:
+        super().__init__()
+        self.model, self.geom = model, geom
+
+    def forward(self, input_ids, positions, q_counts, kv_lens, block_tables, logit_rows, kv_pool_ptr):
+        meta = StepMeta(positions, q_counts, kv_lens, block_tables)
+        hidden = self.model.forward_main(input_ids, meta, PagedKV(kv_pool_ptr, self.geom))
+        return hidden.float(), self.model.compute_logits(hidden[logit_rows])
+
+
+class DraftGraph(nn.Module):
+    def __init__(self, model: Glm4MoeMTPModel, geom: KVPoolGeometry) -> None:
+        super().__init__()
+        self.model, self.geom = model, geom
+        self.dtype = next(model.parameters()).dtype
+
+    def forward(self, hidden_in, token_ids, positions, counts, block_tables, kv_pool_ptr):
+        kv = PagedKV(kv_pool_ptr, self.geom)
+        hidden, logits = self.model.forward_draft(
+            hidden_in.to(self.dtype), token_ids, positions, counts, block_tables, kv
+        )
+        return hidden.float(), logits
+
+
+class CommitGraph(nn.Module):
+    def __init__(self, model: Glm4MoeMTPModel, geom: KVPoolGeometry) -> None:
+        super().__init__()
+        self.model, self.geom = model, geom
+        self.dtype = next(model.parameters()).dtype
+
+    def forward(self, hidden_in, token_ids, counts, starts, block_tables, kv_pool_ptr):
+        kv = PagedKV(kv_pool_ptr, self.geom)
+        return self.model.forward_commit(hidden_in.to(self.dtype), token_ids, counts, starts, block_tables, kv)
+
+
+WRAPPERS: dict[str, type[nn.Module]] = {"main": MainGraph, "mtp_draft": DraftGraph, "mtp_commit": CommitGraph}
+
+
+def example_inputs(name: str, hidden_size: int, max_blocks: int) -> tuple[torch.Tensor, ...]:
+    """Trace-time inputs: distinct sizes per dynamic dim so the exporter does not specialize them to 1/equal.
+
+    The pool address is 0 in tracing: plugin ops run as fake (shape-only) implementations there.
+    """
+    r, t, n = 3, 7, 5
+    i32, i64 = torch.int32, torch.int64
+    bt = torch.zeros(r, max_blocks, dtype=i32)
+    ptr = torch.zeros(1, dtype=i64)
+    if name == "main":
+        return (torch.zeros(t, dtype=i64), torch.arange(t, dtype=i64), torch.tensor([4, 2, 1], dtype=i32),
+                torch.tensor([4, 2, 1], dtype=i32), bt, torch.arange(2, dtype=i64), ptr)  # fmt: skip
+    if name == "mtp_draft":
+        return (torch.zeros(r, hidden_size), torch.zeros(r, dtype=i64), torch.zeros(r, dtype=i64),
+                torch.ones(r, dtype=i32), bt, ptr)  # fmt: skip
+    if name == "mtp_commit":
+        return (torch.zeros(n, hidden_size), torch.zeros(n, dtype=i64), torch.tensor([3, 2, 0], dtype=i32),
+                torch.zeros(r, dtype=i32), bt, ptr)  # fmt: skip
+    raise KeyError(name)

@@ -1,0 +1,123 @@
+"""Build options (`mtp-build` flags) and their validation against each other and the model.
+
+Owns `BuildOptions`, `BuildError` and every "this combination cannot work" message of the builder.
+Checks that need the model config (draft modules, experts, positions) are in `validate_for_model`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.config import ModelConfig
+
+BACKENDS = ("onnxruntime", "tensorrt")
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class BuildError(ValueError):
+    """A build that cannot proceed; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOptions:
+    checkpoint: Path
+    output: Path
+    backend: str = "onnxruntime"
+    dtype: str = "float32"
+    max_batch: int = 8
+    max_num_tokens: int = 256
+    max_seq_len: int = 512
+    kv_block_size: int = 16
+    num_draft_tokens: int = 2
+    world_size: int = 1
+    ep_size: int = 1
+    tp_size: int = 1
+    force: bool = False
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return math.ceil(self.max_seq_len / self.kv_block_size)
+
+    @property
+    def default_num_blocks(self) -> int:
+        # Every request at max_seq_len at once, plus the reserved null block 0.
+        return self.max_batch * self.max_blocks_per_seq + 1
+
+    def limits(self) -> dict[str, int]:
+        return {"max_batch": self.max_batch, "max_num_tokens": self.max_num_tokens, "max_seq_len": self.max_seq_len}
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["checkpoint"], d["output"] = str(self.checkpoint), str(self.output)
+        return d
+
+    def validate(self) -> None:
+        """Checks that need nothing but the flags (run before any file is read)."""
+        if self.backend not in BACKENDS:
+            raise BuildError(f"--backend {self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
+        if self.dtype not in DTYPES:
+            raise BuildError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
+        for flag, value in [("--max-batch", self.max_batch), ("--max-num-tokens", self.max_num_tokens),
+                            ("--max-seq-len", self.max_seq_len), ("--kv-block-size", self.kv_block_size),
+                            ("--world-size", self.world_size), ("--ep-size", self.ep_size),
+                            ("--tp-size", self.tp_size)]:  # fmt: skip
+            if value < 1:
+                raise BuildError(f"{flag} must be >= 1, got {value}")
+        if self.num_draft_tokens < 0:
+            raise BuildError(f"--num-draft-tokens must be >= 0, got {self.num_draft_tokens}")
+        if self.tp_size > 1:
+            raise BuildError(
+                f"--tp-size {self.tp_size}: tensor parallelism is not supported yet; use data-parallel attention with "
+                "expert parallelism (--world-size N --ep-size N) or --tp-size 1"
+            )
+        if self.world_size % self.ep_size:
+            raise BuildError(f"--ep-size {self.ep_size} must divide --world-size {self.world_size}")
+        step_rows = self.max_batch * (1 + self.num_draft_tokens)
+        if self.max_num_tokens < step_rows:
+            raise BuildError(
+                f"--max-num-tokens {self.max_num_tokens} is smaller than max_batch*(1+K) = {self.max_batch}*"
+                f"(1+{self.num_draft_tokens}) = {step_rows}: a full batch of decode requests could not verify its "
+                f"drafts in one step; raise --max-num-tokens to at least {step_rows} or lower --max-batch"
+            )
+        if self.num_draft_tokens >= self.kv_block_size:
+            raise BuildError(
+                f"--num-draft-tokens {self.num_draft_tokens} must be smaller than --kv-block-size "
+                f"{self.kv_block_size}: one step's drafts must fit in the block after the base token; "
+                "lower K or raise the block size"
+            )
+        if self.max_seq_len < self.num_draft_tokens + 2:
+            raise BuildError(f"--max-seq-len {self.max_seq_len} leaves no room for K={self.num_draft_tokens} drafts")
+        if self.backend == "onnxruntime" and self.dtype != "float32":
+            raise BuildError(
+                f"--backend onnxruntime supports --dtype float32 only (its plugin ops are onnxruntime-extensions "
+                f"Python ops with one fixed element type); use --dtype float32, or --backend tensorrt for {self.dtype}"
+            )
+
+    def validate_for_model(self, cfg: ModelConfig) -> None:
+        """Checks against the checkpoint's architecture."""
+        if self.num_draft_tokens > 0 and cfg.num_mtp_modules == 0:
+            raise BuildError(
+                "the checkpoint has no MTP module (num_nextn_predict_layers=0) so it cannot draft; "
+                "build with --num-draft-tokens 0 or use a checkpoint that ships its MTP layers"
+            )
+        if self.ep_size > 1 and not cfg.has_moe:
+            raise BuildError(f"--ep-size {self.ep_size} needs a MoE model; this checkpoint has no routed experts")
+        if cfg.has_moe and cfg.n_routed_experts % self.ep_size:
+            raise BuildError(
+                f"n_routed_experts={cfg.n_routed_experts} does not split over --ep-size {self.ep_size}; "
+                "choose an ep size that divides the expert count"
+            )
+        if self.max_seq_len > cfg.max_position_embeddings:
+            raise BuildError(
+                f"--max-seq-len {self.max_seq_len} exceeds the model's max_position_embeddings="
+                f"{cfg.max_position_embeddings}; lower --max-seq-len"
+            )

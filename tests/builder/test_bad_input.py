@@ -1,0 +1,109 @@
+"""Every bad build input fails before anything is written, with a message naming the problem and the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from builder import cli, pipeline
+from builder.options import BuildError
+from builder.pipeline import build, check_output
+from tests.builder.conftest import LIMITS, tiny_opts
+
+
+def _args(ckpt, out, **kw) -> list[str]:
+    flags = {**LIMITS, **kw}
+    argv = ["--checkpoint", str(ckpt), "--output", str(out)]
+    for k, v in flags.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(max_num_tokens=8), r"--max-num-tokens 8 is smaller than max_batch\*\(1\+K\) = 4\*\(1\+2\) = 12"),
+        (dict(num_draft_tokens=4), "--num-draft-tokens 4 must be smaller than --kv-block-size 4"),
+        (dict(tp_size=2), "tensor parallelism is not supported yet"),
+        (dict(world_size=2, ep_size=3), "--ep-size 3 must divide --world-size 2"),
+        (dict(max_seq_len=4096), "exceeds the model's max_position_embeddings=512"),
+        (dict(world_size=3, ep_size=3), "n_routed_experts=4 does not split over --ep-size 3"),
+    ],
+    ids=["tokens-below-batch-times-steps", "k-not-below-block", "tp", "ep-world", "seq-len", "experts-split"],
+)
+def test_inconsistent_options_are_refused(checkpoint, tmp_path, capsys, overrides, message):
+    out = tmp_path / "engine"
+    with pytest.raises(BuildError, match=message):
+        build(tiny_opts(checkpoint, out, **overrides))
+    assert cli.main(_args(checkpoint, out, **overrides)) == 2
+    assert "build failed" in capsys.readouterr().err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_nonexistent_checkpoint(tmp_path):
+    with pytest.raises(BuildError, match="checkpoint directory .*nope does not exist"):
+        build(tiny_opts(tmp_path / "nope", tmp_path / "engine"))
+    assert not (tmp_path / "engine").exists()
+
+
+def test_unsupported_architecture(checkpoint, tmp_path):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, bad)
+    hf = json.loads((bad / "config.json").read_text())
+    hf["model_type"] = "llama"
+    (bad / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(BuildError, match="unsupported model_type 'llama'"):
+        build(tiny_opts(bad, tmp_path / "engine"))
+    assert not (tmp_path / "engine").exists()
+
+
+def test_output_that_is_not_an_engine_is_refused_unless_force(checkpoint, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("precious")
+    with pytest.raises(BuildError, match="exists and is not an engine directory.*--force"):
+        build(tiny_opts(checkpoint, out))
+    assert (out / "notes.txt").read_text() == "precious"
+    check_output(tiny_opts(checkpoint, out, force=True))  # --force lets it through
+
+
+def test_existing_engine_may_be_rebuilt_in_place(checkpoint, engine):
+    check_output(tiny_opts(checkpoint, engine))
+
+
+def test_tensorrt_backend_without_tensorrt_stops_at_once(checkpoint, tmp_path, capsys):
+    pytest.importorskip("torch")
+    from builder.trt_build import tensorrt_missing
+
+    if tensorrt_missing() is None:
+        pytest.skip("TensorRT and a GPU are available here")
+    with pytest.raises(BuildError, match="--backend tensorrt cannot build here: .*TensorRT"):
+        build(tiny_opts(checkpoint, tmp_path / "engine", backend="tensorrt"))
+    assert cli.main(_args(checkpoint, tmp_path / "engine", backend="tensorrt")) == 2
+    assert "onnxruntime" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_onnxruntime_backend_refuses_half_precision(checkpoint, tmp_path):
+    with pytest.raises(BuildError, match="onnxruntime supports --dtype float32 only"):
+        build(tiny_opts(checkpoint, tmp_path / "engine", dtype="float16"))
+
+
+def test_failed_build_leaves_nothing(checkpoint, tmp_path, monkeypatch):
+    def half_export(rank, opts, work, geom, rep):
+        (work / "rank0").mkdir()
+        (work / "rank0" / "main.onnx").write_bytes(b"half-written")
+        raise BuildError("simulated export failure")
+
+    monkeypatch.setattr(pipeline, "_export_rank", half_export)
+    out = tmp_path / "engine"
+    with pytest.raises(BuildError, match="simulated"):
+        build(tiny_opts(checkpoint, out))
+    assert list(tmp_path.iterdir()) == [], "a failed build must leave neither the output nor its temp directory"
+
+
+def test_check_of_missing_directory(tmp_path, capsys):
+    assert cli.main(["--check", str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,148 @@
+"""Builds a tiny MoE + MTP engine and checks the directory, the graphs and `--check` (good and tampered)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from builder import cli
+from builder.engine_dir import SCHEMA_VERSION, EngineDirError, load_engine_config
+from builder.pipeline import build
+from models.checkpoint import load_model
+from tests.builder.conftest import tiny_opts
+
+GRAPHS = ("main", "mtp_draft", "mtp_commit")
+
+
+def _ops(path: Path) -> set[tuple[str, str]]:
+    return {(n.domain, n.op_type) for n in onnx.load(str(path), load_external_data=False).graph.node}
+
+
+def test_layout_and_config(engine, checkpoint):
+    cfg = load_engine_config(engine)
+    assert cfg.schema_version == SCHEMA_VERSION and cfg.backend == "onnxruntime" and cfg.dtype == "float32"
+    assert cfg.limits == {"max_batch": 4, "max_num_tokens": 32, "max_seq_len": 64}
+    assert cfg.kv["block_size"] == 4 and cfg.kv["num_planes"] == 3 and cfg.kv["default_num_blocks"] == 4 * 16 + 1
+    assert cfg.num_draft_tokens == 2 and cfg.parallel == {"world_size": 1, "ep_size": 1, "tp_size": 1}
+    assert cfg.plugins["namespace"] == "mtp" and set(cfg.plugins["nodes"]) == {
+        "KvWrite",
+        "PagedAttention",
+        "MoeExperts",
+    }
+    assert cfg.tokenizer_files == ["tokenizer.json"] and (engine / "tokenizer.json").is_file()
+    assert cfg.build["ort_session_options"]["graph_optimization_level"] == "ORT_ENABLE_EXTENDED"
+    for g in GRAPHS:
+        for kind in ("onnx", "data", "ort_optimized"):
+            assert cfg.graph_file(0, g, kind).is_file(), (g, kind)
+    assert cfg.model.n_routed_experts == 4 and len(cfg.checkpoint["sha256"]) == 64
+    assert not list(engine.parent.glob(".engine.tmp-*")), "temporary build directory left behind"
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_graphs_pass_full_onnx_check(engine, graph):
+    onnx.checker.check_model(str(engine / "rank0" / f"{graph}.onnx"), full_check=True)
+
+
+def test_graph_io_contract(engine):
+    m = onnx.load(str(engine / "rank0" / "main.onnx"), load_external_data=False)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
+    assert dims == {"input_ids": ["tokens"], "positions": ["tokens"], "q_counts": ["requests"],
+                    "kv_lens": ["requests"], "block_tables": ["requests", "max_blocks"], "logit_rows": ["logit_rows"],
+                    "kv_pool_ptr": [1]}  # fmt: skip
+    assert [o.name for o in m.graph.output] == ["hidden", "logits"]
+
+
+def test_commit_graph_holds_only_the_kv_write(engine):
+    commit = _ops(engine / "rank0" / "mtp_commit.onnx")
+    assert ("mtp", "KvWrite") in commit
+    assert ("mtp", "MoeExperts") not in commit and ("mtp", "PagedAttention") not in commit
+    assert {("mtp", "KvWrite"), ("mtp", "PagedAttention"), ("mtp", "MoeExperts")} <= _ops(
+        engine / "rank0" / "main.onnx"
+    )
+
+
+def test_check_cli_passes(engine, capsys):
+    assert cli.main(["--check", str(engine)]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def _tampered(engine: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(engine, copy)
+    return copy
+
+
+def _edit_config(path: Path, **changes) -> None:
+    raw = json.loads((path / "config.json").read_text())
+    for dotted, value in changes.items():
+        node = raw
+        *parents, leaf = dotted.split("__")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "tamper, message",
+    [
+        (lambda p: _flip_byte(p / "rank0" / "mtp_draft.onnx.data"), "rank0/mtp_draft.onnx.data in .* is corrupted"),
+        (lambda p: (p / "rank0" / "main.ort.onnx").unlink(), "rank0/main.ort.onnx is missing"),
+        (lambda p: _edit_config(p, schema_version=SCHEMA_VERSION + 1), "schema_version 2; this installation reads"),
+        (lambda p: _edit_config(p, parallel__world_size=2), "rank count mismatch.*world_size=2"),
+        (lambda p: _edit_config(p, plugins__nodes__KvWrite="0"), "plugin version mismatch.*KvWrite version '0'"),
+        (lambda p: (p / "config.json").unlink(), "not an engine directory"),
+    ],
+    ids=["flipped-byte", "missing-file", "schema-version", "rank-count", "plugin-version", "no-config"],
+)
+def test_check_refuses_tampered_engine(engine, tmp_path, capsys, tamper, message):
+    copy = _tampered(engine, tmp_path)
+    tamper(copy)
+    with pytest.raises(EngineDirError, match=message):
+        load_engine_config(copy)
+    assert cli.main(["--check", str(copy)]) == 2
+    assert "check failed" in capsys.readouterr().err
+
+
+def test_expert_parallel_ranks_hold_their_experts(checkpoint, tmp_path):
+    out = tmp_path / "ep2"
+    cfg = build(tiny_opts(checkpoint, out, world_size=2, ep_size=2)).config
+    assert cfg.world_size == 2 and sorted(p.name for p in out.glob("rank*")) == ["rank0", "rank1"]
+    for rank in (0, 1):
+        model, _ = load_model(checkpoint, ep_rank=rank, ep_size=2)
+        want = model.layers[1].mlp.w_down.detach().numpy()  # experts [2r, 2r+2) of 4
+        m = onnx.load(str(out / f"rank{rank}" / "main.onnx"))
+        moe = [n for n in m.graph.node if n.op_type == "MoeExperts"]
+        assert moe and all(a.i == 2 for n in moe for a in n.attribute if a.name == "ep_size")
+        inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+        assert any(v.shape == want.shape and (v == want).all() for v in inits.values()), f"rank {rank} experts"
+    assert cli.main(["--check", str(out)]) == 0
+
+
+def test_bfloat16_export_for_tensorrt_is_strongly_typed(checkpoint, tmp_path):
+    """The tensorrt backend's input: typed weights and casts in the graph, float32 hidden/logits at the edges."""
+    import torch
+
+    from builder.export import export_graph
+    from plugins.kv_pool import KVPoolGeometry
+
+    model, _ = load_model(checkpoint, torch.bfloat16)
+    path = tmp_path / "main.onnx"
+    export_graph("main", model, KVPoolGeometry(3, 65, 4, 2, 8, 2), 16, path)
+    onnx.checker.check_model(str(path), full_check=True)
+    m = onnx.load(str(path))
+    assert {o.type.tensor_type.elem_type for o in m.graph.output} == {onnx.TensorProto.FLOAT}
+    assert any(i.data_type == onnx.TensorProto.BFLOAT16 for i in m.graph.initializer)
+    kv_write = next(n for n in m.graph.node if n.op_type == "KvWrite")
+    assert {a.name: a.i for a in kv_write.attribute if a.name == "dtype"} == {"dtype": 2}

@@ -1,0 +1,106 @@
+"""The onnxruntime executor on a built engine reproduces the torch executor (outputs and every KV plane)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from builder.engine_dir import EngineDirError
+from models.checkpoint import load_model
+from runtime.executors.base import CommitInput, DraftInput, MainInput
+from runtime.executors.ort_executor import OrtExecutor
+from runtime.executors.torch_executor import TorchExecutor
+
+TOL = 1e-4
+MB = 16  # block table width (max_seq_len 64 / block size 4)
+
+
+def _tables(rng: np.random.Generator, n_requests: int, n_blocks: int) -> np.ndarray:
+    """Disjoint random blocks per request (block 0 is the null block), -1 padded."""
+    ids = rng.permutation(np.arange(1, n_blocks))[: n_requests * 4].reshape(n_requests, 4)
+    tables = np.full((n_requests, MB), -1, np.int32)
+    tables[:, :4] = ids
+    return tables
+
+
+@pytest.fixture(scope="module")
+def executors(engine, checkpoint):
+    ort_ex = OrtExecutor(engine, num_blocks=40)
+    model, _ = load_model(checkpoint)
+    return ort_ex, TorchExecutor(model, num_blocks=40, block_size=4)
+
+
+def _close(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert a.shape == b.shape, what
+    np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL, err_msg=what)
+
+
+def test_ort_matches_torch_on_mixed_batch(executors):
+    ort_ex, torch_ex = executors
+    rng = np.random.default_rng(7)
+    tables = _tables(rng, 3, 40)
+    # Step 1: prefill chunks for three requests (5, 6, 3 tokens).
+    lens = [5, 6, 3]
+    step1 = MainInput(
+        input_ids=rng.integers(0, 96, sum(lens)), positions=np.concatenate([np.arange(n) for n in lens]),
+        q_counts=np.array(lens, np.int32), kv_lens=np.array(lens, np.int32), block_tables=tables,
+        logit_rows=np.array([4, 10, 13]),
+    )  # fmt: skip
+    # Step 2: request 0 prefills its next chunk (5..7), request 1 verifies base + 2 drafts (6..8), request 2 is
+    # a padded row (count 0, table -1): a mixed prefill/decode packed batch.
+    tables2 = tables.copy()
+    tables2[2] = -1
+    step2 = MainInput(
+        input_ids=rng.integers(0, 96, 6), positions=np.array([5, 6, 7, 6, 7, 8]),
+        q_counts=np.array([3, 3, 0], np.int32), kv_lens=np.array([8, 9, 0], np.int32), block_tables=tables2,
+        logit_rows=np.array([2, 3, 4, 5]),
+    )  # fmt: skip
+    for i, step in enumerate([step1, step2]):
+        a, b = ort_ex.run_main(step), torch_ex.run_main(step)
+        _close(a.hidden, b.hidden, f"main hidden, step {i}")
+        _close(a.logits, b.logits, f"main logits, step {i}")
+    hidden = torch_ex.run_main(step2).hidden  # same positions rewritten with the same values: idempotent
+    commit = CommitInput(
+        hidden=np.concatenate([hidden[0:3], hidden[3:4]]), token_ids=rng.integers(0, 96, 4),
+        counts=np.array([3, 1, 0], np.int32), starts=np.array([4, 6, 0], np.int32), block_tables=tables2,
+    )  # fmt: skip
+    assert ort_ex.run_commit(commit) == torch_ex.run_commit(commit) == 4
+    draft = DraftInput(
+        hidden=hidden[[2, 4, 0]], token_ids=rng.integers(0, 96, 3), positions=np.array([7, 7, 0]),
+        counts=np.array([1, 1, 0], np.int32), block_tables=tables2,
+    )  # fmt: skip
+    for depth in range(2):
+        a, b = ort_ex.run_draft(draft), torch_ex.run_draft(draft)
+        _close(a.hidden, b.hidden, f"draft hidden, depth {depth}")
+        _close(a.logits, b.logits, f"draft logits, depth {depth}")
+        draft = DraftInput(a.hidden, a.logits.argmax(-1), draft.positions + 1, draft.counts, tables2)
+    ort_pool, torch_pool = ort_ex.pool.numpy(), torch_ex.pool.numpy()
+    assert np.abs(torch_pool[2]).sum() > 0, "the MTP plane was never written"
+    for plane in range(ort_pool.shape[0]):
+        _close(ort_pool[plane], torch_pool[plane], f"KV plane {plane}")
+
+
+def test_copy_blocks_copies_every_plane(engine):
+    ex = OrtExecutor(engine, num_blocks=8)
+    ex.pool[:, :, 3] = torch.randn(ex.pool[:, :, 3].shape)
+    ex.copy_blocks([(3, 5)])
+    assert torch.equal(ex.pool[:, :, 5], ex.pool[:, :, 3])
+
+
+def test_corrupted_engine_is_refused_at_load(engine, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(engine, copy)
+    data = copy / "rank0" / "main.ort.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(EngineDirError, match="main.ort.onnx.data .*corrupted"):
+        OrtExecutor(copy)
+
+
+def test_rank_outside_world_is_refused(engine):
+    with pytest.raises(EngineDirError, match="rank 1 is outside"):
+        OrtExecutor(engine, rank=1)
