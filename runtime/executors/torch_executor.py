@@ -13,6 +13,7 @@ import torch
 from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
+from runtime.executors.cuda_graphs import GraphedFunction
 
 
 class TorchExecutor:
@@ -31,13 +32,12 @@ class TorchExecutor:
         self.kv = PagedKV(pool_address(self.pool), self.geom)
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
         self.num_draft_tokens = num_draft_tokens
-        self.graphed_draft = self.graphed_verify = None
+        self.graphed_draft: GraphedFunction | None = None
+        self.graphed_verify: GraphedFunction | None = None
         if cuda_graphs and self.device.type == "cuda":
             self._setup_cuda_graphs(max_batch, max_blocks_per_request)
 
     def _setup_cuda_graphs(self, max_batch: int, width: int) -> None:
-        from runtime.executors.cuda_graphs import GraphedFunction
-
         dev, h, rows_per_req = self.device, self.hidden_size, 1 + self.num_draft_tokens
 
         def i64(n: int) -> torch.Tensor:
