@@ -23,7 +23,8 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	.venv/bin/ruff check builder plugins runtime models tests
-	.venv/bin/mypy builder plugins runtime models
+	$(PY) .ci/patch_trt_stubs.py build/trt-stubs
+	MYPYPATH=build/trt-stubs .venv/bin/mypy builder plugins runtime models
 
 demo: $(STAMP)
 	$(PY) -m runtime.demo --checkpoint $(TINY) --engine $(ENGINE)
