@@ -1,0 +1,233 @@
+"""TensorRT IPluginV3 classes for the plugin nodes. Imports `tensorrt`: load only through plugins/trt_plugins.py.
+
+Each plugin is one object implementing the core, build and runtime capabilities; `enqueue` wraps TensorRT's
+device pointers as torch tensors (no copy) and launches the Triton launchers of plugins/triton_kernels.py on
+TensorRT's stream. Attributes arrive as plugin fields named like the ONNX node attributes.
+
+Pool address: the node's `pool_ptr` input is an int64[1] *device* tensor. Reading it needs a device-to-host
+copy, so the plugin reads it once per binding address (at the warm-up enqueue that must precede graph
+capture) and caches it; the runtime keeps the pool and that buffer fixed for the engine's life.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorrt as trt
+import torch
+from onnx.defs import OpSchema
+
+from plugins.kv_pool import KVPoolGeometry
+from plugins.onnx_export import DOMAIN, KV_WRITE_ATTRS, PAGED_ATTENTION_ATTRS, PLUGIN_VERSION
+from plugins.triton_kernels import kv_write_triton, paged_attention_triton
+
+_FLOAT_TYPES = (trt.DataType.FLOAT, trt.DataType.HALF, trt.DataType.BF16)
+_INDEX_TYPES = (trt.DataType.INT32, trt.DataType.INT64)
+# __cuda_array_interface__ has no bf16 typestr: bf16 is wrapped as int16 and reinterpreted.
+_TYPESTR = {trt.DataType.FLOAT: "<f4", trt.DataType.HALF: "<f2", trt.DataType.BF16: "<i2",
+            trt.DataType.INT32: "<i4", trt.DataType.INT64: "<i8"}  # fmt: skip
+
+
+class _DeviceArray:
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 3}
+
+
+def _as_tensor(ptr: int, desc: trt.PluginTensorDesc) -> torch.Tensor:
+    shape = tuple(int(desc.dims[i]) for i in range(len(desc.dims)))
+    t = torch.as_tensor(_DeviceArray(ptr, shape, _TYPESTR[desc.type]), device="cuda")
+    return t.view(torch.bfloat16) if desc.type == trt.DataType.BF16 else t
+
+
+def _fields(spec: list[tuple[str, Any, str]], values: dict[str, float]) -> trt.PluginFieldCollection:
+    fields = []
+    for name, attr_type, _ in spec:
+        # FallbackString: the binding's name type (implicitly converted from str at runtime; explicit for mypy).
+        key = trt.FallbackString(name)
+        if attr_type == OpSchema.AttrType.FLOAT:
+            fields.append(trt.PluginField(key, np.array([values[name]], np.float32), trt.PluginFieldType.FLOAT32))
+        else:
+            fields.append(trt.PluginField(key, np.array([values[name]], np.int32), trt.PluginFieldType.INT32))
+    return trt.PluginFieldCollection(fields)
+
+
+def _read_fields(spec: list[tuple[str, Any, str]], fc: trt.PluginFieldCollection_) -> dict[str, float]:
+    """Plugin fields -> attribute values. The ONNX parser may hand ints as INT32 or INT64 and floats as
+    FLOAT32 or FLOAT64, and adds the routing strings: take the first element of each known field."""
+    known = {name for name, _, _ in spec}
+    values: dict[str, float] = {}
+    for i in range(len(fc)):
+        f = fc[i]
+        if f.name in known:
+            values[f.name] = float(np.asarray(f.data).reshape(-1)[0])
+    missing = known - values.keys()
+    if missing:
+        raise ValueError(f"plugin fields missing: {sorted(missing)}")
+    return values
+
+
+class _PluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
+    name = ""
+    spec: list[tuple[str, Any, str]] = []
+    pool_input = 0
+
+    def __init__(self, values: dict[str, float]) -> None:
+        trt.IPluginV3.__init__(self)
+        trt.IPluginV3OneCore.__init__(self)
+        trt.IPluginV3OneBuild.__init__(self)
+        trt.IPluginV3OneRuntime.__init__(self)
+        self.plugin_name = self.name
+        self.plugin_version = PLUGIN_VERSION
+        self.plugin_namespace = DOMAIN
+        self.num_outputs = 1
+        self.timing_cache_id = f"{DOMAIN}::{self.name}::{PLUGIN_VERSION}"  # deterministic, no tactics
+        self.metadata_string = ""
+        self.format_combination_limit = trt.IPluginV3OneBuild.DEFAULT_FORMAT_COMBINATION_LIMIT
+        self.values = dict(values)
+        self._pool_cache: tuple[int, int] = (0, 0)  # (address of the pool_ptr buffer, pool address)
+        v = {k: int(x) for k, x in values.items() if k not in ("rope_theta", "scale")}
+        self.plane = v["plane"]
+        self.geom = KVPoolGeometry(v["num_planes"], v["num_blocks"], v["block_size"], v["num_kv_heads"],
+                                   v["head_dim"], v["dtype"])  # fmt: skip
+
+    def get_capability_interface(self, type: trt.PluginCapabilityType) -> Any:
+        return self
+
+    def clone(self) -> trt.IPluginV3:
+        return type(self)(self.values)
+
+    def get_fields_to_serialize(self) -> trt.PluginFieldCollection_:
+        return trt.PluginFieldCollection_(_fields(self.spec, self.values))
+
+    def configure_plugin(self, inp: list[trt.DynamicPluginTensorDesc], out: list[trt.DynamicPluginTensorDesc]) -> None:
+        return None
+
+    def on_shape_change(self, inp: list[trt.PluginTensorDesc], out: list[trt.PluginTensorDesc]) -> None:
+        return None
+
+    def set_tactic(self, tactic: int) -> None:
+        return None
+
+    def get_valid_tactics(self) -> list[int]:
+        return []
+
+    def get_workspace_size(self, inp: list[trt.DynamicPluginTensorDesc], out: list[trt.DynamicPluginTensorDesc]) -> int:
+        return 0
+
+    def attach_to_context(self, resource_context: Any) -> trt.IPluginV3:
+        return self.clone()
+
+    def _pool_address(self, buffer_ptr: int) -> int:
+        """The pool address stored at device address `buffer_ptr` (read once per buffer; see module doc)."""
+        if self._pool_cache[0] != buffer_ptr:
+            host = torch.empty(1, dtype=torch.int64)
+            host.copy_(torch.as_tensor(_DeviceArray(buffer_ptr, (1,), "<i8"), device="cuda"))
+            self._pool_cache = (buffer_ptr, int(host[0]))
+        return self._pool_cache[1]
+
+    def _linear(self, desc: trt.PluginTensorDesc) -> bool:
+        return bool(desc.format == trt.TensorFormat.LINEAR)
+
+
+class KvWritePlugin(_PluginBase):
+    """KvWrite: inputs k, v, counts, starts, block_tables, pool_ptr; output int64[1] rows stored."""
+
+    name = "KvWrite"
+    spec = KV_WRITE_ATTRS
+    pool_input = 5
+
+    def get_output_data_types(self, input_types: list[trt.DataType]) -> list[trt.DataType]:
+        return [trt.DataType.INT64]
+
+    def get_output_shapes(
+        self, inputs: list[trt.DimsExprs], shape_inputs: list[trt.DimsExprs], expr_builder: trt.IExprBuilder
+    ) -> list[trt.DimsExprs]:
+        out = trt.DimsExprs(1)
+        out[0] = expr_builder.constant(1)
+        return [out]
+
+    def supports_format_combination(self, pos: int, in_out: list[trt.DynamicPluginTensorDesc], num_inputs: int) -> bool:
+        desc = in_out[pos].desc
+        if not self._linear(desc):
+            return False
+        if pos == 0:
+            return desc.type in _FLOAT_TYPES
+        if pos == 1:
+            return desc.type == in_out[0].desc.type
+        if pos in (2, 3, 4):
+            return desc.type in _INDEX_TYPES
+        return desc.type == trt.DataType.INT64  # pool_ptr, written
+
+    def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
+                inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
+        k, v, counts, starts, tables = (_as_tensor(inputs[i], input_desc[i]) for i in range(5))
+        written = _as_tensor(outputs[0], output_desc[0])
+        pool = self._pool_address(inputs[self.pool_input])
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            kv_write_triton(k, v, counts, starts, tables, pool, self.plane, self.geom,
+                            int(self.values["rope_dim"]), self.values["rope_theta"], out=written)  # fmt: skip
+
+
+class PagedAttentionPlugin(_PluginBase):
+    """PagedAttention: inputs q, q_counts, kv_lens, block_tables, pool_ptr, after; output like q."""
+
+    name = "PagedAttention"
+    spec = PAGED_ATTENTION_ATTRS
+    pool_input = 4
+
+    def get_output_data_types(self, input_types: list[trt.DataType]) -> list[trt.DataType]:
+        return [input_types[0]]
+
+    def get_output_shapes(
+        self, inputs: list[trt.DimsExprs], shape_inputs: list[trt.DimsExprs], expr_builder: trt.IExprBuilder
+    ) -> list[trt.DimsExprs]:
+        return [trt.DimsExprs([inputs[0][i] for i in range(len(inputs[0]))])]
+
+    def supports_format_combination(self, pos: int, in_out: list[trt.DynamicPluginTensorDesc], num_inputs: int) -> bool:
+        desc = in_out[pos].desc
+        if not self._linear(desc):
+            return False
+        if pos == 0:
+            return desc.type in _FLOAT_TYPES
+        if pos in (1, 2, 3):
+            return desc.type in _INDEX_TYPES
+        if pos in (4, 5):
+            return desc.type == trt.DataType.INT64
+        return desc.type == in_out[0].desc.type  # output
+
+    def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
+                inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
+        q, q_counts, kv_lens, tables = (_as_tensor(inputs[i], input_desc[i]) for i in range(4))
+        out = _as_tensor(outputs[0], output_desc[0])
+        pool = self._pool_address(inputs[self.pool_input])
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            paged_attention_triton(q, q_counts, kv_lens, tables, pool, self.plane, self.geom,
+                                   self.values["scale"], out=out)  # fmt: skip
+
+
+class _CreatorBase(trt.IPluginCreatorV3One):
+    plugin_cls: type[_PluginBase] = _PluginBase
+
+    def __init__(self) -> None:
+        trt.IPluginCreatorV3One.__init__(self)
+        self.name = self.plugin_cls.name
+        self.plugin_namespace = DOMAIN
+        self.plugin_version = PLUGIN_VERSION
+        spec = self.plugin_cls.spec
+        self.field_names = trt.PluginFieldCollection_(_fields(spec, {name: 0 for name, _, _ in spec}))
+
+    def create_plugin(self, name: str, field_collection: trt.PluginFieldCollection_, phase: Any) -> trt.IPluginV3:
+        return self.plugin_cls(_read_fields(self.plugin_cls.spec, field_collection))
+
+
+class KvWriteCreator(_CreatorBase):
+    plugin_cls = KvWritePlugin
+
+
+class PagedAttentionCreator(_CreatorBase):
+    plugin_cls = PagedAttentionPlugin
+
+
+def creators() -> list[trt.IPluginCreatorV3One]:
+    return [KvWriteCreator(), PagedAttentionCreator()]

@@ -1,0 +1,56 @@
+"""TensorRT plugin registration for the plugin nodes (namespace `mtp`, version "1").
+
+Importing this module never needs TensorRT; `register_plugins()` does, and raises a clear RuntimeError
+where TensorRT (>= 10.x, with a CUDA GPU) is missing. The plugin classes live in plugins/_trt_impl.py,
+which imports TensorRT at the top and is loaded only from here. `tensorrt-stubs` alone makes
+`import tensorrt` succeed as an empty namespace package, so presence is tested by a real API symbol.
+
+Call `register_plugins()` before parsing an ONNX graph holding plugin nodes and before deserializing an
+engine built from one. MoeExperts has no TensorRT plugin yet (its ep_size > 1 form needs NCCL).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NAMESPACE = "mtp"
+PLUGIN_NAMES = ("KvWrite", "PagedAttention")
+_NOT_INSTALLED = (
+    "TensorRT is not installed (or only its type stubs are): build TensorRT engines on a machine with "
+    "TensorRT >= 10.x and a CUDA GPU"
+)
+_registered: list[Any] = []  # creators must outlive registration: TensorRT keeps only a reference
+
+
+def tensorrt_available() -> bool:
+    """True when a real TensorRT (not just tensorrt-stubs) is importable."""
+    try:
+        import tensorrt
+    except ImportError:
+        return False
+    return hasattr(tensorrt, "Builder") and hasattr(tensorrt, "IPluginV3")
+
+
+def require_tensorrt() -> None:
+    if not tensorrt_available():
+        raise RuntimeError(_NOT_INSTALLED)
+
+
+def register_plugins() -> list[str]:
+    """Register the creators into `trt.get_plugin_registry()` under namespace "mtp" (idempotent).
+
+    Returns the registered plugin names.
+    """
+    require_tensorrt()
+    if _registered:
+        return list(PLUGIN_NAMES)
+    import tensorrt as trt
+
+    from plugins import _trt_impl
+
+    registry = trt.get_plugin_registry()
+    for creator in _trt_impl.creators():
+        if not registry.register_creator(creator, NAMESPACE):
+            raise RuntimeError(f"TensorRT refused to register plugin creator {creator.name} in {NAMESPACE!r}")
+        _registered.append(creator)
+    return list(PLUGIN_NAMES)
