@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,8 @@ SNIPPETS = [
 
 
 def engine(k: int, **kw):
-    return create_engine(checkpoint=TINY, executor="torch", num_draft_tokens=k, block_size=16, num_blocks=256,
-                         max_batch=4, max_num_tokens=128, max_seq_len=512, **kw)  # fmt: skip
+    opts = dict(num_draft_tokens=k, block_size=16, num_blocks=256, max_batch=4, max_num_tokens=128, max_seq_len=512)
+    return create_engine(checkpoint=TINY, executor="torch", **{**opts, **kw})
 
 
 @pytest.mark.parametrize("snippet", SNIPPETS[:2])
@@ -61,19 +62,31 @@ def test_k1_acceptance_matches_hugging_face_generate_use_mtp(snippet):
     assert ours.accepted_per_step[:n] == hf_steps[:n]
 
 
+def heldout_snippets() -> list[str]:
+    """300-character windows of stdlib files the tiny model did not train on (models/tiny/training_report.json)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = ["getopt.py", "reprlib.py", "pkgutil.py", "trace.py", "bdb.py", "mailcap.py", "unittest/util.py",
+             "importlib/__init__.py"]  # fmt: skip
+    return [(stdlib / f).read_text()[off : off + 300] for f in files for off in (500, 3000)]
+
+
 def acceptance(k: int, commit_pass: bool):
-    eng = engine(k, commit_pass=commit_pass)
-    prompts = [eng.tokenizer.encode(s).ids for s in SNIPPETS]
-    eng.generate(prompts, SamplingParams(max_tokens=96))
+    eng = engine(k, commit_pass=commit_pass, max_batch=8, max_num_tokens=256, num_blocks=512)
+    eng.generate([eng.tokenizer.encode(s).ids for s in heldout_snippets()], SamplingParams(max_tokens=128))
     return eng.metrics
 
 
 def test_commit_pass_prevents_acceptance_decay():
-    with_commit = acceptance(3, True)
-    without = acceptance(3, False)
-    cond_with, cond_without = with_commit.conditional_acceptance_per_position, without.conditional_acceptance_per_position
-    print("conditional acceptance with commit pass:", cond_with, "without:", cond_without)
-    assert cond_with[0] > 0.3, "the trained MTP module should draft well at depth 1"
-    # without the refresh, last step's accepted positions keep chained entries; deeper depths see more of them
-    assert cond_with[1] > cond_without[1] and cond_with[2] > cond_without[2]
+    """Greedy, so deterministic. Measured here (K=3, 16 held-out prompts x 128 tokens, ~770 verify steps):
+    unconditional per-position acceptance 0.774/0.552/0.381 with the commit pass vs 0.754/0.536/0.343
+    without; conditional 0.774/0.713/0.690 vs 0.754/0.710/0.640."""
+    with_commit, without = acceptance(3, True), acceptance(3, False)
+    print("with commit pass:", with_commit.acceptance_rate_per_position, with_commit.conditional_acceptance_per_position)
+    print("without:", without.acceptance_rate_per_position, without.conditional_acceptance_per_position)
+    assert with_commit.acceptance_rate_per_position[0] > 0.5, "the trained MTP module should draft well"
+    # Without the refresh, last step's accepted positions keep chained (draft-hidden) entries, and every later
+    # depth attends to them: acceptance falls further behind the deeper the draft.
+    for i in (1, 2):
+        assert with_commit.acceptance_rate_per_position[i] > without.acceptance_rate_per_position[i]
+    assert with_commit.conditional_acceptance_per_position[2] > without.conditional_acceptance_per_position[2] + 0.02
     assert with_commit.mean_acceptance_length > without.mean_acceptance_length
