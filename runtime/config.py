@@ -19,6 +19,9 @@ class RuntimeConfig:
     num_draft_tokens: int = 3  # k MTP draft depths; 0 disables MTP
     max_prefill_chunk: int = 256  # longest prefill chunk per step (chunked prefill)
     enable_prefix_caching: bool = True
+    # Prefix hit under MTP: False = give up the last matched block (the anchors' rule); True = keep it and
+    # recompute only its last token in a copy-on-write private copy (saves B-1 tokens of prefill per hit).
+    prefix_cache_cow: bool = False
     commit_pass: bool = True  # False = ablation: skip the decode refresh of the MTP plane (measurement only)
 
     def __post_init__(self) -> None:

@@ -62,7 +62,7 @@ class LLMEngine:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
         self.executor, self.model_cfg, self.cfg, self.tokenizer = executor, model_cfg, cfg, tokenizer
         self.k = cfg.num_draft_tokens
-        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, mtp_cow=cfg.prefix_cache_cow)
         self.scheduler = Scheduler(cfg, self.kv)
         self.metrics = Metrics(self.k)
         self.requests: dict[str, Request] = {}

@@ -12,6 +12,8 @@ from tests.runtime.engine_utils import cached_model, make_engine, random_prompts
 PROMPTS = random_prompts((5, 13, 9, 22, 3, 17), seed=0)
 PROMPTS.append(PROMPTS[3][:17] + [1, 2, 3])  # shares 4 full blocks with prompt 3: a prefix-cache hit
 PROMPTS.append(list(PROMPTS[1]))  # the same prompt twice
+PROMPTS.append(PROMPTS[3][:16] + [7, 8, 9])  # diverges right at a block boundary: the last matched block's
+assert PROMPTS[3][16] != 7  # MTP entry pairs with a different next token, so it cannot be reused as is
 PARAMS = SamplingParams(max_tokens=24)
 
 
@@ -47,6 +49,22 @@ def test_mtp_greedy_is_lossless(reference, k, chunk):
     assert engine.metrics.prefix_hit_tokens > 0  # the shared prompts really hit the cache
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_lossless_with_copy_on_write_prefix_hits(reference, k):
+    """Prefix hits keep every matched block and recompute only the last matched token in a private copy."""
+    engine = make_engine(k, prefix_cache_cow=True)
+    assert run(engine) == reference
+    assert engine.kv.stats.num_cow_copies > 0
+    # more reuse than giving up the whole last block: prompt 6 shares 4 full blocks (16 tokens) with prompt 3
+    assert engine.metrics.prefix_hit_tokens > make_engine_hits(k)
+
+
+def make_engine_hits(k: int) -> int:
+    engine = make_engine(k)
+    run(engine)
+    return engine.metrics.prefix_hit_tokens
+
+
 def test_lossless_under_preemption(reference):
     """A pool too small for all requests at once forces preemption and recompute."""
     engine = make_engine(3, num_blocks=24, max_seq_len=64)
@@ -63,3 +81,28 @@ def test_lossless_tight_token_budget(reference):
 def test_lossless_without_commit_pass(reference):
     """The ablation changes acceptance, never outputs."""
     assert run(make_engine(3, commit_pass=False)) == reference
+
+
+@pytest.fixture(scope="module")
+def ort_engine_dir(tmp_path_factory):
+    """The same random model built into an onnxruntime engine with mtp-build."""
+    from builder import cli
+    from models.checkpoint import save_hf_checkpoint, to_hf_config
+
+    cfg, model = cached_model()
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    save_hf_checkpoint(model, to_hf_config(cfg), ckpt)
+    out = tmp_path_factory.mktemp("engine") / "tiny"
+    argv = ["--checkpoint", str(ckpt), "--output", str(out), "--max-batch", "4", "--max-num-tokens", "64",
+            "--max-seq-len", "128", "--kv-block-size", "4", "--num-draft-tokens", "3"]  # fmt: skip
+    assert cli.main(argv) == 0
+    return out
+
+
+@pytest.mark.parametrize("k,chunk", [(0, 64), (3, 64), (2, 5)])
+def test_onnxruntime_executor_is_lossless(reference, ort_engine_dir, k, chunk):
+    from runtime.factory import create_engine
+
+    engine = create_engine(ort_engine_dir, executor="onnxruntime", num_draft_tokens=k, max_prefill_chunk=chunk,
+                           num_blocks=200)  # fmt: skip
+    assert run(engine) == reference
