@@ -1,0 +1,459 @@
+"""Train the shipped tiny GLM-4.5-layout MTP model on the Python standard library's own source.
+
+    python -m models.train_tiny --output models/tiny [--steps N] [--minutes M] [--seed S]
+
+What it does, start to finish (every step seeded, so the same command gives the same model):
+  1. corpus: the stdlib's .py files (no tests, no site-packages, no huge generated files), sorted and
+     split BY FILE: every 20th file is held out, so held-out numbers measure code the model never saw;
+  2. tokenizer: byte-level BPE trained on the train split only (models/tokenizer.py);
+  3. model: a few-million-parameter config of this family (GQA, partial RoPE, dense layer 0 then MoE
+     layers with grouped sigmoid routing and a shared expert, one MTP module);
+  4. loss: the DeepSeek-V3 MTP objective CE(main) + lambda * CE(MTP depth 1); routing is kept balanced
+     with DeepSeek-V3's aux-loss-free bias update of `e_score_correction_bias`;
+  5. evaluation on the held-out files: main loss, MTP loss and MTP greedy acceptance (the fraction of
+     positions where the MTP draft equals the main model's greedy token, i.e. what greedy speculative
+     decoding accepts at depth 1);
+  6. output: a Hugging Face Glm4Moe checkpoint (MTP at model.layers.{L}.*) + tokenizer files +
+     training_report.json, written to a temp dir and renamed into place only when complete.
+
+`--minutes` is a wall-clock budget: after timing the first steps it may lower the step count so the run
+fits; the step count actually used is recorded in the report (re-run with `--steps N` to reproduce).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from models.checkpoint import save_hf_checkpoint, to_hf_config
+from models.config import ModelConfig
+from models.glm4_moe import Glm4MoeMTPModel, Router
+from models.tokenizer import EOS_TOKEN, save_tokenizer, train_bpe
+
+HELDOUT_EVERY = 20  # file i is held out when i % HELDOUT_EVERY == HELDOUT_EVERY - 1
+MAX_FILE_BYTES = 200_000  # skip huge (mostly generated / table-like) modules: they would dominate the corpus
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "ensurepip", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int = 900
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 2.5e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 60
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    mtp_lambda: float = 0.3  # DeepSeek-V3 uses 0.3 for the first 10T tokens
+    bias_update_speed: float = 1e-3  # DeepSeek-V3's gamma for the aux-loss-free balancing
+    vocab_size: int = 2048
+    eval_tokens: int = 65_536  # held-out tokens scored at the end (evenly spaced windows over all held-out files)
+
+
+# ----------------------------------------------------------------------------------------------- corpus
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """The stdlib's .py files, sorted by relative path (deterministic across runs on one Python install)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = []
+    for p in root.rglob("*.py"):
+        rel_dirs = p.relative_to(root).parts[:-1]
+        if any(d in SKIP_DIRS or d.startswith("test") for d in rel_dirs) or p.name.startswith("test_"):
+            continue
+        if p.stat().st_size > MAX_FILE_BYTES or p.stat().st_size == 0:
+            continue
+        files.append(p)
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def split_files(files: list[Path]) -> tuple[list[Path], list[Path]]:
+    """Split by file (not by token window) so held-out code is genuinely unseen."""
+    train = [f for i, f in enumerate(files) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
+    heldout = [f for i, f in enumerate(files) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
+    return train, heldout
+
+
+def read_source(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def encode_documents(tok, texts: list[str], eos_id: int) -> torch.Tensor:
+    """One long int64 stream: doc0 EOS doc1 EOS ... (EOS marks where a file ends, as at inference)."""
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(eos_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+def tiny_model_config(vocab_size: int, eos_id: int) -> ModelConfig:
+    """~3.6M parameters (~14 MB fp32): small enough to ship in the repo and train on 2 CPU cores."""
+    cfg = ModelConfig(
+        model_type="glm4_moe",
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=512,  # dense MLP of layer 0
+        num_hidden_layers=3,  # layer 0 dense, layers 1-2 MoE (GLM-4.5's first_k_dense_replace pattern)
+        num_attention_heads=8,
+        num_key_value_heads=2,  # GQA, 4 query heads per KV head
+        head_dim=32,
+        partial_rotary_factor=0.5,  # GLM-4.5 rotates half of each head
+        rope_theta=10000.0,
+        first_k_dense_replace=1,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,  # group-limited routing: pick 1 of 2 groups, then top-2 inside it
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        n_shared_experts=1,
+        num_nextn_predict_layers=1,
+        max_position_embeddings=1024,
+        eos_token_id=(eos_id,),
+    )
+    cfg.validate()
+    return cfg
+
+
+def init_weights(model: Glm4MoeMTPModel, seed: int, std: float = 0.02) -> None:
+    """GPT-style init: N(0, 0.02) matrices, output projections scaled by depth, unit norms, zero router bias.
+
+    (The module constructors leave experts and the router at zero, which would never break symmetry.)
+    """
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = model.cfg.num_hidden_layers + model.cfg.num_mtp_modules
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
+                p.zero_()
+            elif p.dim() == 1:  # RMSNorm weights
+                p.fill_(1.0)
+            else:
+                scale = (
+                    std / math.sqrt(2 * num_blocks)
+                    if name.endswith(("o_proj.weight", "down_proj.weight", "w_down"))
+                    else std
+                )
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+
+
+def count_params(model: Glm4MoeMTPModel) -> dict[str, int]:
+    total = sum(p.numel() for p in model.parameters())
+    mtp = sum(p.numel() for p in model.mtp.parameters())
+    return {"total": total, "main": total - mtp, "mtp_module": mtp}
+
+
+class RouterBalancer:
+    """DeepSeek-V3 aux-loss-free load balancing: after each step, nudge every router's
+    e_score_correction_bias up for under-loaded experts and down for over-loaded ones (by gamma).
+
+    The bias only affects WHICH experts are chosen, not their weights, so no gradient is involved.
+    """
+
+    def __init__(self, model: Glm4MoeMTPModel, gamma: float) -> None:
+        self.gamma = gamma
+        self.routers = [m for m in model.modules() if isinstance(m, Router)]
+        self.loads = [torch.zeros(r.num_experts) for r in self.routers]
+        for i, r in enumerate(self.routers):
+            r.register_forward_hook(self._make_hook(i))
+        self.enabled = True
+
+    def _make_hook(self, i: int):
+        def hook(module, inputs, output):
+            if self.enabled:
+                self.loads[i] += torch.bincount(output[0].flatten(), minlength=module.num_experts).float()
+
+        return hook
+
+    @torch.no_grad()
+    def update(self) -> float:
+        """Apply one bias update; returns the worst max/mean load ratio seen this step (1.0 = balanced)."""
+        worst = 1.0
+        for r, load in zip(self.routers, self.loads, strict=True):
+            if load.sum() > 0:
+                r.e_score_correction_bias.add_(self.gamma * torch.sign(load.mean() - load))
+                worst = max(worst, float(load.max() / load.mean()))
+            load.zero_()
+        return worst
+
+
+# ------------------------------------------------------------------------------------------------- loss
+
+
+def mtp_losses(
+    model: Glm4MoeMTPModel, window: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """window [B, S+1] -> (main CE, MTP CE, main logits [B,S,V], MTP logits [B,S-1,V]).
+
+    Main row p predicts t_{p+1}; MTP row p (h_p paired with t_{p+1}) predicts t_{p+2}.
+    """
+    inputs = window[:, :-1]
+    main_logits, mtp_logits = model.forward_train(inputs)
+    assert mtp_logits is not None, "the tiny model must have an MTP module"
+    vocab = main_logits.shape[-1]
+    main_ce = F.cross_entropy(main_logits.reshape(-1, vocab).float(), window[:, 1:].reshape(-1))
+    mtp_ce = F.cross_entropy(mtp_logits.reshape(-1, vocab).float(), window[:, 2:].reshape(-1))
+    return main_ce, mtp_ce, main_logits, mtp_logits
+
+
+def greedy_acceptance(main_logits: torch.Tensor, mtp_logits: torch.Tensor) -> tuple[int, int]:
+    """(matches, positions): MTP row p's argmax vs the main model's argmax at row p+1 (both predict t_{p+2})."""
+    draft = mtp_logits.argmax(-1)
+    target = main_logits[:, 1:].argmax(-1)
+    return int((draft == target).sum()), draft.numel()
+
+
+def eval_windows(stream: torch.Tensor, seq_len: int, max_tokens: int) -> torch.Tensor:
+    """Non-overlapping [N, seq_len+1] windows, evenly spaced over the stream so every held-out file counts."""
+    n_avail = (len(stream) - 1) // seq_len
+    n = max(1, min(n_avail, max_tokens // seq_len))
+    starts = torch.linspace(0, (n_avail - 1) * seq_len, n).long()
+    return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def evaluate(model: Glm4MoeMTPModel, windows: torch.Tensor, batch_size: int = 16) -> dict[str, float]:
+    """Held-out main CE, MTP CE, greedy acceptance and top-1 accuracies (token-weighted means)."""
+    model.eval()
+    sums: dict[str, float] = {"main": 0.0, "mtp": 0.0, "accept": 0, "accept_n": 0, "main_acc": 0, "mtp_acc": 0}
+    n_main = n_mtp = 0
+    for i in range(0, len(windows), batch_size):
+        w = windows[i : i + batch_size]
+        main_ce, mtp_ce, main_logits, mtp_logits = mtp_losses(model, w)
+        k, n = greedy_acceptance(main_logits, mtp_logits)
+        sums["main"] += float(main_ce) * w[:, 1:].numel()
+        sums["mtp"] += float(mtp_ce) * w[:, 2:].numel()
+        sums["accept"] += k
+        sums["accept_n"] += n
+        sums["main_acc"] += int((main_logits.argmax(-1) == w[:, 1:]).sum())
+        sums["mtp_acc"] += int((mtp_logits.argmax(-1) == w[:, 2:]).sum())
+        n_main += w[:, 1:].numel()
+        n_mtp += w[:, 2:].numel()
+    model.train()
+    return {
+        "main_loss": sums["main"] / n_main,
+        "mtp_loss": sums["mtp"] / n_mtp,
+        "mtp_greedy_acceptance": sums["accept"] / sums["accept_n"],
+        "main_top1_accuracy": sums["main_acc"] / n_main,
+        "mtp_top1_accuracy": sums["mtp_acc"] / n_mtp,
+        "tokens": n_main,
+    }
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+def lr_at(step: int, s: TrainSettings, total_steps: int) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
+    if step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    progress = min(1.0, (step - s.warmup_steps) / max(1, total_steps - s.warmup_steps))
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: Glm4MoeMTPModel, s: TrainSettings) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not norms), router bias excluded (it is not trained by gradients)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def sample_batch(stream: torch.Tensor, s: TrainSettings, g: torch.Generator) -> torch.Tensor:
+    """B random windows of seq_len+1 tokens from the train stream (seeded generator: reproducible)."""
+    starts = torch.randint(0, len(stream) - s.seq_len - 1, (s.batch_size,), generator=g)
+    return torch.stack([stream[i : i + s.seq_len + 1] for i in starts.tolist()])
+
+
+def make_progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+
+
+def train(model, stream, s: TrainSettings, seed: int, minutes: float | None) -> dict:
+    """The training loop; returns what the report needs (steps run, tokens seen, last losses)."""
+    opt = make_optimizer(model, s)
+    balancer = RouterBalancer(model, s.bias_update_speed)
+    g = torch.Generator().manual_seed(seed + 1)
+    total_steps = s.steps
+    t0 = time.perf_counter()
+    ema: list[float] = []  # smoothed [main, mtp] train losses for the progress bar
+    model.train()
+    with make_progress() as progress:
+        task = progress.add_task("train", total=total_steps, info="")
+        step = 0
+        while step < total_steps:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, s, total_steps)
+            main_ce, mtp_ce, _, _ = mtp_losses(model, sample_batch(stream, s, g))
+            loss = main_ce + s.mtp_lambda * mtp_ce
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+            opt.step()
+            imbalance = balancer.update()
+            cur = [main_ce.item(), mtp_ce.item()]
+            ema = cur if not ema else [0.95 * e + 0.05 * c for e, c in zip(ema, cur, strict=True)]
+            step += 1
+            if step == 20 and minutes is not None:
+                # Fit the run into the budget, keeping ~15% for tokenizer/eval/save; the LR schedule follows.
+                per_step = (time.perf_counter() - t0) / step
+                fit = int(minutes * 60 * 0.85 / per_step)
+                if fit < total_steps:
+                    total_steps = max(step + 1, fit)
+                    progress.update(task, total=total_steps)
+                    progress.console.log(f"--minutes {minutes}: {per_step:.2f} s/step, running {total_steps} steps")
+            progress.update(
+                task, advance=1, info=f"main {ema[0]:.3f}  mtp {ema[1]:.3f}  lr {lr_at(step, s, total_steps):.1e}"
+            )
+            if step % 100 == 0:
+                progress.console.log(
+                    f"step {step}: main {ema[0]:.3f} mtp {ema[1]:.3f} max/mean expert load {imbalance:.2f}"
+                )
+    balancer.enabled = False
+    return {
+        "steps": total_steps,
+        "tokens_seen": total_steps * s.batch_size * s.seq_len,
+        "train_seconds": time.perf_counter() - t0,
+        "final_train_main_loss_ema": ema[0] if ema else None,
+        "final_train_mtp_loss_ema": ema[1] if ema else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- output
+
+
+def write_checkpoint(model, tok, cfg: ModelConfig, report: dict, output: Path) -> None:
+    """Write everything to a temp dir beside `output`, then swap it in (a half-written dir never looks valid)."""
+    output = output.resolve()
+    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_hf_checkpoint(model, to_hf_config(cfg), tmp)
+    save_tokenizer(tok, tmp, model_max_length=cfg.max_position_embeddings)
+    eos = cfg.eos_token_id[0]
+    gen = {"eos_token_id": eos, "pad_token_id": eos, "do_sample": False, "max_new_tokens": 128}
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    report["checkpoint_bytes"] = sum(f.stat().st_size for f in tmp.iterdir())
+    (tmp / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    old = output.parent / f".{output.name}.old-{os.getpid()}"
+    if output.exists():
+        output.rename(old)
+    tmp.rename(output)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    d = TrainSettings()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", type=Path, required=True, help="checkpoint directory to (re)create")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--minutes", type=float, default=None, help="wall-clock budget; may lower --steps to fit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    s = TrainSettings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train_files, heldout_files = split_files(stdlib_files(root))
+    train_texts = [read_source(f) for f in train_files]
+    heldout_texts = [read_source(f) for f in heldout_files]
+    print(f"corpus: {len(train_files)} train files, {len(heldout_files)} held-out files from {root}")
+
+    tok = train_bpe(train_texts, s.vocab_size)
+    eos_id = tok.token_to_id(EOS_TOKEN)
+    assert eos_id is not None, f"{EOS_TOKEN} must be in the vocabulary (it is a special token)"
+    train_stream = encode_documents(tok, train_texts, eos_id)
+    heldout_stream = encode_documents(tok, heldout_texts, eos_id)
+    print(
+        f"tokenizer: vocab {tok.get_vocab_size()}, {len(train_stream):,} train / {len(heldout_stream):,} held-out tokens"
+    )
+
+    cfg = tiny_model_config(tok.get_vocab_size(), eos_id)
+    model = Glm4MoeMTPModel(cfg)
+    init_weights(model, args.seed)
+    params = count_params(model)
+    print(f"model: {params['total']:,} parameters ({params['mtp_module']:,} in the MTP module)")
+
+    windows = eval_windows(heldout_stream, s.seq_len, s.eval_tokens)
+    before = evaluate(model, windows[:8])
+    run = train(model, train_stream, s, args.seed, args.minutes)
+    heldout = evaluate(model, windows)
+    print(
+        f"held-out: main loss {heldout['main_loss']:.3f}, MTP loss {heldout['mtp_loss']:.3f}, "
+        f"MTP greedy acceptance {heldout['mtp_greedy_acceptance']:.3f} (untrained: {before['mtp_greedy_acceptance']:.3f})"
+    )
+
+    report = {
+        "command": "python -m models.train_tiny " + " ".join(sys.argv[1:] if argv is None else argv),
+        "reproduce": f"python -m models.train_tiny --output {args.output} --steps {run['steps']} --seed {args.seed}",
+        "seed": args.seed,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "corpus": {
+            "source": "Python standard library .py files (sysconfig stdlib path)",
+            "train_files": len(train_files),
+            "heldout_files": len(heldout_files),
+            "heldout_rule": f"file index % {HELDOUT_EVERY} == {HELDOUT_EVERY - 1} in sorted order",
+            "heldout_paths": [f.relative_to(root).as_posix() for f in heldout_files],
+            "train_tokens": len(train_stream),
+            "heldout_tokens": len(heldout_stream),
+        },
+        "tokenizer": {
+            "type": "byte-level BPE (tokenizers)",
+            "vocab_size": tok.get_vocab_size(),
+            "eos_token": EOS_TOKEN,
+        },
+        "params": params,
+        "settings": {k: getattr(s, k) for k in TrainSettings.__dataclass_fields__},
+        "loss": f"CE(main) + {s.mtp_lambda} * CE(MTP depth 1)",
+        "training": run,
+        "heldout_untrained_sample": before,
+        "heldout": heldout,
+        "threads": args.threads,
+        "wall_seconds": None,
+        "model_config": cfg.to_dict(),
+    }
+    report["wall_seconds"] = round(time.perf_counter() - t_start, 1)
+    write_checkpoint(model, tok, cfg, report, args.output)
+    print(f"wrote {args.output} in {report['wall_seconds']:.0f} s total")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
