@@ -17,7 +17,7 @@ from plugins.reference import kv_write_ref, paged_attention_ref
 from tests.plugins.cases import Case, cases, filled_pool, tolerance
 
 triton_kernels = pytest.importorskip("plugins.triton_kernels")
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _torch_write(pool: torch.Tensor, c: Case) -> int:

@@ -20,7 +20,7 @@ from plugins.reference import moe_experts_ref
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     tokens=st.integers(0, 6),
     num_experts=st.sampled_from([1, 3, 4]),

@@ -55,7 +55,7 @@ def _plugin_graph(c: Case, scale: float) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(DOMAIN, 1)])
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(c=cases(dtypes=(torch.float32,), holes=False))
 def test_ort_custom_ops_match_reference(c: Case) -> None:
     scale = 0.37
