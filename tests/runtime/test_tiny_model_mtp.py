@@ -90,3 +90,15 @@ def test_commit_pass_prevents_acceptance_decay():
         assert with_commit.acceptance_rate_per_position[i] > without.acceptance_rate_per_position[i]
     assert with_commit.conditional_acceptance_per_position[2] > without.conditional_acceptance_per_position[2] + 0.02
     assert with_commit.mean_acceptance_length > without.mean_acceptance_length
+
+
+def test_stop_string_truncates_and_finishes():
+    eng = engine(2)
+    prompt = heldout_snippets()[0]
+    full = eng.generate([prompt], SamplingParams(max_tokens=48))[0]
+    stop = full.text[10:14]
+    assert stop.strip(), "pick a non-blank stop string"
+    eng = engine(2)
+    out = eng.generate([prompt], SamplingParams(max_tokens=48, stop=(stop,)))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.find(stop)]
+    assert eng.kv.num_free_blocks == eng.cfg.num_blocks - 1
