@@ -96,6 +96,7 @@ def _parse(builder: trt.Builder, logger: trt.ILogger, onnx_path: Path) -> trt.IN
 def build_plan(graph: str, onnx_path: Path, plan_path: Path, cache_path: Path, opts: BuildOptions) -> dict[str, Any]:
     """Parse `onnx_path`, build a strongly typed plan with one profile per bucket, persist the timing cache."""
     import tensorrt as trt
+
     from plugins.trt_plugins import register_plugins
 
     register_plugins()  # creators must be in the registry before the parser meets a plugin node

@@ -160,6 +160,7 @@ class TrtExecutor:
         if missing:
             raise RuntimeError(f"the tensorrt executor cannot run here: {missing}; use the onnxruntime executor on CPU")
         import tensorrt as trt
+
         from plugins.trt_plugins import register_plugins
 
         self.config: EngineConfig = load_engine_config(engine_dir)
