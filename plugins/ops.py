@@ -102,28 +102,49 @@ def paged_attention(
 
         return paged_attention_triton(q, q_counts, kv_lens, block_tables, int(pool_ptr[0]), plane, geom, scale)
     pool = view_pool(int(pool_ptr[0]), geom)
-    group = q.shape[1] // num_kv_heads
+    return paged_attention_cpu(pool[plane], q, q_counts, kv_lens, block_tables, scale)
+
+
+def paged_attention_cpu(
+    plane: torch.Tensor,  # [2, blocks, B, Hkv, D] one KV plane of the pool
+    q: torch.Tensor,  # [T, Hq, D] packed by request
+    q_counts: torch.Tensor,  # [R]
+    kv_lens: torch.Tensor,  # [R]
+    block_tables: torch.Tensor,  # [R, max_blocks]
+    scale: float,
+) -> torch.Tensor:
+    """All requests at once: pad queries to [R, Qmax] and keys to [R, Lmax], one batched masked SDPA.
+
+    Padded query rows, padded requests (q_count 0) and positions past a request's kv_len are masked
+    out and never written back, so they read nothing that matters and produce zeros.
+    """
     out = torch.zeros_like(q)
-    row = 0
-    for r, (n_q, n_kv) in enumerate(zip(q_counts.tolist(), kv_lens.tolist(), strict=True)):
-        if n_q == 0:
-            continue
-        positions = torch.arange(n_kv)
-        blocks = block_tables[r, positions // block_size].long()
-        keys = pool[plane, 0, blocks, positions % block_size].transpose(0, 1)  # [Hkv, n_kv, D]
-        values = pool[plane, 1, blocks, positions % block_size].transpose(0, 1)
-        queries = q[row : row + n_q].transpose(0, 1)  # [Hq, n_q, D]
-        q_pos = n_kv - n_q + torch.arange(n_q)
-        mask = positions[None, :] <= q_pos[:, None]
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            queries.float(),
-            keys.float().repeat_interleave(group, 0),
-            values.float().repeat_interleave(group, 0),
-            attn_mask=mask,
-            scale=scale,
-        )
-        out[row : row + n_q] = attn.transpose(0, 1).to(q.dtype)
-        row += n_q
+    qc, kl = q_counts.long(), kv_lens.long()
+    if q.shape[0] == 0 or int(qc.max()) == 0:
+        return out
+    block_size = plane.shape[2]
+    q_max, kv_max = int(qc.max()), int(kl.max())
+    pos = torch.arange(kv_max)
+    kv_valid = pos[None, :] < kl[:, None]  # [R, Lmax]
+    blocks = torch.where(kv_valid, block_tables[:, pos // block_size].long(), 0).clamp(min=0)
+    keys = plane[0][blocks, pos % block_size]  # [R, Lmax, Hkv, D]
+    values = plane[1][blocks, pos % block_size]
+    j = torch.arange(q_max)
+    q_valid = j[None, :] < qc[:, None]  # [R, Qmax]
+    rows = torch.where(q_valid, (torch.cumsum(qc, 0) - qc)[:, None] + j[None, :], 0)
+    q_pos = (kl - qc)[:, None] + j[None, :]  # position of each query
+    mask = (pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]  # [R, Qmax, Lmax]
+    mask |= ~q_valid[:, :, None]  # padded query rows see everything (their output is discarded): no NaN rows
+    mask[:, :, 0] |= kv_valid.sum(1)[:, None] == 0  # padded requests: one dummy column, output discarded
+    attn = torch.nn.functional.scaled_dot_product_attention(
+        q[rows].transpose(1, 2).float(),  # [R, Hq, Qmax, D]
+        keys.transpose(1, 2).float(),  # [R, Hkv, Lmax, D]
+        values.transpose(1, 2).float(),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=True,
+    ).transpose(1, 2)  # [R, Qmax, Hq, D]
+    out[rows[q_valid]] = attn[q_valid].to(q.dtype)
     return out
 
 
