@@ -59,6 +59,8 @@ class RecordingExecutor:
     depth: int = 0
     kv: object = None  # KVCacheManager: when set, every write is checked at write time (invariant 8)
     ownership_violations: list = field(default_factory=list)
+    segment_violations: list = field(default_factory=list)  # invariant 5: one commit segment per request
+    num_main_requests: int = 0
 
     @property
     def hidden_size(self):
@@ -84,11 +86,14 @@ class RecordingExecutor:
     def run_main(self, inp):
         self.step += 1
         self.depth = 0
+        self.num_main_requests = len(inp.q_counts)
         starts = inp.kv_lens - inp.q_counts
         self._record("main", "main", inp.q_counts, starts, inp.block_tables, inp.input_ids, "main")
         return self.inner.run_main(inp)
 
     def run_commit(self, inp):
+        if len(inp.counts) != self.num_main_requests or len(inp.starts) != len(inp.counts):
+            self.segment_violations.append((self.step, len(inp.counts), self.num_main_requests))
         self._record("commit", "mtp", inp.counts, inp.starts, inp.block_tables, inp.token_ids, "main")
         return self.inner.run_commit(inp)
 

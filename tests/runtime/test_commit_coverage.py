@@ -33,6 +33,7 @@ def run_and_check(k, chunk, lengths, seed, commit_pass=True, max_batch=3, budget
         engine.step()
         # invariant 8: real rows write only real blocks the request owns exclusively, never published ones
         assert not rec.ownership_violations, rec.ownership_violations[:5]
+        assert not rec.segment_violations, rec.segment_violations[:5]
         last = last_mtp_writes(rec.writes)
         for req in engine.scheduler.running:
             table, bs = engine.kv.block_table(req.req_id), engine.cfg.block_size
