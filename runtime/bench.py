@@ -11,34 +11,73 @@ measured for each K, plus the K=3 ablation without the commit pass. MTP outputs 
 (greedy MTP must be lossless) and a warning is printed on any mismatch.
 
 Outputs: a rich table, <output-dir>/bench.json (every number, the command, the machine) and two PNG plots.
+
+This module owns the measuring: the CLI, the workload, the engine and HF runners and the measurement loop
+(setup -> warm-up -> interleaved timed rounds -> no-commit ablation). Everything after the last timed run
+(aggregation, losslessness checks, bench.json, plots, tables) is runtime/bench_report.py's; nothing here
+formats results, and nothing there runs a model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
-import statistics
 import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from runtime.bench_report import Measurements, RunResult, build_results, plot, print_tables, print_verdict, write_json
 from runtime.config import ConfigError
 from runtime.engine import LLMEngine, RequestError
 from runtime.factory import create_engine
 from runtime.metrics import Metrics
 from runtime.sampling import SamplingParams
 
+if TYPE_CHECKING:  # rich is imported lazily so `--help` stays fast
+    from rich.progress import Progress, TaskID
+
+
 # Fallback prompt files when the checkpoint has no training_report.json (relative to the stdlib root).
 FALLBACK_FILES = ("json/decoder.py", "textwrap.py", "shlex.py", "fnmatch.py", "colorsys.py", "bisect.py",
                   "heapq.py", "glob.py", "string.py", "keyword.py", "queue.py", "sched.py")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def parse_ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mtp-bench", description=__doc__.splitlines()[0])
+    m = p.add_argument_group("model")
+    m.add_argument("--checkpoint", type=Path, help="Hugging Face checkpoint directory (e.g. models/tiny)")
+    m.add_argument("--random", action="store_true", help="benchmark a random tiny checkpoint (no trained model)")
+    m.add_argument("--engine", type=Path, help="engine directory for --executor onnxruntime (built if missing)")
+    m.add_argument("--executor", choices=("torch", "onnxruntime"), default="torch")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=8, help="prompts per run (held-out stdlib files)")
+    w.add_argument("--prompt-chars", type=int, default=200, help="characters taken from the start of each file")
+    w.add_argument("--max-tokens", type=int, default=64)
+    w.add_argument("--ks", type=parse_ints, default=[0, 1, 2, 3], help="draft depths to compare (default 0,1,2,3)")
+    w.add_argument("--batches", type=parse_ints, default=[1, 8], help="batch sizes (default 1,8)")
+    w.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported")
+    w.add_argument("--quick", action="store_true", help="4 prompts, 32 tokens, 2 repeats (a smoke run)")
+    w.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baseline")
+    w.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    w.add_argument("--max-seq-len", type=int, default=None,
+                   help="torch executor KV table width (default: sized to the workload, prompt + output + drafts)")
+    p.add_argument("--output-dir", type=Path, default=Path("bench_results"))
+    return p
 
 
 # ----------------------------------------------------------------------------------------------- workload
@@ -95,24 +134,6 @@ def make_workload(checkpoint: Path, n: int, chars: int, vocab_size: int, tokeniz
 
 
 # ----------------------------------------------------------------------------------------------- MTP runs
-
-
-@dataclass
-class RunResult:
-    outputs: list[list[int]]
-    decode_tokens: int  # tokens emitted by steps with no prefill work in them
-    decode_seconds: float
-    total_tokens: int
-    wall_seconds: float
-    summary: dict = field(default_factory=dict)
-
-    @property
-    def decode_tps(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def e2e_tps(self) -> float:
-        return self.total_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
 
 def _drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> tuple:
@@ -210,52 +231,23 @@ class HFRunner:
         return RunResult(outputs, dec_tokens, dec_seconds, total, wall)
 
 
-# ----------------------------------------------------------------------------------------------- helpers
+# ----------------------------------------------------------------------------------------------- setup
 
 
-def parse_ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+@dataclass
+class BenchSetup:
+    label: str  # names the model in titles and bench.json ("RANDOM untrained tiny model" for --random)
+    workload: Workload
+    engines: dict[int, LLMEngine]  # K -> engine with the commit pass; K=0 (plain decoding) is always present
+    ablation: LLMEngine | None  # K=ablation_k without the commit pass; None when the largest K is 0
+    ablation_k: int | None
+    hf: HFRunner | None  # None with --no-hf or when transformers cannot load the checkpoint
+    max_seq_len: int  # the KV table width the engines actually use (the ORT engine dir may override ours)
+    tmp: tempfile.TemporaryDirectory | None  # holds the --random checkpoint until the report is written
 
-
-def first_mismatch(got: list[list[int]], ref: list[list[int]]) -> list[dict]:
-    bad = []
-    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
-        if g != r:
-            pos = next((j for j, (a, b) in enumerate(zip(g, r, strict=False)) if a != b), min(len(g), len(r)))
-            bad.append({"prompt": i, "first_diff_at": pos, "len": [len(g), len(r)]})
-    return bad
-
-
-def machine_info() -> dict:
-    import torch
-
-    info = {
-        "nproc": os.cpu_count(),
-        "sched_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch_version": torch.__version__,
-        "torch_num_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "numpy": np.__version__,
-    }
-    try:
-        import onnxruntime
-
-        info["onnxruntime_version"] = onnxruntime.__version__
-    except ImportError:
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return info
+    @property
+    def is_random(self) -> bool:
+        return self.tmp is not None
 
 
 def ensure_engine_dir(checkpoint: Path, engine_dir: Path, max_k: int, max_batch: int, console) -> None:
@@ -279,97 +271,10 @@ def ensure_engine_dir(checkpoint: Path, engine_dir: Path, max_k: int, max_batch:
         raise ConfigError(f"mtp-build failed for {engine_dir} (exit {rc})")
 
 
-# ----------------------------------------------------------------------------------------------- plots
-
-
-def plot(results: dict, out_dir: Path, label: str) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    acc = results["acceptance"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, key, title in ((axes[0], "acceptance_rate_per_position", "unconditional P(accept position i)"),
-                           (axes[1], "conditional_acceptance_per_position", "P(accept i | accepted 0..i-1)")):  # fmt: skip
-        for name, style in (("K=3", "o-"), ("K=3 no commit pass", "s--")):
-            if name in acc:
-                ys = acc[name][key]
-                ax.plot(range(1, len(ys) + 1), ys, style, label=name)
-        for name in ("K=1", "K=2"):
-            if name in acc:
-                ys = acc[name][key]
-                ax.plot(range(1, len(ys) + 1), ys, ".:", alpha=0.6, label=name)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("draft position")
-        ax.set_ylim(0, 1.02)
-        ax.set_xticks(range(1, 1 + max((len(v[key]) for v in acc.values()), default=1)))
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("acceptance rate")
-    axes[1].legend(fontsize=8)
-    fig.suptitle(f"MTP draft acceptance by position, greedy ({label})", fontsize=11)
-    fig.tight_layout()
-    p = out_dir / "acceptance_by_position.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    colors = {}
-    for batch, row in results["tokens_per_second"]["mtp"].items():
-        ks = sorted(int(k) for k in row)
-        line = ax.plot(ks, [row[str(k)]["decode_tps_median"] for k in ks], "o-", label=f"MTP batch {batch}")
-        colors[batch] = line[0].get_color()
-    for batch, hf in results["tokens_per_second"].get("hf", {}).items():
-        ax.axhline(hf["decode_tps_median"], ls="--", color=colors.get(batch, "gray"), label=f"HF generate batch {batch}")
-    ax.set_xlabel("draft depth K (0 = plain decoding)")
-    ax.set_ylabel("decode tokens/s (median)")
-    ax.set_xticks(sorted({int(k) for row in results["tokens_per_second"]["mtp"].values() for k in row}))
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(f"decode throughput vs draft depth ({label})", fontsize=10)
-    fig.tight_layout()
-    p = out_dir / "tokens_per_second_vs_k.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
-    return paths
-
-
-# ----------------------------------------------------------------------------------------------- main
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mtp-bench", description=__doc__.splitlines()[0])
-    m = p.add_argument_group("model")
-    m.add_argument("--checkpoint", type=Path, help="Hugging Face checkpoint directory (e.g. models/tiny)")
-    m.add_argument("--random", action="store_true", help="benchmark a random tiny checkpoint (no trained model)")
-    m.add_argument("--engine", type=Path, help="engine directory for --executor onnxruntime (built if missing)")
-    m.add_argument("--executor", choices=("torch", "onnxruntime"), default="torch")
-    w = p.add_argument_group("workload")
-    w.add_argument("--num-prompts", type=int, default=8, help="prompts per run (held-out stdlib files)")
-    w.add_argument("--prompt-chars", type=int, default=200, help="characters taken from the start of each file")
-    w.add_argument("--max-tokens", type=int, default=64)
-    w.add_argument("--ks", type=parse_ints, default=[0, 1, 2, 3], help="draft depths to compare (default 0,1,2,3)")
-    w.add_argument("--batches", type=parse_ints, default=[1, 8], help="batch sizes (default 1,8)")
-    w.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported")
-    w.add_argument("--quick", action="store_true", help="4 prompts, 32 tokens, 2 repeats (a smoke run)")
-    w.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baseline")
-    w.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    w.add_argument("--max-seq-len", type=int, default=None,
-                   help="torch executor KV table width (default: sized to the workload, prompt + output + drafts)")
-    p.add_argument("--output-dir", type=Path, default=Path("bench_results"))
-    return p
-
-
-def run(args, argv: list[str]) -> int:
+def normalize_args(args) -> None:
+    """Apply --quick and --threads, and make K=0 part of every run; in place, before anything is built."""
     import torch
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console() if Console().is_terminal else Console(width=130)
     if args.quick:
         args.num_prompts, args.max_tokens, args.repeats = min(args.num_prompts, 4), min(args.max_tokens, 32), 2
     if args.threads:
@@ -379,7 +284,10 @@ def run(args, argv: list[str]) -> int:
     args.ks = sorted(set(args.ks))
     if min(args.batches) < 1 or args.repeats < 1 or args.num_prompts < 1:
         raise ConfigError("--batches, --repeats and --num-prompts must be >= 1")
-    tmp = None
+
+
+def resolve_checkpoint(args) -> tuple[tempfile.TemporaryDirectory | None, str]:
+    """Check --checkpoint, or write the --random one into a temporary directory; returns (that dir, label)."""
     if args.random or args.checkpoint is None:
         if not args.random:
             raise ConfigError("give --checkpoint DIR (e.g. models/tiny, made by `make tiny-model`) or --random")
@@ -388,11 +296,42 @@ def run(args, argv: list[str]) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="mtp-bench-")
         args.checkpoint = Path(tmp.name) / "random-tiny"
         make_checkpoint(args.checkpoint, tiny_config(), seed=0)
-        label = "RANDOM untrained tiny model"
-    else:
-        if not (args.checkpoint / "config.json").is_file():
-            raise ConfigError(f"{args.checkpoint} has no config.json; run `make tiny-model` or pass --random")
-        label = f"{args.checkpoint.name} ({'trained' if (args.checkpoint / 'training_report.json').is_file() else 'checkpoint'})"
+        return tmp, "RANDOM untrained tiny model"
+    if not (args.checkpoint / "config.json").is_file():
+        raise ConfigError(f"{args.checkpoint} has no config.json; run `make tiny-model` or pass --random")
+    trained = (args.checkpoint / "training_report.json").is_file()
+    return None, f"{args.checkpoint.name} ({'trained' if trained else 'checkpoint'})"
+
+
+def engine_factory(args, work: Workload) -> Callable[..., LLMEngine]:
+    """engine_for(k, commit_pass=True): every engine sized for the largest K and batch, prefix caching off."""
+    max_k, max_b = max(args.ks), max(args.batches)
+    block = 16  # RuntimeConfig's default block size; the table width is what the paged attention scans
+    max_seq_len = args.max_seq_len or -(-(max(map(len, work.prompts)) + args.max_tokens + 2 * max_k + 1) // block) * block
+
+    def engine_for(k: int, commit_pass: bool = True) -> LLMEngine:
+        common = dict(num_draft_tokens=k, max_batch=max_b, commit_pass=commit_pass, enable_prefix_caching=False,
+                      max_num_tokens=max(256, max_b * (1 + max_k)))  # fmt: skip
+        if args.executor == "onnxruntime":
+            return create_engine(args.engine, args.checkpoint, "onnxruntime", **common)
+        return create_engine(None, args.checkpoint, "torch", max_seq_len=max_seq_len, **common)
+
+    return engine_for
+
+
+def load_hf(args, eos: tuple[int, ...], console) -> HFRunner | None:
+    if args.no_hf:
+        return None
+    try:
+        return HFRunner(args.checkpoint, eos)
+    except Exception as e:  # noqa: BLE001 - the HF baseline is optional
+        console.print(f"[yellow]skipping the Hugging Face baseline: {e}[/]")
+        return None
+
+
+def make_setup(args, console) -> BenchSetup:
+    """Checkpoint, (ORT engine dir), workload, one engine per K plus the ablation engine, and the HF runner."""
+    tmp, label = resolve_checkpoint(args)
     max_k, max_b = max(args.ks), max(args.batches)
     if args.executor == "onnxruntime":
         if args.engine is None:
@@ -404,227 +343,103 @@ def run(args, argv: list[str]) -> int:
     vocab_size = int(json.loads((args.checkpoint / "config.json").read_text())["vocab_size"])
     work = make_workload(args.checkpoint, args.num_prompts, args.prompt_chars, vocab_size,
                          load_tokenizer(args.checkpoint))  # fmt: skip
-    block = 16  # RuntimeConfig's default block size; the table width is what the paged attention scans
-    max_seq_len = args.max_seq_len or -(-(max(map(len, work.prompts)) + args.max_tokens + 2 * max_k + 1) // block) * block
-
-    def engine_for(k: int, commit_pass: bool = True) -> LLMEngine:
-        common = dict(num_draft_tokens=k, max_batch=max_b, commit_pass=commit_pass, enable_prefix_caching=False,
-                      max_num_tokens=max(256, max_b * (1 + max_k)))  # fmt: skip
-        if args.executor == "onnxruntime":
-            return create_engine(args.engine, args.checkpoint, "onnxruntime", **common)
-        return create_engine(None, args.checkpoint, "torch", max_seq_len=max_seq_len, **common)
-
+    engine_for = engine_factory(args, work)
     engines = {k: engine_for(k) for k in args.ks}
     model_cfg = engines[0].model_cfg
     if model_cfg.num_mtp_modules == 0:
         raise ConfigError(f"{args.checkpoint} has no MTP module: nothing to benchmark against K=0")
-    max_seq_len = engines[0].cfg.max_seq_len
     ablation_k = max_k if max_k > 0 else None
     ablation = engine_for(ablation_k, commit_pass=False) if ablation_k else None
-    hf = None
-    if not args.no_hf:
-        try:
-            hf = HFRunner(args.checkpoint, model_cfg.eos_token_id)
-        except Exception as e:  # noqa: BLE001 - the HF baseline is optional
-            console.print(f"[yellow]skipping the Hugging Face baseline: {e}[/]")
-    console.print(f"[bold]mtp-bench[/] {label}: {len(work.prompts)} prompts "
-                  f"({min(map(len, work.prompts))}-{max(map(len, work.prompts))} tokens, {work.tokenized_with}), "
+    hf = load_hf(args, model_cfg.eos_token_id, console)
+    return BenchSetup(label, work, engines, ablation, ablation_k, hf, engines[0].cfg.max_seq_len, tmp)
+
+
+def print_banner(console, args, setup: BenchSetup) -> None:
+    import torch
+
+    prompts = setup.workload.prompts
+    console.print(f"[bold]mtp-bench[/] {setup.label}: {len(prompts)} prompts "
+                  f"({min(map(len, prompts))}-{max(map(len, prompts))} tokens, {setup.workload.tokenized_with}), "
                   f"max_tokens={args.max_tokens}, K={args.ks}, batches={args.batches}, repeats={args.repeats}, "
                   f"executor={args.executor}, torch threads={torch.get_num_threads()}")  # fmt: skip
 
-    runs: dict[tuple, list[RunResult]] = {}
-    plan = [("mtp", k, b) for k in args.ks for b in args.batches] + ([("hf", 0, b) for b in args.batches] if hf else [])
-    total = len(plan) * args.repeats + len(args.ks) + (1 if hf else 0) + (1 if ablation else 0)
+
+# ----------------------------------------------------------------------------------------------- measurement
+
+
+def measure(args, setup: BenchSetup, console) -> Measurements:
+    """Warm every configuration up, then time them round-robin (so drift and background load hit all alike)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    plan = [("mtp", k, b) for k in args.ks for b in args.batches]
+    plan += [("hf", 0, b) for b in args.batches] if setup.hf else []
+    total = len(plan) * args.repeats + len(args.ks) + (1 if setup.hf else 0) + (1 if setup.ablation else 0)
     progress = Progress(TextColumn("[progress.description]{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=False)  # fmt: skip
-    warm_prompts = work.prompts[:2]
     with progress:
         task = progress.add_task("warm-up", total=total)
-        for k, eng in engines.items():  # first calls pay one-off costs (allocation, kernel selection, ORT init)
-            progress.update(task, description=f"warm-up K={k}")
-            run_engine(eng, warm_prompts, 2, 8, f"warm{k}")
-            progress.advance(task)
-        if hf:
-            progress.update(task, description="warm-up HF")
-            hf.run(warm_prompts, 2, 8)
-            progress.advance(task)
-        for r in range(args.repeats):  # interleaved: every configuration once per round
-            for kind, k, b in plan:
-                progress.update(task, description=f"round {r + 1} {'HF' if kind == 'hf' else f'K={k}'} batch {b}")
-                if kind == "hf":
-                    assert hf is not None
-                    res = hf.run(work.prompts, b, args.max_tokens)
-                else:
-                    res = run_engine(engines[k], work.prompts, b, args.max_tokens, f"r{r}k{k}b{b}")
-                runs.setdefault((kind, k, b), []).append(res)
-                progress.advance(task)
+        warm_up(setup, progress, task)
+        runs = timed_rounds(args, setup, plan, progress, task)
         abl = None
-        if ablation is not None:
-            progress.update(task, description=f"ablation K={ablation_k} no commit")
-            abl = run_engine(ablation, work.prompts, max_b, args.max_tokens, "ablation")
+        if setup.ablation is not None:
+            progress.update(task, description=f"ablation K={setup.ablation_k} no commit")
+            abl = run_engine(setup.ablation, setup.workload.prompts, max(args.batches), args.max_tokens, "ablation")
             progress.advance(task)
+    return Measurements(runs, abl)
 
-    # ------------------------------------------------------------------ aggregate
-    def med(xs):
-        return round(statistics.median(xs), 2)
 
-    tps: dict = {"mtp": {}, "hf": {}}
-    for (kind, k, b), rs in runs.items():
-        entry = {
-            "decode_tps_median": med([x.decode_tps for x in rs]),
-            "decode_tps_runs": [round(x.decode_tps, 2) for x in rs],
-            "decode_tps_best": round(max(x.decode_tps for x in rs), 2),  # least disturbed by other load
-            "e2e_tps_median": med([x.e2e_tps for x in rs]),
-            "e2e_tps_runs": [round(x.e2e_tps, 2) for x in rs],
-            "generated_tokens": rs[0].total_tokens,
-            "wall_seconds_runs": [round(x.wall_seconds, 3) for x in rs],
-        }
-        if kind == "mtp":
-            s = [x.summary for x in rs]
-            entry.update({
-                "step_time_ms_median": med([x["step_time_ms"] for x in s]),
-                "executor_time_ms_median": med([x["executor_time_ms"] for x in s]),
-                "host_fraction_median": round(statistics.median([x["host_fraction"] for x in s]), 4),
-                "mean_acceptance_length": s[0]["mean_acceptance_length"],
-                "num_steps": s[0]["num_steps"],
-                "summaries": s,
-            })  # fmt: skip
-            tps["mtp"].setdefault(str(b), {})[str(k)] = entry
-        else:
-            tps["hf"][str(b)] = entry
-    for b, row in tps["mtp"].items():
-        base = row["0"]["decode_tps_median"]
-        hf_base = tps["hf"].get(b, {}).get("decode_tps_median")
-        for entry in row.values():
-            entry["speedup_vs_k0"] = round(entry["decode_tps_median"] / base, 3) if base else None
-            entry["speedup_vs_hf"] = round(entry["decode_tps_median"] / hf_base, 3) if hf_base else None
-            entry["e2e_speedup_vs_k0"] = round(entry["e2e_tps_median"] / row["0"]["e2e_tps_median"], 3)
+def warm_up(setup: BenchSetup, progress: Progress, task: TaskID) -> None:
+    """First calls pay one-off costs (allocation, kernel selection, ORT init); keep them out of the timed rounds."""
+    warm_prompts = setup.workload.prompts[:2]
+    for k, eng in setup.engines.items():
+        progress.update(task, description=f"warm-up K={k}")
+        run_engine(eng, warm_prompts, 2, 8, f"warm{k}")
+        progress.advance(task)
+    if setup.hf:
+        progress.update(task, description="warm-up HF")
+        setup.hf.run(warm_prompts, 2, 8)
+        progress.advance(task)
 
-    acceptance = {}
-    for k in args.ks:
-        if k:
-            summ = runs[("mtp", k, max_b)][0].summary
-            acceptance[f"K={k}"] = {key: summ[key] for key in ("mean_acceptance_length", "acceptance_rate_per_position",
-                                                           "conditional_acceptance_per_position")}  # fmt: skip
-    if abl is not None:
-        acceptance[f"K={ablation_k} no commit pass"] = {
-            key: abl.summary[key]
-            for key in ("mean_acceptance_length", "acceptance_rate_per_position", "conditional_acceptance_per_position")
-        }
-        acceptance[f"K={ablation_k} no commit pass"]["decode_tps"] = round(abl.decode_tps, 2)
 
-    # ------------------------------------------------------------------ losslessness
-    checks, warnings = {}, []
-    for b in args.batches:
-        ref = runs[("mtp", 0, b)][0].outputs
-        for (kind, k, bb), rs in runs.items():
-            if kind != "mtp" or bb != b:
-                continue
-            for r, res in enumerate(rs):
-                bad = first_mismatch(res.outputs, ref)
-                checks[f"K={k} batch {b} round {r + 1} == K=0 batch {b}"] = bad if bad else "ok"
-                if bad and k:
-                    warnings.append(f"K={k} batch {b} round {r + 1}: {len(bad)}/{len(ref)} outputs differ from K=0 "
-                                    f"(first at prompt {bad[0]['prompt']}, token {bad[0]['first_diff_at']})")  # fmt: skip
-    if abl is not None:
-        bad = first_mismatch(abl.outputs, runs[("mtp", 0, max_b)][0].outputs)
-        checks[f"K={ablation_k} no commit pass batch {max_b} == K=0"] = bad if bad else "ok"
-        if bad:
-            warnings.append(f"K={ablation_k} without commit pass: {len(bad)} outputs differ from K=0")
-    info_checks = {}
-    if len(args.batches) > 1:
-        bad = first_mismatch(runs[("mtp", 0, max_b)][0].outputs, runs[("mtp", 0, min(args.batches))][0].outputs)
-        info_checks[f"K=0 batch {max_b} == K=0 batch {min(args.batches)}"] = bad if bad else "ok"
-    if hf:
-        for b in args.batches:
-            bad = first_mismatch(runs[("hf", 0, b)][0].outputs, runs[("mtp", 0, 1 if 1 in args.batches else b)][0].outputs)
-            info_checks[f"HF batch {b} == K=0"] = bad if bad else "ok"
+def timed_rounds(args, setup: BenchSetup, plan: list[tuple[str, int, int]], progress: Progress,
+                 task: TaskID) -> dict[tuple[str, int, int], list[RunResult]]:  # fmt: skip
+    """Every configuration of plan once per round, --repeats rounds; returns (kind, K, batch) -> per-round results."""
+    runs: dict[tuple[str, int, int], list[RunResult]] = {}
+    prompts = setup.workload.prompts
+    for r in range(args.repeats):
+        for kind, k, b in plan:
+            progress.update(task, description=f"round {r + 1} {'HF' if kind == 'hf' else f'K={k}'} batch {b}")
+            if kind == "hf":
+                assert setup.hf is not None  # plan has "hf" entries only when the runner loaded
+                res = setup.hf.run(prompts, b, args.max_tokens)
+            else:
+                res = run_engine(setup.engines[k], prompts, b, args.max_tokens, f"r{r}k{k}b{b}")
+            runs.setdefault((kind, k, b), []).append(res)
+            progress.advance(task)
+    return runs
 
-    # ------------------------------------------------------------------ report
-    results = {
-        "label": label,
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", "runtime.bench", *argv]),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine_info(),
-        "settings": {
-            "checkpoint": str(args.checkpoint) if tmp is None else "random (models.testing.tiny_config, seed 0)",
-            "executor": args.executor,
-            "engine_dir": str(args.engine) if args.executor == "onnxruntime" else None,
-            "ks": args.ks, "batches": args.batches, "repeats": args.repeats, "max_tokens": args.max_tokens,
-            "num_prompts": len(work.prompts), "prompt_chars": args.prompt_chars, "greedy": True,
-            "enable_prefix_caching": False, "max_seq_len": max_seq_len, "hf_transformers": hf.version if hf else None,
-        },  # fmt: skip
-        "model": {"vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.hidden_size,
-                  "num_hidden_layers": model_cfg.num_hidden_layers, "num_mtp_modules": model_cfg.num_mtp_modules,
-                  "parameters": _num_params(engines[0])},  # fmt: skip
-        "workload": {"files": work.sources, "heldout_from_training": work.heldout, "tokenized_with": work.tokenized_with,
-                     "prompt_tokens": [len(p) for p in work.prompts]},  # fmt: skip
-        "tokens_per_second": tps,
-        "acceptance": acceptance,
-        "lossless_checks": checks,
-        "reference_checks": info_checks,
-        "warnings": warnings,
-        "definitions": {
-            "decode_tps": "tokens emitted by engine steps with no prefill work / time in those steps "
-                          "(HF: tokens after the first / time from the first to the last generated position)",
-            "e2e_tps": "all generated tokens / wall time of the run, prefill included",
-            "host_fraction": "1 - executor time / step time (scheduling, planning, acceptance, numpy glue)",
-            "acceptance_rate_per_position": "accepted at draft position i / proposed at position i",
-            "conditional_acceptance_per_position": "P(accept i | positions 0..i-1 accepted)",
-            "mean_acceptance_length": "tokens emitted per verify step, bonus token included",
-        },
-    }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    json_path = args.output_dir / "bench.json"
-    json_path.write_text(json.dumps(results, indent=2) + "\n")
-    pngs = plot(results, args.output_dir, label)
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def run(args, argv: list[str]) -> int:
+    """setup -> measure -> report; exit status 1 when any MTP output differs from K=0."""
+    from rich.console import Console
+
+    console = Console() if Console().is_terminal else Console(width=130)
+    normalize_args(args)
+    setup = make_setup(args, console)
+    print_banner(console, args, setup)
+    meas = measure(args, setup, console)
+    results = build_results(args, argv, setup, meas)
+    json_path = write_json(results, args.output_dir)
+    pngs = plot(results, args.output_dir, setup.label)
     print_tables(console, results, args)
-    for w in warnings:
-        console.print(f"[bold red]WARNING: not lossless:[/] {w}")
-    if not warnings:
-        console.print(f"[green]lossless:[/] every MTP output equals K=0 ({len(checks)} comparisons)")
-    for name, v in info_checks.items():
-        console.print(f"[dim]reference check {name}: {'ok' if v == 'ok' else f'{len(v)} prompts differ'}[/]")
+    print_verdict(console, results)
     console.print(f"wrote {json_path}, {', '.join(map(str, pngs))}")
-    if tmp is not None:
-        tmp.cleanup()
-    return 1 if warnings else 0
-
-
-def _num_params(engine: LLMEngine) -> int | None:
-    model = getattr(engine.executor, "model", None)
-    return sum(p.numel() for p in model.parameters()) if model is not None else None
-
-
-def print_tables(console, results: dict, args) -> None:
-    from rich.table import Table
-
-    t = Table(title=f"decode tokens/s, median of {args.repeats} ({results['label']}, {args.executor} executor)")
-    for col in ("config", "batch", "decode tok/s", "vs K=0", "vs HF", "e2e tok/s", "accept len", "step ms",
-                "host frac"):  # fmt: skip
-        t.add_column(col, justify="left" if col == "config" else "right")
-    tps = results["tokens_per_second"]
-    for b in map(str, args.batches):
-        if b in tps["hf"]:
-            h = tps["hf"][b]
-            t.add_row("HF generate", b, f"{h['decode_tps_median']:.1f}", "", "1.00x", f"{h['e2e_tps_median']:.1f}",
-                      "", "", "")  # fmt: skip
-        for k, e in tps["mtp"][b].items():
-            vs_hf = f"{e['speedup_vs_hf']:.2f}x" if e["speedup_vs_hf"] else "-"
-            t.add_row(f"MTP K={k}", b, f"{e['decode_tps_median']:.1f}", f"{e['speedup_vs_k0']:.2f}x", vs_hf,
-                      f"{e['e2e_tps_median']:.1f}", f"{e['mean_acceptance_length']:.2f}", f"{e['step_time_ms_median']:.1f}",
-                      f"{e['host_fraction_median']:.2f}", end_section=k == str(args.ks[-1]))  # fmt: skip
-    console.print(t)
-    a = Table(title="greedy draft acceptance by position (unconditional / conditional)")
-    a.add_column("config")
-    a.add_column("accept len", justify="right")
-    for i in range(max(args.ks)):
-        a.add_column(f"pos {i + 1}", justify="right")
-    for name, v in results["acceptance"].items():
-        cells = [f"{u:.3f} / {c:.3f}" for u, c in zip(v["acceptance_rate_per_position"],
-                                                       v["conditional_acceptance_per_position"], strict=True)]  # fmt: skip
-        a.add_row(name, f"{v['mean_acceptance_length']:.2f}", *cells, *[""] * (max(args.ks) - len(cells)))
-    console.print(a)
+    if setup.tmp is not None:
+        setup.tmp.cleanup()
+    return 1 if results["warnings"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
