@@ -72,6 +72,7 @@ class LLMEngine:
         # Multi-rank expert parallelism: every rank must issue the same collective-bearing forwards each step
         # (1 main + k drafts), so an idle rank runs dummy forwards that touch only the null block (invariant 9).
         self.lockstep = lockstep
+        self._exec_seconds = 0.0  # executor time within the current step
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, req_id: str | None = None) -> str:
@@ -121,10 +122,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
-        exec_seconds = 0.0
+        self._exec_seconds = 0.0
         sched = self.scheduler.schedule()
         self.metrics.num_preemptions += len(sched.preempted)
-        if sched.block_copies:
+        if sched.block_copies:  # prefix-cache copy-on-write, before anything reads the copies
             self.executor.copy_blocks(sched.block_copies)
             self.kv.complete_copies()
         if not sched.scheduled:
@@ -134,33 +135,53 @@ class LLMEngine:
         scheduled = sched.scheduled
         tables = [self.kv.block_table(s.req.req_id) for s in scheduled]
         plan = plan_main(scheduled, tables, self.width)
-        t0 = time.perf_counter()
-        main = self.executor.run_main(plan.inp)
-        exec_seconds += time.perf_counter() - t0
+        main = self._timed(self.executor.run_main, plan.inp)  # 1. verify (main KV appended inside)
+        accepted, emitted = self._accept_all(scheduled, plan, main.logits)  # 2. accept
+        if self.k:
+            self._commit_pass(scheduled, accepted, main.hidden, plan.row_offsets, tables)  # 4. commit pass
+        outputs, drafting = self._advance(scheduled, plan, main.hidden, accepted, emitted)  # 3. rewind, 6. emit
+        if self.k:  # 5. serial draft loop from h_{base-1} and the new base token
+            rows = [row for _, row in drafting]
+            self._draft_loop([scheduled[i].req for i, _ in drafting], main.hidden[rows],
+                             [tables[i] for i, _ in drafting])  # fmt: skip
+        self._publish(scheduled)
+        self._update_metrics(time.perf_counter() - t_start, self._exec_seconds)
+        return outputs
 
+    def _timed(self, fn, *args):
+        """Call an executor method, adding its time to this step's executor time."""
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self._exec_seconds += time.perf_counter() - t0
+        return out
+
+    def _accept_all(self, scheduled: list[ScheduledRequest], plan, logits: np.ndarray):
+        """Per request: accepted draft count a_r and the tokens to emit (accepted drafts + one main token)."""
         accepted: list[int] = []
         emitted: list[list[int]] = []
         for i, s in enumerate(scheduled):
-            if not s.reaches_end:
+            if not s.reaches_end:  # a non-final prefill chunk samples nothing
                 accepted.append(0)
                 emitted.append([])
                 continue
             lo = plan.logit_offsets[i]
-            a, nxt = self._accept(s.req, main.logits[lo : lo + 1 + s.num_drafts])
+            a, nxt = self._accept(s.req, logits[lo : lo + 1 + s.num_drafts])
             accepted.append(a)
             emitted.append(s.req.drafts[:a] + [nxt])
+        return accepted, emitted
 
-        if self.k:
-            exec_seconds += self._commit_pass(scheduled, accepted, main.hidden, plan.row_offsets, tables)
-
+    def _advance(self, scheduled: list[ScheduledRequest], plan, hidden: np.ndarray, accepted: list[int],
+                 emitted: list[list[int]]) -> tuple[list[RequestOutput], list[tuple[int, int]]]:  # fmt: skip
+        """Rewind (bookkeeping only), carry chunk seams, emit tokens. Returns outputs and the requests that
+        draft next, as (index in scheduled, main row of h_{base-1})."""
         outputs, drafting = [], []
         for i, s in enumerate(scheduled):
             req = s.req
-            req.num_computed = s.start + s.num_new_tokens + accepted[i]  # rewind: bookkeeping only
+            req.num_computed = s.start + s.num_new_tokens + accepted[i]  # lookahead blocks stay owned
             req.drafts, req.draft_probs = [], None
             if not s.reaches_end:
                 last = plan.row_offsets[i] + s.num_new_tokens - 1
-                req.carry = ChunkCarry(s.start + s.num_new_tokens - 1, main.hidden[last].copy()) if self.k else None
+                req.carry = ChunkCarry(s.start + s.num_new_tokens - 1, hidden[last].copy()) if self.k else None
                 continue
             req.carry = None
             self._record_verify(s, accepted[i])
@@ -168,17 +189,14 @@ class LLMEngine:
             outputs.append(self._output(req, new))
             if not req.is_finished and self.k:
                 drafting.append((i, plan.row_offsets[i] + s.num_new_tokens - 1 + accepted[i]))
+        return outputs, drafting
 
-        if self.k:
-            exec_seconds += self._draft_loop([scheduled[i].req for i, _ in drafting],
-                                             main.hidden[[row for _, row in drafting]],
-                                             [tables[i] for i, _ in drafting])  # fmt: skip
+    def _publish(self, scheduled: list[ScheduledRequest]) -> None:
+        """Publish blocks whose main and MTP entries are final (a carried position is not final yet)."""
         for s in scheduled:
             if not s.req.is_finished:
                 final = s.req.num_computed - (1 if s.req.carry is not None else 0)
                 self.kv.publish_full_blocks(s.req.req_id, s.req.token_ids, final)
-        self._update_metrics(time.perf_counter() - t_start, exec_seconds)
-        return outputs
 
     def _accept(self, req: Request, rows: np.ndarray) -> tuple[int, int]:
         """rows [1+k, V]: logits of the last real token and of each draft."""
@@ -191,7 +209,7 @@ class LLMEngine:
         return accept_exact_match(req.drafts, sample(probs, req.rng).tolist())
 
     def _commit_pass(self, scheduled: list[ScheduledRequest], accepted: list[int], hidden: np.ndarray,
-                     row_offsets: list[int], tables: list[list[int]]) -> float:  # fmt: skip
+                     row_offsets: list[int], tables: list[list[int]]) -> None:  # fmt: skip
         segments = []
         for i, s in enumerate(scheduled):
             carry = s.req.carry
@@ -202,11 +220,8 @@ class LLMEngine:
             segments.append(commit_segment(s, accepted[i], committed, hidden, row_offsets[i],
                                            None if carry is None else carry.hidden, self.cfg.commit_pass))  # fmt: skip
         inp = pack_commit(segments, tables, self.width, self.executor.hidden_size)
-        if not len(inp.token_ids):
-            return 0.0
-        t0 = time.perf_counter()
-        self.executor.run_commit(inp)
-        return time.perf_counter() - t0
+        if len(inp.token_ids):  # no collective inside, so skipping an empty write keeps lockstep
+            self._timed(self.executor.run_commit, inp)
 
     def _dummy_forwards(self, main: bool) -> None:
         """One padded row (count 0, null block): joins the MoE exchange, reads and writes no KV."""
@@ -219,22 +234,19 @@ class LLMEngine:
         for _ in range(self.k):
             self.executor.run_draft(DraftInput(hidden, zero_i64, zero_i64, zero_i32, table))
 
-    def _draft_loop(self, reqs: list[Request], hidden: np.ndarray, tables: list[list[int]]) -> float:
+    def _draft_loop(self, reqs: list[Request], hidden: np.ndarray, tables: list[list[int]]) -> None:
         if not reqs:
             if self.lockstep:
                 self._dummy_forwards(main=False)
-            return 0.0
+            return
         bases = [r.num_computed for r in reqs]
         for r, b in zip(reqs, bases, strict=True):
             if r.num_tokens - 1 != b:
                 raise RuntimeError(f"{r.req_id}: base position {b} is not the last token's ({r.num_tokens - 1})")
         tokens = [r.token_ids[-1] for r in reqs]
-        seconds = 0.0
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
         for depth in range(self.k):
-            t0 = time.perf_counter()
-            out = self.executor.run_draft(plan_draft(hidden, tokens, bases, depth, tables, self.width))
-            seconds += time.perf_counter() - t0
+            out = self._timed(self.executor.run_draft, plan_draft(hidden, tokens, bases, depth, tables, self.width))
             tokens = []
             for j, r in enumerate(reqs):
                 if r.params.acceptance == "rejection" and not r.params.is_greedy:
@@ -248,7 +260,6 @@ class LLMEngine:
         for j, r in enumerate(reqs):
             if probs[j]:
                 r.draft_probs = np.stack(probs[j])
-        return seconds
 
     # ------------------------------------------------------------------ emission and bookkeeping
     def _emit(self, req: Request, tokens: list[int]) -> list[int]:
