@@ -28,22 +28,9 @@ WORKSPACE_BYTES = 4 << 30
 
 def tensorrt_missing() -> str | None:
     """Why a TensorRT build cannot run here, or None when it can."""
-    try:
-        import tensorrt
-    except ImportError:
-        return "TensorRT is not installed (pip install tensorrt on a machine with an NVIDIA GPU and CUDA)"
-    if not hasattr(tensorrt, "Builder"):
-        # `tensorrt-stubs` installs an importable but empty `tensorrt` package (type stubs only).
-        return "only the TensorRT type stubs are installed, not the TensorRT library (install tensorrt 10.x/11.x)"
-    import torch
+    from plugins.trt_plugins import tensorrt_missing as missing
 
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible to this process (TensorRT builds plans for the GPU they run on)"
-    try:
-        import plugins.trt_plugins  # noqa: F401
-    except ImportError as e:
-        return f"the TensorRT plugin module plugins/trt_plugins.py cannot be imported ({e})"
-    return None
+    return missing()
 
 
 def _ranges(first: int, last: int) -> list[tuple[int, int, int]]:

@@ -31,6 +31,22 @@ def tensorrt_available() -> bool:
     return hasattr(tensorrt, "Builder") and hasattr(tensorrt, "IPluginV3")
 
 
+def tensorrt_missing() -> str | None:
+    """Why TensorRT engines cannot be built or run here, or None when they can (the one place that checks)."""
+    try:
+        import tensorrt
+    except ImportError:
+        return "TensorRT is not installed (pip install tensorrt on a machine with an NVIDIA GPU and CUDA)"
+    if not tensorrt_available():
+        # `tensorrt-stubs` installs an importable but empty `tensorrt` package (type stubs only).
+        return f"only the TensorRT type stubs are installed, not the TensorRT library {tensorrt.__name__} 10.x/11.x"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to this process (TensorRT plans are built for and run on a GPU)"
+    return None
+
+
 def require_tensorrt() -> None:
     if not tensorrt_available():
         raise RuntimeError(_NOT_INSTALLED)

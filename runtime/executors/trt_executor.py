@@ -37,15 +37,9 @@ log = logging.getLogger(__name__)
 
 
 def tensorrt_runtime_missing() -> str | None:
-    try:
-        import tensorrt
-    except ImportError:
-        return "TensorRT is not installed"
-    if not hasattr(tensorrt, "Runtime"):
-        return "only the TensorRT type stubs are installed, not the TensorRT library"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible to this process"
-    return None
+    from plugins.trt_plugins import tensorrt_missing
+
+    return tensorrt_missing()
 
 
 def _dims(d: trt.Dims) -> tuple[int, ...]:
