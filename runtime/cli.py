@@ -94,13 +94,15 @@ def run(args) -> int:
     records = [_record(prompts[i], finals.get(i), errors.get(i)) for i in mine]
     summary = engine.metrics.summary(wall, len(mine))
     if comm is not None and world > 1:
-        gathered = comm.gather((mine, records, summary), root=0)
+        gathered = comm.gather((mine, records, summary, engine.metrics, wall), root=0)
         if rank != 0:
             return 0
-        records = [r for _, recs, _ in gathered for r in recs]
-        order = [i for m, _, _ in gathered for i in m]
-        records = [r for _, r in sorted(zip(order, records, strict=True), key=lambda x: x[0])]
-        summary = {**summary, "per_rank": [s for _, _, s in gathered], "num_requests": len(records)}
+        order = [i for g in gathered for i in g[0]]
+        records = [r for _, r in sorted(zip(order, [r for g in gathered for r in g[1]], strict=True), key=lambda x: x[0])]
+        merged = gathered[0][3]
+        for g in gathered[1:]:
+            merged.merge(g[3])
+        summary = {**merged.summary(max(g[4] for g in gathered), len(records)), "per_rank": [g[2] for g in gathered]}
     if stream_live:
         print()
     _print(records, summary, args.json)

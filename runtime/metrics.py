@@ -25,6 +25,17 @@ class Metrics:
         self.proposed_per_position = [0] * self.num_draft_tokens
         self.accepted_per_position = [0] * self.num_draft_tokens
 
+    def merge(self, other: Metrics) -> None:
+        """Add another rank's counts (times: the slowest rank's, since ranks step in lockstep)."""
+        for i in range(self.num_draft_tokens):
+            self.proposed_per_position[i] += other.proposed_per_position[i]
+            self.accepted_per_position[i] += other.accepted_per_position[i]
+        for name in ("num_verify_steps", "num_emitted_tokens", "num_generated_tokens", "prefix_hit_tokens",
+                     "num_preemptions", "kv_blocks_used", "kv_blocks_free"):  # fmt: skip
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("num_steps", "executor_seconds", "step_seconds"):
+            setattr(self, name, max(getattr(self, name), getattr(other, name)))
+
     def record_verify(self, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
         self.num_verify_steps += 1
         self.num_emitted_tokens += num_emitted

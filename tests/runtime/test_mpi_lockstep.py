@@ -59,3 +59,29 @@ def test_failing_rank_aborts_all(checkpoint, tmp_path):
     proc = mpirun(2, checkpoint, tmp_path / "out.json", "fail", timeout=120)
     assert proc.returncode != 0
     assert "injected failure on rank 1" in proc.stderr
+
+
+def test_mtp_run_cli_on_an_expert_parallel_onnxruntime_engine(tmp_path):
+    """`mpirun -np 2 mtp-run --engine EP2 --json` == the single-process torch run: ids, texts and the merged
+    acceptance summary; only rank 0 prints."""
+    from builder import cli as build_cli
+
+    tiny = ROOT / "models" / "tiny"
+    engine = tmp_path / "ep2"
+    assert build_cli.main(["--checkpoint", str(tiny), "--output", str(engine), "--world-size", "2", "--ep-size", "2",
+                           "--num-draft-tokens", "2", "--max-seq-len", "128", "--max-batch", "4"]) == 0  # fmt: skip
+    prompts = ["--prompt", "def main(", "--prompt", "import os", "--prompt", "class A:", "--max-tokens", "16", "--json"]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    mtp_run = Path(sys.executable).parent / "mtp-run"
+    ep = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", str(mtp_run), "--engine", str(engine), *prompts],
+                        env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
+    single = subprocess.run([str(mtp_run), "--checkpoint", str(tiny), "--num-draft-tokens", "2", *prompts], env=env,
+                            capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
+    assert ep.returncode == 0 and single.returncode == 0, ep.stderr[-2000:] + single.stderr[-2000:]
+    ep_lines = [json.loads(line) for line in ep.stdout.splitlines() if line.startswith("{")]
+    single_lines = [json.loads(line) for line in single.stdout.splitlines() if line.startswith("{")]
+    assert len(ep_lines) == 4, "rank 1 must not print"
+    for a, b in zip(ep_lines[:3], single_lines[:3], strict=True):
+        assert a["output_ids"] == b["output_ids"] and a["accepted_per_step"] == b["accepted_per_step"]
+    for key in ("num_requests", "num_generated_tokens", "mean_acceptance_length", "acceptance_rate_per_position"):
+        assert ep_lines[3]["summary"][key] == single_lines[3]["summary"][key]
