@@ -89,13 +89,14 @@ class Scheduler:
     def _schedule_running(self, req: Request, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
         remaining = req.num_tokens - req.num_computed
         n_drafts = len(req.drafts)
-        if remaining + n_drafts <= budget:
+        if n_drafts == 0:  # a chunking prefill (or a K=0 decode row) continues with what fits
+            n_new = min(remaining, budget, self.cfg.max_prefill_chunk)
+        elif remaining + n_drafts <= budget:
             n_new = remaining
-        elif n_drafts == 0 and budget > 0:
-            n_new = min(remaining, budget)  # a chunking prefill continues with what fits
         else:
-            return None  # a decode row (1 + k tokens) is never split; wait for the next step
-        n_drafts = n_drafts if req.num_computed + n_new == req.num_tokens else 0
+            n_new = 0  # a decode row (1 + k tokens) is never split; wait for the next step
+        if n_new <= 0:
+            return None
         need = self.lookahead_tokens(req, req.num_computed, n_new, n_drafts)
         while not self.kv.allocate(req.req_id, need):
             victim = max((r for r in self.running if r.status == RequestStatus.RUNNING), key=lambda r: r.arrival)

@@ -106,3 +106,18 @@ def test_onnxruntime_executor_is_lossless(reference, ort_engine_dir, k, chunk):
     engine = create_engine(ort_engine_dir, executor="onnxruntime", num_draft_tokens=k, max_prefill_chunk=chunk,
                            num_blocks=200)  # fmt: skip
     assert run(engine) == reference
+
+
+def test_prefill_chunks_never_exceed_the_chunk_size():
+    engine = make_engine(2, max_prefill_chunk=5, max_num_tokens=64)
+    sizes = []
+    real_schedule = engine.scheduler.schedule
+
+    def spy():
+        out = real_schedule()
+        sizes.extend(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    engine.scheduler.schedule = spy
+    engine.generate(PROMPTS[:4], PARAMS)
+    assert max(sizes) == 5
