@@ -82,11 +82,11 @@ def run(args) -> int:
             errors[i] = str(e)
     stream_live = not args.json and rank == 0 and world == 1 and len(prompts) == 1
     t0 = time.perf_counter()
-    finals = {}
+    finals, shown = {}, ""
     for out in lockstep_stream(engine, comm):
-        if stream_live and out.new_token_ids:
-            sys.stdout.write(out.text[len(getattr(run, "_shown", "")):])
-            run._shown = out.text  # type: ignore[attr-defined]
+        if stream_live and out.new_token_ids and out.text.startswith(shown):
+            sys.stdout.write(out.text[len(shown) :])  # print only the new text (a stop string may cut it back)
+            shown = out.text
             sys.stdout.flush()
         if out.finished:
             finals[ids[out.req_id]] = out
