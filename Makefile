@@ -37,6 +37,7 @@ tiny-model: $(STAMP)
 
 gpu-check: $(STAMP)
 	$(PY) -m plugins.gpu_check
+	$(PY) -m runtime.gpu_check
 
 clean:
 	rm -rf .venv engines build

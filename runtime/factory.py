@@ -32,12 +32,15 @@ def create_engine(
     executor: str = "onnxruntime",
     rank: int = 0,
     world_size: int = 1,
+    device: str = "cpu",
+    cuda_graphs: bool = False,
     **overrides,
 ) -> LLMEngine:
     """Args:
         engine_dir: a directory built by mtp-build (validated before anything runs).
         checkpoint: a Hugging Face checkpoint directory (torch executor only, no build step).
         executor: onnxruntime | torch | tensorrt.
+        device, cuda_graphs: torch executor only ("cuda" + cuda_graphs=True replays captured graphs).
         overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...).
     """
     if executor not in EXECUTORS:
@@ -75,7 +78,7 @@ def create_engine(
             ex = TrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)
         else:
             checkpoint = checkpoint or ecfg.checkpoint["path"]
-            ex, model_cfg = _torch_executor(checkpoint, cfg, rank, ecfg.parallel.get("ep_size", 1))
+            ex, model_cfg = _torch_executor(checkpoint, cfg, rank, ecfg.parallel.get("ep_size", 1), device, cuda_graphs)
     else:
         if checkpoint is None:
             raise ConfigError("give --engine DIR (built by mtp-build) or --checkpoint DIR (torch executor)")
@@ -83,16 +86,19 @@ def create_engine(
             raise ConfigError(f"executor {executor!r} needs an engine directory; build one with mtp-build "
                               "or use --executor torch with --checkpoint")  # fmt: skip
         cfg = RuntimeConfig(**overrides)
-        ex, model_cfg = _torch_executor(checkpoint, cfg, rank, world_size)
+        ex, model_cfg = _torch_executor(checkpoint, cfg, rank, world_size, device, cuda_graphs)
         tokenizer = load_tokenizer(Path(checkpoint))
     if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:
         cfg = replace(cfg, num_draft_tokens=0)  # the checkpoint has no MTP module: plain decoding
     return LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1)
 
 
-def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, ep_size: int):
+def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, ep_size: int, device: str, cuda_graphs: bool):
     from models.checkpoint import load_model
     from runtime.executors.torch_executor import TorchExecutor
 
     model, _ = load_model(checkpoint, ep_rank=rank, ep_size=ep_size)
-    return TorchExecutor(model, cfg.num_blocks, cfg.block_size), model.cfg
+    executor = TorchExecutor(model, cfg.num_blocks, cfg.block_size, device=device, cuda_graphs=cuda_graphs,
+                             max_batch=cfg.max_batch, num_draft_tokens=cfg.num_draft_tokens,
+                             max_blocks_per_request=cfg.max_blocks_per_request)  # fmt: skip
+    return executor, model.cfg
