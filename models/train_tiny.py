@@ -18,6 +18,9 @@ What it does, start to finish (every step seeded, so the same command gives the 
 
 `--minutes` is a wall-clock budget: after timing the first steps it may lower the step count so the run
 fits; the step count actually used is recorded in the report (re-run with `--steps N` to reproduce).
+
+This module owns the model config, initialisation, router balancing, training loop, checkpoint writing and
+CLI; steps 1-2 (corpus, tokenizer) are models/tiny_data.py's, the losses and step 5 models/tiny_eval.py's.
 """
 
 from __future__ import annotations
@@ -28,23 +31,19 @@ import math
 import os
 import shutil
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from models.checkpoint import save_hf_checkpoint, to_hf_config
 from models.config import ModelConfig
 from models.glm4_moe import Glm4MoeMTPModel, Router
-from models.tokenizer import EOS_TOKEN, save_tokenizer, train_bpe
-
-HELDOUT_EVERY = 20  # file i is held out when i % HELDOUT_EVERY == HELDOUT_EVERY - 1
-MAX_FILE_BYTES = 200_000  # skip huge (mostly generated / table-like) modules: they would dominate the corpus
-SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "ensurepip", "__pycache__"}
+from models.tiny_data import prepare_corpus
+from models.tiny_eval import eval_windows, evaluate, mtp_losses
+from models.tokenizer import EOS_TOKEN, save_tokenizer
 
 
 @dataclass(frozen=True)
@@ -61,43 +60,6 @@ class TrainSettings:
     bias_update_speed: float = 1e-3  # DeepSeek-V3's gamma for the aux-loss-free balancing
     vocab_size: int = 2048
     eval_tokens: int = 65_536  # held-out tokens scored at the end (evenly spaced windows over all held-out files)
-
-
-# ----------------------------------------------------------------------------------------------- corpus
-
-
-def stdlib_files(root: Path | None = None) -> list[Path]:
-    """The stdlib's .py files, sorted by relative path (deterministic across runs on one Python install)."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = []
-    for p in root.rglob("*.py"):
-        rel_dirs = p.relative_to(root).parts[:-1]
-        if any(d in SKIP_DIRS or d.startswith("test") for d in rel_dirs) or p.name.startswith("test_"):
-            continue
-        if p.stat().st_size > MAX_FILE_BYTES or p.stat().st_size == 0:
-            continue
-        files.append(p)
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def split_files(files: list[Path]) -> tuple[list[Path], list[Path]]:
-    """Split by file (not by token window) so held-out code is genuinely unseen."""
-    train = [f for i, f in enumerate(files) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
-    heldout = [f for i, f in enumerate(files) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
-    return train, heldout
-
-
-def read_source(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
-
-
-def encode_documents(tok, texts: list[str], eos_id: int) -> torch.Tensor:
-    """One long int64 stream: doc0 EOS doc1 EOS ... (EOS marks where a file ends, as at inference)."""
-    ids: list[int] = []
-    for enc in tok.encode_batch(texts):
-        ids.extend(enc.ids)
-        ids.append(eos_id)
-    return torch.tensor(ids, dtype=torch.long)
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -193,69 +155,6 @@ class RouterBalancer:
                 worst = max(worst, float(load.max() / load.mean()))
             load.zero_()
         return worst
-
-
-# ------------------------------------------------------------------------------------------------- loss
-
-
-def mtp_losses(
-    model: Glm4MoeMTPModel, window: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """window [B, S+1] -> (main CE, MTP CE, main logits [B,S,V], MTP logits [B,S-1,V]).
-
-    Main row p predicts t_{p+1}; MTP row p (h_p paired with t_{p+1}) predicts t_{p+2}.
-    """
-    inputs = window[:, :-1]
-    main_logits, mtp_logits = model.forward_train(inputs)
-    assert mtp_logits is not None, "the tiny model must have an MTP module"
-    vocab = main_logits.shape[-1]
-    main_ce = F.cross_entropy(main_logits.reshape(-1, vocab).float(), window[:, 1:].reshape(-1))
-    mtp_ce = F.cross_entropy(mtp_logits.reshape(-1, vocab).float(), window[:, 2:].reshape(-1))
-    return main_ce, mtp_ce, main_logits, mtp_logits
-
-
-def greedy_acceptance(main_logits: torch.Tensor, mtp_logits: torch.Tensor) -> tuple[int, int]:
-    """(matches, positions): MTP row p's argmax vs the main model's argmax at row p+1 (both predict t_{p+2})."""
-    draft = mtp_logits.argmax(-1)
-    target = main_logits[:, 1:].argmax(-1)
-    return int((draft == target).sum()), draft.numel()
-
-
-def eval_windows(stream: torch.Tensor, seq_len: int, max_tokens: int) -> torch.Tensor:
-    """Non-overlapping [N, seq_len+1] windows, evenly spaced over the stream so every held-out file counts."""
-    n_avail = (len(stream) - 1) // seq_len
-    n = max(1, min(n_avail, max_tokens // seq_len))
-    starts = torch.linspace(0, (n_avail - 1) * seq_len, n).long()
-    return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
-
-
-@torch.no_grad()
-def evaluate(model: Glm4MoeMTPModel, windows: torch.Tensor, batch_size: int = 16) -> dict[str, float]:
-    """Held-out main CE, MTP CE, greedy acceptance and top-1 accuracies (token-weighted means)."""
-    model.eval()
-    sums: dict[str, float] = {"main": 0.0, "mtp": 0.0, "accept": 0, "accept_n": 0, "main_acc": 0, "mtp_acc": 0}
-    n_main = n_mtp = 0
-    for i in range(0, len(windows), batch_size):
-        w = windows[i : i + batch_size]
-        main_ce, mtp_ce, main_logits, mtp_logits = mtp_losses(model, w)
-        k, n = greedy_acceptance(main_logits, mtp_logits)
-        sums["main"] += float(main_ce) * w[:, 1:].numel()
-        sums["mtp"] += float(mtp_ce) * w[:, 2:].numel()
-        sums["accept"] += k
-        sums["accept_n"] += n
-        sums["main_acc"] += int((main_logits.argmax(-1) == w[:, 1:]).sum())
-        sums["mtp_acc"] += int((mtp_logits.argmax(-1) == w[:, 2:]).sum())
-        n_main += w[:, 1:].numel()
-        n_mtp += w[:, 2:].numel()
-    model.train()
-    return {
-        "main_loss": sums["main"] / n_main,
-        "mtp_loss": sums["mtp"] / n_mtp,
-        "mtp_greedy_acceptance": sums["accept"] / sums["accept_n"],
-        "main_top1_accuracy": sums["main_acc"] / n_main,
-        "mtp_top1_accuracy": sums["mtp_acc"] / n_mtp,
-        "tokens": n_main,
-    }
 
 
 # --------------------------------------------------------------------------------------------- training
@@ -389,30 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     s = TrainSettings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
 
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train_files, heldout_files = split_files(stdlib_files(root))
-    train_texts = [read_source(f) for f in train_files]
-    heldout_texts = [read_source(f) for f in heldout_files]
-    print(f"corpus: {len(train_files)} train files, {len(heldout_files)} held-out files from {root}")
-
-    tok = train_bpe(train_texts, s.vocab_size)
-    eos_id = tok.token_to_id(EOS_TOKEN)
-    assert eos_id is not None, f"{EOS_TOKEN} must be in the vocabulary (it is a special token)"
-    train_stream = encode_documents(tok, train_texts, eos_id)
-    heldout_stream = encode_documents(tok, heldout_texts, eos_id)
-    print(
-        f"tokenizer: vocab {tok.get_vocab_size()}, {len(train_stream):,} train / {len(heldout_stream):,} held-out tokens"
-    )
-
-    cfg = tiny_model_config(tok.get_vocab_size(), eos_id)
+    corpus = prepare_corpus(s.vocab_size)
+    tok = corpus.tok
+    cfg = tiny_model_config(tok.get_vocab_size(), corpus.eos_id)
     model = Glm4MoeMTPModel(cfg)
     init_weights(model, args.seed)
     params = count_params(model)
     print(f"model: {params['total']:,} parameters ({params['mtp_module']:,} in the MTP module)")
 
-    windows = eval_windows(heldout_stream, s.seq_len, s.eval_tokens)
+    windows = eval_windows(corpus.heldout_stream, s.seq_len, s.eval_tokens)
     before = evaluate(model, windows[:8])
-    run = train(model, train_stream, s, args.seed, args.minutes)
+    run = train(model, corpus.train_stream, s, args.seed, args.minutes)
     heldout = evaluate(model, windows)
     print(
         f"held-out: main loss {heldout['main_loss']:.3f}, MTP loss {heldout['mtp_loss']:.3f}, "
@@ -425,15 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "corpus": {
-            "source": "Python standard library .py files (sysconfig stdlib path)",
-            "train_files": len(train_files),
-            "heldout_files": len(heldout_files),
-            "heldout_rule": f"file index % {HELDOUT_EVERY} == {HELDOUT_EVERY - 1} in sorted order",
-            "heldout_paths": [f.relative_to(root).as_posix() for f in heldout_files],
-            "train_tokens": len(train_stream),
-            "heldout_tokens": len(heldout_stream),
-        },
+        "corpus": corpus.report(),
         "tokenizer": {
             "type": "byte-level BPE (tokenizers)",
             "vocab_size": tok.get_vocab_size(),
