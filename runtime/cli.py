@@ -135,7 +135,7 @@ def _print(records: list[dict], summary: dict, as_json: bool) -> None:
     table.add_column("value")
     for key in ("num_requests", "num_generated_tokens", "tokens_per_second", "mean_acceptance_length",
                 "acceptance_rate_per_position", "conditional_acceptance_per_position", "step_time_ms",
-                "host_fraction", "prefix_cache_hit_tokens", "kv_blocks_used", "kv_blocks_free"):  # fmt: skip
+                "host_fraction", "prefix_cache_hit_tokens", "kv_blocks_used_peak", "kv_blocks_free"):  # fmt: skip
         table.add_row(key, str(summary.get(key)))
     console.print(table)
 

@@ -307,6 +307,7 @@ class LLMEngine:
         m.executor_seconds += exec_seconds
         m.prefix_hit_tokens = self.kv.stats.num_hit_tokens
         m.kv_blocks_used, m.kv_blocks_free = self.kv.num_used_blocks, self.kv.num_free_blocks
+        m.kv_blocks_used_peak = max(m.kv_blocks_used_peak, m.kv_blocks_used)
 
     # ------------------------------------------------------------------ convenience
     def stream(self) -> Iterator[RequestOutput]:

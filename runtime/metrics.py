@@ -18,8 +18,9 @@ class Metrics:
     step_seconds: float = 0.0
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0
-    kv_blocks_used: int = 0
+    kv_blocks_used: int = 0  # at the last step
     kv_blocks_free: int = 0
+    kv_blocks_used_peak: int = 0
 
     def __post_init__(self) -> None:
         self.proposed_per_position = [0] * self.num_draft_tokens
@@ -31,7 +32,7 @@ class Metrics:
             self.proposed_per_position[i] += other.proposed_per_position[i]
             self.accepted_per_position[i] += other.accepted_per_position[i]
         for name in ("num_verify_steps", "num_emitted_tokens", "num_generated_tokens", "prefix_hit_tokens",
-                     "num_preemptions", "kv_blocks_used", "kv_blocks_free"):  # fmt: skip
+                     "num_preemptions", "kv_blocks_used", "kv_blocks_used_peak", "kv_blocks_free"):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("num_steps", "executor_seconds", "step_seconds"):
             setattr(self, name, max(getattr(self, name), getattr(other, name)))
@@ -81,5 +82,6 @@ class Metrics:
             "prefix_cache_hit_tokens": self.prefix_hit_tokens,
             "num_preemptions": self.num_preemptions,
             "kv_blocks_used": self.kv_blocks_used,
+            "kv_blocks_used_peak": self.kv_blocks_used_peak,
             "kv_blocks_free": self.kv_blocks_free,
         }
