@@ -105,6 +105,15 @@ class RecordingExecutor:
         return self.inner.run_draft(inp)
 
     def copy_blocks(self, pairs):
+        """Copy-on-write copies every plane of a block: the copy inherits the source's entries (and provenance)."""
+        for src, dst in pairs:
+            latest = {}
+            for w in self.writes:
+                if w.block == src:
+                    latest[(w.plane, w.slot)] = w
+            for w in latest.values():
+                self.writes.append(Write(self.step, "copy", w.plane, dst, w.slot, w.position, w.row, w.token,
+                                         w.hidden_source))  # fmt: skip
         return self.inner.copy_blocks(pairs)
 
 
