@@ -62,7 +62,8 @@ class LLMEngine:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
         self.executor, self.model_cfg, self.cfg, self.tokenizer = executor, model_cfg, cfg, tokenizer
         self.k = cfg.num_draft_tokens
-        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, mtp_cow=cfg.prefix_cache_cow)
+        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                 mtp_cow=cfg.prefix_cache_cow, draft_kv=self.k > 0)  # fmt: skip
         self.scheduler = Scheduler(cfg, self.kv)
         self.metrics = Metrics(self.k)
         self.requests: dict[str, Request] = {}

@@ -86,7 +86,7 @@ class KVCacheManager:
     """Per-request block tables over one `BlockPool` (main and MTP draft planes share the block ids)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
-                 mtp_cow: bool = False) -> None:
+                 mtp_cow: bool = False, draft_kv: bool = True) -> None:
         """
         Args:
             num_blocks: blocks in the pool, including the reserved null block 0.
@@ -94,10 +94,13 @@ class KVCacheManager:
             enable_prefix_caching: publish full verified blocks and look prompts up.
             mtp_cow: on a hit, recompute only the last matched token (copy-on-write of the last matched
                 block) instead of giving up the whole last matched block.
+            draft_kv: blocks also hold MTP draft entries (MTP on). Without them (K = 0) a matched block is
+                reusable whatever token follows it, so the next-token rule below does not apply.
         """
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.mtp_cow = mtp_cow
+        self.draft_kv = draft_kv
         self.pool = BlockPool(num_blocks, block_size)
         self.num_blocks = num_blocks
         self.stats = PrefixCacheStats()
@@ -130,12 +133,12 @@ class KVCacheManager:
         # A matched block is reusable as-is only if its last draft entry was paired with our next token.
         num_full = 0
         while (not hold_carry and num_full < len(matched) and (num_full + 1) * B < len(token_ids)
-               and matched[num_full][2] == token_ids[(num_full + 1) * B]):
+               and (not self.draft_kv or matched[num_full][2] == token_ids[(num_full + 1) * B])):
             num_full += 1
         hit = PrefixHit(block_ids=[m[0] for m in matched[:num_full]], block_hashes=[m[1] for m in matched[:num_full]],
                         num_cached_tokens=num_full * B, num_prompt_tokens=len(token_ids),
                         num_matched_blocks=len(matched))
-        if self.mtp_cow and num_full < len(matched) and not hold_carry:  # main KV of the block fits, its last draft entry does not
+        if self.mtp_cow and self.draft_kv and num_full < len(matched) and not hold_carry:  # main KV of the block fits, its last draft entry does not
             hit.cow_block_id, hit.cow_block_hash = matched[num_full][:2]
             hit.num_cached_tokens += B - 1
         return hit

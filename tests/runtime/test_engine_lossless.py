@@ -49,7 +49,7 @@ def test_mtp_greedy_is_lossless(reference, k, chunk):
     assert engine.metrics.prefix_hit_tokens > 0  # the shared prompts really hit the cache
 
 
-@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("k", [1, 2])
 def test_lossless_with_copy_on_write_prefix_hits(reference, k):
     """Prefix hits keep every matched block and recompute only the last matched token in a private copy."""
     engine = make_engine(k, prefix_cache_cow=True)
@@ -57,6 +57,14 @@ def test_lossless_with_copy_on_write_prefix_hits(reference, k):
     assert engine.kv.stats.num_cow_copies > 0
     # more reuse than giving up the whole last block: prompt 6 shares 4 full blocks (16 tokens) with prompt 3
     assert engine.metrics.prefix_hit_tokens > make_engine_hits(k)
+
+
+def test_without_mtp_every_full_block_is_reusable(reference):
+    """K = 0: blocks hold no draft entries, so no block is given up for its next token."""
+    engine = make_engine(0)
+    assert run(engine) == reference
+    assert engine.kv.stats.num_cow_copies == 0
+    assert engine.metrics.prefix_hit_tokens > make_engine_hits(2)
 
 
 def make_engine_hits(k: int) -> int:
