@@ -16,6 +16,7 @@ would be copied per layer per step (see docs/ENGINE_FORMAT.md).
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,12 +83,21 @@ class _CudaArray:
 
 
 def view_pool(ptr: int, geom: KVPoolGeometry, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A tensor view over the pool memory at `ptr` (no copy). The caller guarantees the memory is alive."""
+    """A tensor view over the pool memory at `ptr` (no copy). The caller guarantees the memory is alive.
+
+    Views are cached per (address, geometry, device): every layer of every step asks for the same pool. A
+    cached view owns nothing; it is only a typed window on that address, used while its op runs.
+    """
+    return _view_pool(ptr, geom, str(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _view_pool(ptr: int, geom: KVPoolGeometry, device: str) -> torch.Tensor:
     if ptr == 0:
         raise ValueError("KV pool address is 0: the engine passed no pool")
-    device = torch.device(device)
-    if device.type == "cuda":
-        raw = torch.as_tensor(_CudaArray(ptr, (geom.nbytes,), "|u1"), device=device)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        raw = torch.as_tensor(_CudaArray(ptr, (geom.nbytes,), "|u1"), device=dev)
     else:
         buf = (ctypes.c_uint8 * geom.nbytes).from_address(ptr)
         raw = torch.from_numpy(np.frombuffer(memoryview(buf), dtype=np.uint8))

@@ -188,10 +188,11 @@ def moe_experts_local(
     """Grouped-by-expert computation over the experts held locally (global ids offset..offset+E_local-1)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = w_gate_up.shape[1] // 2
-    for e in range(w_gate_up.shape[0]):
-        tok, slot = torch.nonzero(topk_ids == e + expert_offset, as_tuple=True)
-        if tok.numel() == 0:
-            continue
+    local = topk_ids - expert_offset
+    for e in torch.unique(local).tolist():  # only the experts some token picked (decode: a handful)
+        if not 0 <= e < w_gate_up.shape[0]:
+            continue  # held by another rank
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
         gate_up = x[tok].float() @ w_gate_up[e].float().t()
         h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = (h @ w_down[e].float().t()) * topk_weights[tok, slot].float()[:, None]
