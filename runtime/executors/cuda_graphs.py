@@ -9,7 +9,11 @@ table -1), replays the smallest bucket >= R and reads back the first rows. Captu
 a warm run on a side stream, and a bucket whose capture fails (e.g. an op that syncs with the host,
 such as the grouped MoE's nonzero) falls back to eager execution for good.
 
-NOTE: this module needs a CUDA device and has not been executed on our CPU-only machines; the GPU
+`mode="eager"` keeps the static buffers, bucketing and padding but re-executes the forward instead of
+replaying a graph: it runs on CPU, and tests/runtime/test_padded_rows.py uses it to check everything
+around the capture (buffer refills, padding, bucket choice, output slicing) against the plain executor.
+
+NOTE: `mode="cuda"` needs a CUDA device and has not been executed on our CPU-only machines; the GPU
 check script (`make gpu-check`) is where it gets exercised when a GPU is lent.
 """
 
@@ -41,16 +45,22 @@ class GraphedFunction:
     """
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], static: dict[str, tuple[torch.Tensor, int]],
-                 rows: Callable[[str, int], int], max_batch: int) -> None:  # fmt: skip
-        self.fn, self.static, self.rows = fn, static, rows
+                 rows: Callable[[str, int], int], max_batch: int, mode: str = "cuda") -> None:  # fmt: skip
+        if mode not in ("cuda", "eager"):
+            raise ValueError(f"mode={mode!r}: use 'cuda' (capture and replay) or 'eager' (static buffers only)")
+        self.fn, self.static, self.rows, self.mode = fn, static, rows, mode
         self.buckets = buckets(max_batch)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]] | None] = {}
+        # bucket -> replay() returning the outputs, or None when capture failed (the caller runs eagerly)
+        self.graphs: dict[int, Callable[[], tuple[torch.Tensor, ...]] | None] = {}
 
     def _views(self, bucket: int) -> list[torch.Tensor]:
         return [buf[: self.rows(name, bucket)] for name, (buf, _) in self.static.items()]
 
     def _capture(self, bucket: int) -> None:
         views = self._views(bucket)
+        if self.mode == "eager":
+            self.graphs[bucket] = lambda: self.fn(*views)
+            return
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -60,7 +70,12 @@ class GraphedFunction:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 outputs = self.fn(*views)
-            self.graphs[bucket] = (graph, outputs)
+
+            def replay() -> tuple[torch.Tensor, ...]:
+                graph.replay()
+                return outputs
+
+            self.graphs[bucket] = replay
         except RuntimeError as e:  # capture-hostile op: stay eager for this bucket
             log.warning("CUDA graph capture failed for bucket %d (%s); running eagerly", bucket, e)
             self.graphs[bucket] = None
@@ -79,6 +94,4 @@ class GraphedFunction:
             n, total = inputs[name].shape[0], self.rows(name, bucket)
             buf[:n].copy_(inputs[name], non_blocking=True)
             buf[n:total].fill_(pad)
-        graph, outputs = entry
-        graph.replay()
-        return outputs
+        return entry()

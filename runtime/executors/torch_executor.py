@@ -18,7 +18,7 @@ from runtime.executors.cuda_graphs import GraphedFunction
 
 class TorchExecutor:
     def __init__(self, model: Glm4MoeMTPModel, num_blocks: int, block_size: int, device: str = "cpu",
-                 cuda_graphs: bool = False, max_batch: int = 8, num_draft_tokens: int = 0,
+                 cuda_graphs: bool | str = False, max_batch: int = 8, num_draft_tokens: int = 0,
                  max_blocks_per_request: int = 64) -> None:  # fmt: skip
         cfg = model.cfg
         self.model = model.to(device).eval()
@@ -34,10 +34,11 @@ class TorchExecutor:
         self.num_draft_tokens = num_draft_tokens
         self.graphed_draft: GraphedFunction | None = None
         self.graphed_verify: GraphedFunction | None = None
-        if cuda_graphs and self.device.type == "cuda":
-            self._setup_cuda_graphs(max_batch, max_blocks_per_request)
+        # cuda_graphs: True = capture on CUDA; "eager" = same static buffers and padding, re-executed (CPU-testable)
+        if cuda_graphs == "eager" or (cuda_graphs and self.device.type == "cuda"):
+            self._setup_cuda_graphs(max_batch, max_blocks_per_request, "eager" if cuda_graphs == "eager" else "cuda")
 
-    def _setup_cuda_graphs(self, max_batch: int, width: int) -> None:
+    def _setup_cuda_graphs(self, max_batch: int, width: int, mode: str) -> None:
         dev, h, rows_per_req = self.device, self.hidden_size, 1 + self.num_draft_tokens
 
         def i64(n: int) -> torch.Tensor:
@@ -58,7 +59,7 @@ class TorchExecutor:
             "positions": (i64(max_batch), 0),
             "counts": (i32(max_batch), 0),
             "block_tables": (table(), -1),
-        }, lambda name, b: b, max_batch)  # fmt: skip
+        }, lambda name, b: b, max_batch, mode)  # fmt: skip
 
         def verify(input_ids, positions, q_counts, kv_lens, tables):
             hidden = self.model.forward_main(input_ids, StepMeta(positions, q_counts, kv_lens, tables), self.kv)
@@ -71,7 +72,7 @@ class TorchExecutor:
             "q_counts": (i32(max_batch), 0),
             "kv_lens": (i32(max_batch), 0),
             "block_tables": (table(), -1),
-        }, lambda name, b: b * rows_per_req if name in per_token else b, max_batch)  # fmt: skip
+        }, lambda name, b: b * rows_per_req if name in per_token else b, max_batch, mode)  # fmt: skip
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
