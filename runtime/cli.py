@@ -126,10 +126,12 @@ def _print(records: list[dict], summary: dict, as_json: bool) -> None:
     from rich.table import Table
 
     console = Console()
-    if len(records) > 1:
-        for rec in records:
+    for rec in records:
+        if len(records) > 1:
             console.rule(repr(rec["prompt"][:60]))
-            console.print(rec.get("text", f"[red]error: {rec.get('error')}[/red]"), markup=False)
+            console.print(rec.get("text", ""), markup=False)
+        if "error" in rec:
+            console.print(f"[red]request rejected: {rec['error']}[/red]")
     table = Table(title="mtp-run")
     table.add_column("metric")
     table.add_column("value")
