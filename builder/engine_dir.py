@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -72,22 +72,16 @@ class EngineConfig:
         return self.path / rel if rel else None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version,
-            "model": self.model.to_dict(),
-            "dtype": self.dtype,
-            "limits": self.limits,
-            "kv": self.kv,
-            "num_draft_tokens": self.num_draft_tokens,
-            "parallel": self.parallel,
-            "plugins": self.plugins,
-            "backend": self.backend,
-            "build": self.build,
-            "checkpoint": self.checkpoint,
-            "tokenizer_files": self.tokenizer_files,
-            "graphs": self.graphs,
-            "files": self.files,
-        }
+        """Every field but `path` (the directory itself), with the model config as a plain dict."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "path"}
+        out["model"] = self.model.to_dict()
+        return out
+
+    @classmethod
+    def from_json(cls, path: Path, raw: dict[str, Any]) -> EngineConfig:
+        """Inverse of `to_json`; KeyError names a missing field."""
+        names = [f.name for f in fields(cls) if f.name != "path"]
+        return cls(path=path, **{**{n: raw[n] for n in names}, "model": ModelConfig.from_dict(raw["model"])})
 
 
 def write_config(cfg: EngineConfig) -> Path:
@@ -179,23 +173,7 @@ def load_engine_config(path: str | Path, verify_checksums: bool = True) -> Engin
             f"schema_version {SCHEMA_VERSION}; {_REBUILD.format(path=path)}"
         )
     try:
-        cfg = EngineConfig(
-            path=path,
-            schema_version=raw["schema_version"],
-            model=ModelConfig.from_dict(raw["model"]),
-            dtype=raw["dtype"],
-            limits=raw["limits"],
-            kv=raw["kv"],
-            num_draft_tokens=raw["num_draft_tokens"],
-            parallel=raw["parallel"],
-            plugins=raw["plugins"],
-            backend=raw["backend"],
-            build=raw["build"],
-            checkpoint=raw["checkpoint"],
-            tokenizer_files=raw["tokenizer_files"],
-            graphs=raw["graphs"],
-            files=raw["files"],
-        )
+        cfg = EngineConfig.from_json(path, raw)
     except (KeyError, TypeError) as e:
         raise EngineDirError(f"{path}/{CONFIG_NAME} lacks or mistypes field {e}; {_REBUILD.format(path=path)}") from e
     _check_plugins(path, cfg.plugins)

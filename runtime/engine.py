@@ -26,7 +26,7 @@ from runtime.config import ConfigError, RuntimeConfig
 from runtime.executors.base import DraftInput, Executor, MainInput
 from runtime.kv_manager import KVCacheManager
 from runtime.metrics import Metrics
-from runtime.mtp_plan import commit_segment, pack_commit, plan_draft, plan_main
+from runtime.mtp_plan import commit_segment, pack_commit, plan_draft, plan_main, table_array
 from runtime.request import ChunkCarry, Request, RequestStatus
 from runtime.sampling import (
     SamplingParams,
@@ -134,8 +134,8 @@ class LLMEngine:
                 self._dummy_forwards(main=True)
             return []
         scheduled = sched.scheduled
-        tables = [self.kv.block_table(s.req.req_id) for s in scheduled]
-        plan = plan_main(scheduled, tables, self.width)
+        tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
+        plan = plan_main(scheduled, tables)
         main = self._timed(self.executor.run_main, plan.inp)  # 1. verify (main KV appended inside)
         accepted, emitted = self._accept_all(scheduled, plan, main.logits)  # 2. accept
         if self.k:
@@ -144,7 +144,7 @@ class LLMEngine:
         if self.k:  # 5. serial draft loop from h_{base-1} and the new base token
             rows = [row for _, row in drafting]
             self._draft_loop([scheduled[i].req for i, _ in drafting], main.hidden[rows],
-                             [tables[i] for i, _ in drafting])  # fmt: skip
+                             tables[[i for i, _ in drafting]])  # fmt: skip
         self._publish(scheduled)
         self._update_metrics(time.perf_counter() - t_start, self._exec_seconds)
         return outputs
@@ -210,7 +210,7 @@ class LLMEngine:
         return accept_exact_match(req.drafts, sample(probs, req.rng).tolist())
 
     def _commit_pass(self, scheduled: list[ScheduledRequest], accepted: list[int], hidden: np.ndarray,
-                     row_offsets: list[int], tables: list[list[int]]) -> None:  # fmt: skip
+                     row_offsets: list[int], tables: np.ndarray) -> None:  # fmt: skip
         segments = []
         for i, s in enumerate(scheduled):
             carry = s.req.carry
@@ -220,7 +220,7 @@ class LLMEngine:
             committed = s.req.token_ids + s.req.drafts[: accepted[i]]
             segments.append(commit_segment(s, accepted[i], committed, hidden, row_offsets[i],
                                            None if carry is None else carry.hidden, self.cfg.commit_pass))  # fmt: skip
-        inp = pack_commit(segments, tables, self.width, self.executor.hidden_size)
+        inp = pack_commit(segments, tables, self.executor.hidden_size)
         if len(inp.token_ids):  # no collective inside, so skipping an empty write keeps lockstep
             self._timed(self.executor.run_commit, inp)
 
@@ -235,7 +235,7 @@ class LLMEngine:
         for _ in range(self.k):
             self.executor.run_draft(DraftInput(hidden, zero_i64, zero_i64, zero_i32, table))
 
-    def _draft_loop(self, reqs: list[Request], hidden: np.ndarray, tables: list[list[int]]) -> None:
+    def _draft_loop(self, reqs: list[Request], hidden: np.ndarray, tables: np.ndarray) -> None:
         if not reqs:
             if self.lockstep:
                 self._dummy_forwards(main=False)
@@ -247,7 +247,7 @@ class LLMEngine:
         tokens = [r.token_ids[-1] for r in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
         for depth in range(self.k):
-            out = self._timed(self.executor.run_draft, plan_draft(hidden, tokens, bases, depth, tables, self.width))
+            out = self._timed(self.executor.run_draft, plan_draft(hidden, tokens, bases, depth, tables))
             tokens = []
             for j, r in enumerate(reqs):
                 if r.params.acceptance == "rejection" and not r.params.is_greedy:
@@ -271,7 +271,7 @@ class LLMEngine:
             req.output_ids.append(t)
             new.append(t)
             self.metrics.num_generated_tokens += 1
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and p.stop:  # stop strings are checked token by token
                 req.text = self.tokenizer.decode(req.output_ids)
             if t in stop_ids:
                 self._finish(req, "stop")
@@ -283,6 +283,8 @@ class LLMEngine:
                 self._finish(req, "length")
             if req.is_finished:
                 break
+        if self.tokenizer is not None and not p.stop:
+            req.text = self.tokenizer.decode(req.output_ids)  # once per step, not once per emitted token
         return new
 
     def _finish(self, req: Request, reason: str) -> None:

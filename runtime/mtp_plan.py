@@ -33,13 +33,17 @@ class MainPlan:
     logit_offsets: list[int]  # first logits row of each request (-1 = no logits: a non-final chunk)
 
 
-def padded_table(table: list[int], width: int) -> list[int]:
-    if len(table) > width:
-        raise ValueError(f"block table of {len(table)} blocks exceeds the width {width}")
-    return table + [-1] * (width - len(table))
+def table_array(tables: list[list[int]], width: int) -> np.ndarray:
+    """int32 [R, width] block tables padded with -1; built once per step and shared by every forward."""
+    out = np.full((len(tables), width), -1, dtype=np.int32)
+    for r, table in enumerate(tables):
+        if len(table) > width:
+            raise ValueError(f"block table of {len(table)} blocks exceeds the width {width}")
+        out[r, : len(table)] = table
+    return out
 
 
-def plan_main(scheduled: list[ScheduledRequest], tables: list[list[int]], width: int) -> MainPlan:
+def plan_main(scheduled: list[ScheduledRequest], block_tables: np.ndarray) -> MainPlan:
     ids: list[int] = []
     positions: list[int] = []
     logit_rows: list[int] = []
@@ -60,7 +64,7 @@ def plan_main(scheduled: list[ScheduledRequest], tables: list[list[int]], width:
         positions=np.asarray(positions, dtype=np.int64),
         q_counts=np.asarray([s.num_rows for s in scheduled], dtype=np.int32),
         kv_lens=np.asarray([s.start + s.num_rows for s in scheduled], dtype=np.int32),
-        block_tables=np.asarray([padded_table(t, width) for t in tables], dtype=np.int32).reshape(-1, width),
+        block_tables=block_tables,
         logit_rows=np.asarray(logit_rows, dtype=np.int64),
     )
     return MainPlan(inp, row_offsets, logit_offsets)
@@ -97,7 +101,7 @@ def commit_segment(
     return CommitSegment(first_p, hidden, tokens)
 
 
-def pack_commit(segments: list[CommitSegment], tables: list[list[int]], width: int, hidden_size: int) -> CommitInput:
+def pack_commit(segments: list[CommitSegment], block_tables: np.ndarray, hidden_size: int) -> CommitInput:
     """One packed varlen write: exactly one (count, start) segment per active request (invariant 5)."""
     hiddens = [seg.hidden for seg in segments if len(seg.token_ids)]
     return CommitInput(
@@ -105,7 +109,7 @@ def pack_commit(segments: list[CommitSegment], tables: list[list[int]], width: i
         token_ids=np.asarray([t for seg in segments for t in seg.token_ids], dtype=np.int64),
         counts=np.asarray([len(seg.token_ids) for seg in segments], dtype=np.int32),
         starts=np.asarray([seg.start for seg in segments], dtype=np.int32),
-        block_tables=np.asarray([padded_table(t, width) for t in tables], dtype=np.int32).reshape(-1, width),
+        block_tables=block_tables,
     )
 
 
@@ -114,8 +118,7 @@ def plan_draft(
     token_ids: list[int],  # [R]
     bases: list[int],  # [R] base position of each drafting request
     depth: int,
-    tables: list[list[int]],
-    width: int,
+    block_tables: np.ndarray,  # int32 [R, width] of the drafting requests
 ) -> DraftInput:
     """Depth d writes the MTP plane at base-1+d and attends to 0..base-1+d (derived, never tracked)."""
     return DraftInput(
@@ -123,5 +126,5 @@ def plan_draft(
         token_ids=np.asarray(token_ids, dtype=np.int64),
         positions=np.asarray([b - 1 + depth for b in bases], dtype=np.int64),
         counts=np.ones(len(bases), dtype=np.int32),
-        block_tables=np.asarray([padded_table(t, width) for t in tables], dtype=np.int32).reshape(-1, width),
+        block_tables=block_tables,
     )
