@@ -33,7 +33,7 @@ bench: $(STAMP)
 	$(PY) -m runtime.bench --checkpoint $(TINY) --engine $(ENGINE)
 
 tiny-model: $(STAMP)
-	$(PY) -m models.train_tiny --output $(TINY)
+	$(PY) -m models.training.train --output $(TINY)
 
 gpu-check: $(STAMP)
 	$(PY) -m plugins.gpu_check

@@ -257,7 +257,7 @@ class LLMEngine:
                 else:
                     tokens.append(int(out.logits[j].argmax()))
                 r.drafts.append(tokens[-1])
-            hidden = out.hidden
+            hidden = out.hidden_out
         for j, r in enumerate(reqs):
             if probs[j]:
                 r.draft_probs = np.stack(probs[j])

@@ -105,7 +105,7 @@ def pack_commit(segments: list[CommitSegment], block_tables: np.ndarray, hidden_
     """One packed varlen write: exactly one (count, start) segment per active request (invariant 5)."""
     hiddens = [seg.hidden for seg in segments if len(seg.token_ids)]
     return CommitInput(
-        hidden=np.concatenate(hiddens).astype(np.float32) if hiddens else np.zeros((0, hidden_size), np.float32),
+        hidden_in=np.concatenate(hiddens).astype(np.float32) if hiddens else np.zeros((0, hidden_size), np.float32),
         token_ids=np.asarray([t for seg in segments for t in seg.token_ids], dtype=np.int64),
         counts=np.asarray([len(seg.token_ids) for seg in segments], dtype=np.int32),
         starts=np.asarray([seg.start for seg in segments], dtype=np.int32),
@@ -122,7 +122,7 @@ def plan_draft(
 ) -> DraftInput:
     """Depth d writes the MTP plane at base-1+d and attends to 0..base-1+d (derived, never tracked)."""
     return DraftInput(
-        hidden=hidden.astype(np.float32),
+        hidden_in=hidden.astype(np.float32),
         token_ids=np.asarray(token_ids, dtype=np.int64),
         positions=np.asarray([b - 1 + depth for b in bases], dtype=np.int64),
         counts=np.ones(len(bases), dtype=np.int32),

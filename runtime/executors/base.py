@@ -34,7 +34,7 @@ class MainOutput:
 
 @dataclass(slots=True)
 class DraftInput:
-    hidden: np.ndarray  # float32 [R, H] main hidden at base-1 (depth 0) or previous depth's output
+    hidden_in: np.ndarray  # float32 [R, H] main hidden at base-1 (depth 0) or previous depth's output
     token_ids: np.ndarray  # int64 [R] base token (depth 0) or previous depth's draft
     positions: np.ndarray  # int64 [R] MTP write position base-1+d
     counts: np.ndarray  # int32 [R] 1 = live, 0 = padded row
@@ -43,13 +43,13 @@ class DraftInput:
 
 @dataclass(slots=True)
 class DraftOutput:
-    hidden: np.ndarray  # float32 [R, H] chained hidden (after shared_head.norm)
+    hidden_out: np.ndarray  # float32 [R, H] chained hidden (after shared_head.norm)
     logits: np.ndarray  # float32 [R, V]
 
 
 @dataclass(slots=True)
 class CommitInput:
-    hidden: np.ndarray  # float32 [N, H] main hiddens h_p, packed by request
+    hidden_in: np.ndarray  # float32 [N, H] main hiddens h_p, packed by request
     token_ids: np.ndarray  # int64 [N] t_{p+1} for each row
     counts: np.ndarray  # int32 [R] one segment per active request (0 allowed)
     starts: np.ndarray  # int32 [R] position of each segment's first row

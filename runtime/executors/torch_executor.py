@@ -102,7 +102,7 @@ class TorchExecutor:
     def run_draft(self, inp: DraftInput) -> DraftOutput:
         if self.graphed_draft is not None:
             out = self.graphed_draft(len(inp.counts), {
-                "hidden": self._t(inp.hidden).to(self.dtype), "token_ids": self._t(inp.token_ids),
+                "hidden": self._t(inp.hidden_in).to(self.dtype), "token_ids": self._t(inp.token_ids),
                 "positions": self._t(inp.positions), "counts": self._t(inp.counts),
                 "block_tables": self._t(inp.block_tables),
             })  # fmt: skip
@@ -110,7 +110,7 @@ class TorchExecutor:
                 n = len(inp.counts)
                 return DraftOutput(out[0][:n].float().cpu().numpy(), out[1][:n].float().cpu().numpy())
         hidden, logits = self.model.forward_draft(
-            self._t(inp.hidden).to(self.dtype), self._t(inp.token_ids), self._t(inp.positions),
+            self._t(inp.hidden_in).to(self.dtype), self._t(inp.token_ids), self._t(inp.positions),
             self._t(inp.counts), self._t(inp.block_tables), self.kv,
         )  # fmt: skip
         return DraftOutput(hidden.float().cpu().numpy(), logits.float().cpu().numpy())
@@ -118,7 +118,7 @@ class TorchExecutor:
     @torch.inference_mode()
     def run_commit(self, inp: CommitInput) -> int:
         written = self.model.forward_commit(
-            self._t(inp.hidden).to(self.dtype), self._t(inp.token_ids), self._t(inp.counts),
+            self._t(inp.hidden_in).to(self.dtype), self._t(inp.token_ids), self._t(inp.counts),
             self._t(inp.starts), self._t(inp.block_tables), self.kv,
         )  # fmt: skip
         return int(written[0])

@@ -197,7 +197,7 @@ class TrtExecutor:
 
     def run_draft(self, inp: DraftInput) -> DraftOutput:
         out = self._run("mtp_draft", {
-            "hidden_in": np.asarray(inp.hidden, np.float32), "token_ids": np.asarray(inp.token_ids, np.int64),
+            "hidden_in": np.asarray(inp.hidden_in, np.float32), "token_ids": np.asarray(inp.token_ids, np.int64),
             "positions": np.asarray(inp.positions, np.int64), "counts": np.asarray(inp.counts, np.int32),
             "block_tables": np.asarray(inp.block_tables, np.int32),
         })  # fmt: skip
@@ -205,7 +205,7 @@ class TrtExecutor:
 
     def run_commit(self, inp: CommitInput) -> int:
         out = self._run("mtp_commit", {
-            "hidden_in": np.asarray(inp.hidden, np.float32), "token_ids": np.asarray(inp.token_ids, np.int64),
+            "hidden_in": np.asarray(inp.hidden_in, np.float32), "token_ids": np.asarray(inp.token_ids, np.int64),
             "counts": np.asarray(inp.counts, np.int32), "starts": np.asarray(inp.starts, np.int32),
             "block_tables": np.asarray(inp.block_tables, np.int32),
         })  # fmt: skip

@@ -62,19 +62,19 @@ def test_ort_matches_torch_on_mixed_batch(executors):
         _close(a.logits, b.logits, f"main logits, step {i}")
     hidden = torch_ex.run_main(step2).hidden  # same positions rewritten with the same values: idempotent
     commit = CommitInput(
-        hidden=np.concatenate([hidden[0:3], hidden[3:4]]), token_ids=rng.integers(0, 96, 4),
+        hidden_in=np.concatenate([hidden[0:3], hidden[3:4]]), token_ids=rng.integers(0, 96, 4),
         counts=np.array([3, 1, 0], np.int32), starts=np.array([4, 6, 0], np.int32), block_tables=tables2,
     )  # fmt: skip
     assert ort_ex.run_commit(commit) == torch_ex.run_commit(commit) == 4
     draft = DraftInput(
-        hidden=hidden[[2, 4, 0]], token_ids=rng.integers(0, 96, 3), positions=np.array([7, 7, 0]),
+        hidden_in=hidden[[2, 4, 0]], token_ids=rng.integers(0, 96, 3), positions=np.array([7, 7, 0]),
         counts=np.array([1, 1, 0], np.int32), block_tables=tables2,
     )  # fmt: skip
     for depth in range(2):
         a, b = ort_ex.run_draft(draft), torch_ex.run_draft(draft)
-        _close(a.hidden, b.hidden, f"draft hidden, depth {depth}")
+        _close(a.hidden_out, b.hidden_out, f"draft hidden, depth {depth}")
         _close(a.logits, b.logits, f"draft logits, depth {depth}")
-        draft = DraftInput(a.hidden, a.logits.argmax(-1), draft.positions + 1, draft.counts, tables2)
+        draft = DraftInput(a.hidden_out, a.logits.argmax(-1), draft.positions + 1, draft.counts, tables2)
     ort_pool, torch_pool = ort_ex.pool.numpy(), torch_ex.pool.numpy()
     assert np.abs(torch_pool[2]).sum() > 0, "the MTP plane was never written"
     for plane in range(ort_pool.shape[0]):

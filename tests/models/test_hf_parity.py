@@ -139,7 +139,7 @@ def test_mtp_commit_pass_then_draft_matches_hf(tmp_path):
 
 
 def test_training_forward_matches_hf(tmp_path):
-    """The dense training path (used by models/train_tiny.py) computes the same main and MTP logits."""
+    """The dense training path (used by models/training/train.py) computes the same main and MTP logits."""
     cfg = tiny_config()
     make_checkpoint(tmp_path, cfg, seed=9)
     ours, _ = load_model(tmp_path)

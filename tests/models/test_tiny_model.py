@@ -16,8 +16,8 @@ import torch
 
 from models.checkpoint import load_model, read_checkpoint
 from models.glm4_moe import PagedKV, StepMeta
-from models.tiny_eval import greedy_acceptance, mtp_losses
-from models.tokenizer import EOS_TOKEN, load_tokenizer
+from models.training.eval import greedy_acceptance, mtp_losses
+from models.training.tokenizer import EOS_TOKEN, load_tokenizer
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 
 transformers = pytest.importorskip("transformers")

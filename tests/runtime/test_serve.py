@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 
 from runtime.factory import create_engine
 from runtime.sampling import SamplingParams
-from runtime.serve import MODEL_NAME, ServeError, TritonServer, free_ports, main, write_model_repo
+from runtime.serving.triton_server import MODEL_NAME, ServeError, TritonServer, free_ports, main, write_model_repo
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

@@ -1,11 +1,11 @@
 """Train the shipped tiny GLM-4.5-layout MTP model on the Python standard library's own source.
 
-    python -m models.train_tiny --output models/tiny [--steps N] [--minutes M] [--seed S]
+    python -m models.training.train --output models/tiny [--steps N] [--minutes M] [--seed S]
 
 What it does, start to finish (every step seeded, so the same command gives the same model):
   1. corpus: the stdlib's .py files (no tests, no site-packages, no huge generated files), sorted and
      split BY FILE: every 20th file is held out, so held-out numbers measure code the model never saw;
-  2. tokenizer: byte-level BPE trained on the train split only (models/tokenizer.py);
+  2. tokenizer: byte-level BPE trained on the train split only (models/training/tokenizer.py);
   3. model: a few-million-parameter config of this family (GQA, partial RoPE, dense layer 0 then MoE
      layers with grouped sigmoid routing and a shared expert, one MTP module);
   4. loss: the DeepSeek-V3 MTP objective CE(main) + lambda * CE(MTP depth 1); routing is kept balanced
@@ -20,7 +20,7 @@ What it does, start to finish (every step seeded, so the same command gives the 
 fits; the step count actually used is recorded in the report (re-run with `--steps N` to reproduce).
 
 This module owns the model config, initialisation, router balancing, training loop, checkpoint writing and
-CLI; steps 1-2 (corpus, tokenizer) are models/tiny_data.py's, the losses and step 5 models/tiny_eval.py's.
+CLI; steps 1-2 (corpus, tokenizer) are models/training/data.py's, the losses and step 5 models/training/eval.py's.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from models.checkpoint import save_hf_checkpoint, to_hf_config
 from models.config import ModelConfig
 from models.glm4_moe import Glm4MoeMTPModel, Router
-from models.tiny_data import prepare_corpus
-from models.tiny_eval import eval_windows, evaluate, mtp_losses
-from models.tokenizer import EOS_TOKEN, save_tokenizer
+from models.training.data import prepare_corpus
+from models.training.eval import eval_windows, evaluate, mtp_losses
+from models.training.tokenizer import EOS_TOKEN, save_tokenizer
 
 
 @dataclass(frozen=True)
@@ -306,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     report = {
-        "command": "python -m models.train_tiny " + " ".join(sys.argv[1:] if argv is None else argv),
-        "reproduce": f"python -m models.train_tiny --output {args.output} --steps {run['steps']} --seed {args.seed}",
+        "command": "python -m models.training.train " + " ".join(sys.argv[1:] if argv is None else argv),
+        "reproduce": f"python -m models.training.train --output {args.output} --steps {run['steps']} --seed {args.seed}",
         "seed": args.seed,
         "python": sys.version.split()[0],
         "torch": torch.__version__,

@@ -1,11 +1,11 @@
-"""The config.pbtxt of the `mtp` model; `runtime.serve.render_config` fills $name and $parameters.
+"""The config.pbtxt of the `mtp` model; `runtime.serving.triton_server.render_config` fills $name and $parameters.
 
 Tensor names follow the TensorRT-LLM backend where they overlap. Every input is a 1-D tensor of one
 request (max_batch_size 0): batching happens inside the model, in the engine's continuous-batching loop.
 """
 
 CONFIG_TEMPLATE = """\
-# Written by mtp-serve (runtime/serve.py); regenerate it instead of editing it.
+# Written by mtp-serve (runtime/serving/triton_server.py); regenerate it instead of editing it.
 name: "$name"
 backend: "python"
 max_batch_size: 0

@@ -2,18 +2,18 @@
 
 Owns the prompt workload (`Workload`: held-out stdlib files, tokenized), the MTP engine runner (`run_engine`,
 which splits step time into decode-only and prefill-carrying steps) and the Hugging Face baseline (`HFRunner`).
-Each runner returns a `RunResult` (runtime/bench_report.py); runtime/bench.py decides what runs when.
+Each runner returns a `RunResult` (runtime/bench/report.py); runtime/bench/main.py decides what runs when.
 """
 
 from __future__ import annotations
 
 import json
 import sysconfig
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.bench_report import RunResult
 from runtime.config import ConfigError
 from runtime.engine import LLMEngine
 from runtime.metrics import Metrics
@@ -22,6 +22,24 @@ from runtime.sampling import SamplingParams
 # Fallback prompt files when the checkpoint has no training_report.json (relative to the stdlib root).
 FALLBACK_FILES = ("json/decoder.py", "textwrap.py", "shlex.py", "fnmatch.py", "colorsys.py", "bisect.py",
                   "heapq.py", "glob.py", "string.py", "keyword.py", "queue.py", "sched.py")  # fmt: skip
+
+
+@dataclass
+class RunResult:
+    outputs: list[list[int]]
+    decode_tokens: int  # tokens emitted by steps with no prefill work in them
+    decode_seconds: float
+    total_tokens: int
+    wall_seconds: float
+    summary: dict = field(default_factory=dict)  # Metrics.summary() of the run (engine runs only)
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def e2e_tps(self) -> float:
+        return self.total_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
 
 # ----------------------------------------------------------------------------------------------- workload
@@ -37,7 +55,7 @@ class Workload:
 
 
 def heldout_files(checkpoint: Path, n: int) -> tuple[list[Path], bool]:
-    """n held-out stdlib files, deterministic: the report's held-out list, else train_tiny's split rule."""
+    """n held-out stdlib files, deterministic: the report's held-out list, else training.train's split rule."""
     root = Path(sysconfig.get_paths()["stdlib"])
     report = checkpoint / "training_report.json"
     candidates: list[Path] = []
@@ -48,10 +66,10 @@ def heldout_files(checkpoint: Path, n: int) -> tuple[list[Path], bool]:
         heldout = bool(candidates)
     if not candidates:
         try:
-            from models.tiny_data import split_files, stdlib_files
+            from models.training.data import split_files, stdlib_files
 
             candidates = split_files(stdlib_files(root))[1]
-            heldout = bool(candidates)  # same rule train_tiny uses, on the same Python install
+            heldout = bool(candidates)  # same rule training.train uses, on the same Python install
         except Exception:  # noqa: BLE001 - fall back to a fixed list
             candidates = []
     if not candidates:
@@ -173,3 +191,19 @@ class HFRunner:
                 dec_seconds += stamps[-1] - stamps[0]
         wall = time.perf_counter() - t_start
         return RunResult(outputs, dec_tokens, dec_seconds, total, wall)
+
+
+@dataclass
+class BenchSetup:
+    label: str  # names the model in titles and bench.json ("RANDOM untrained tiny model" for --random)
+    workload: Workload
+    engines: dict[int, LLMEngine]  # K -> engine with the commit pass; K=0 (plain decoding) is always present
+    ablation: LLMEngine | None  # K=ablation_k without the commit pass; None when the largest K is 0
+    ablation_k: int | None
+    hf: HFRunner | None  # None with --no-hf or when transformers cannot load the checkpoint
+    max_seq_len: int  # the KV table width the engines actually use (the ORT engine dir may override ours)
+    tmp: tempfile.TemporaryDirectory | None  # holds the --random checkpoint until the report is written
+
+    @property
+    def is_random(self) -> bool:
+        return self.tmp is not None

@@ -36,7 +36,7 @@ from string import Template
 from runtime.factory import EXECUTORS
 
 MODEL_NAME = "mtp"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_DIR = Path(__file__).resolve().parent / "triton_model"
 SHM_PREFIX = "triton_python_backend_shm_region"
 # Log lines that mean the server will never become ready (or is not ours): stop waiting at once.
@@ -59,7 +59,7 @@ class ServeError(RuntimeError):
 
 # ---------------------------------------------------------------------- model repository
 def render_config(parameters: dict[str, str], name: str = MODEL_NAME) -> str:
-    from runtime.triton_model.config_template import CONFIG_TEMPLATE
+    from runtime.serving.triton_model.config_template import CONFIG_TEMPLATE
 
     params = ",\n".join(f'  {{ key: {json.dumps(k)} value: {{ string_value: {json.dumps(str(v))} }} }}'
                         for k, v in parameters.items())  # fmt: skip
@@ -99,7 +99,7 @@ def write_model_repo(out: Path, *, engine: Path | None = None, checkpoint: Path 
 def _site_packages() -> Path:
     import pytriton
 
-    return Path(pytriton.__file__).resolve().parents[1]
+    return Path(pytriton.__file__).resolve().parents[2]
 
 
 def tritonserver_dir() -> Path:

@@ -1,6 +1,6 @@
 """Triton Python-backend model `mtp`: one MTP speculative-decoding engine behind a decoupled (streaming) API.
 
-Written into `<model-repo>/mtp/1/model.py` by `mtp-serve` (runtime/serve.py) and run by Triton's Python
+Written into `<model-repo>/mtp/1/model.py` by `mtp-serve` (runtime/serving/triton_server.py) and run by Triton's Python
 stub, where `triton_python_backend_utils` exists. The engine, its options and the repository root come
 from the `parameters` of config.pbtxt.
 

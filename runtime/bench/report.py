@@ -2,7 +2,7 @@
 
 Owns the aggregation (medians, speed-ups vs K=0 and vs HF, the per-position acceptance table), the losslessness
 checks (every greedy MTP output must equal K=0), the results dict and its JSON/console rendering (the PNG plots
-of that dict are runtime/bench_plots.py's). It must not run a model or time anything: runtime/bench.py measures
+of that dict are runtime/bench/plots.py's). It must not run a model or time anything: runtime/bench/main.py measures
 and hands over a `BenchSetup` and a `Measurements`.
 The JSON keys and their order are the published format of bench_results/bench.json (docs/BENCHMARKS.md).
 """
@@ -16,14 +16,15 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from runtime.bench.runners import BenchSetup, RunResult
+
 if TYPE_CHECKING:  # annotations only: bench.py imports this module, not the other way round
-    from runtime.bench import BenchSetup
     from runtime.engine import LLMEngine
 
 # The per-position acceptance numbers copied from Metrics.summary() into the acceptance table.
@@ -38,24 +39,6 @@ DEFINITIONS = {
     "conditional_acceptance_per_position": "P(accept i | positions 0..i-1 accepted)",
     "mean_acceptance_length": "tokens emitted per verify step, bonus token included",
 }  # fmt: skip
-
-
-@dataclass
-class RunResult:
-    outputs: list[list[int]]
-    decode_tokens: int  # tokens emitted by steps with no prefill work in them
-    decode_seconds: float
-    total_tokens: int
-    wall_seconds: float
-    summary: dict = field(default_factory=dict)  # Metrics.summary() of the run (engine runs only)
-
-    @property
-    def decode_tps(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def e2e_tps(self) -> float:
-        return self.total_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
 
 @dataclass

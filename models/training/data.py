@@ -3,7 +3,7 @@
 Owns the file listing (the stdlib's .py files: no tests, no site-packages, no huge generated files), the
 train / held-out split (BY FILE: every 20th file in sorted order is held out, so held-out numbers measure code
 the model never saw), the byte-level BPE trained on the train split only, and the encoding of each split into
-one EOS-separated token stream. runtime/bench_runners.py reuses the split rule to pick held-out prompts.
+one EOS-separated token stream. runtime/bench/runners.py reuses the split rule to pick held-out prompts.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from models.tokenizer import EOS_TOKEN, train_bpe
+from models.training.tokenizer import EOS_TOKEN, train_bpe
 
 HELDOUT_EVERY = 20  # file i is held out when i % HELDOUT_EVERY == HELDOUT_EVERY - 1
 MAX_FILE_BYTES = 200_000  # skip huge (mostly generated / table-like) modules: they would dominate the corpus

@@ -1,4 +1,4 @@
-"""mtp-bench plots: the two PNG figures drawn from the results dict that runtime/bench_report.py builds.
+"""mtp-bench plots: the two PNG figures drawn from the results dict that runtime/bench/report.py builds.
 
 Owns acceptance_by_position.png (per-position draft acceptance, unconditional and conditional) and
 tokens_per_second_vs_k.png (decode throughput vs draft depth, HF `generate` as dashed baselines). It only reads

@@ -3,7 +3,7 @@
     mtp-bench --checkpoint models/tiny [--engine engines/tiny --executor onnxruntime] [--quick]
     mtp-bench --random            # no trained model: a random tiny checkpoint (numbers clearly labelled)
 
-Workload: the first --prompt-chars characters of held-out Python stdlib files (the files models/train_tiny.py
+Workload: the first --prompt-chars characters of held-out Python stdlib files (the files models/training/train.py
 held out of training), greedy, --max-tokens output tokens each. Every configuration runs in this process:
 MTP with K = 0 (plain decoding) .. 3 draft depths at batch 1 and batch 8, then HF `generate` on the same
 checkpoint, interleaved over --repeats rounds; medians are reported. Per-position draft acceptance is
@@ -14,8 +14,8 @@ Outputs: a rich table, <output-dir>/bench.json (every number, the command, the m
 
 This module owns the measuring: the CLI, the setup and the measurement loop (setup -> warm-up ->
 interleaved timed rounds -> no-commit ablation). The workload and the engine / HF runners are
-runtime/bench_runners.py's. Everything after the last timed run (aggregation, losslessness checks, bench.json,
-tables) is runtime/bench_report.py's, the PNG plots runtime/bench_plots.py's; nothing here formats results,
+runtime/bench/runners.py's. Everything after the last timed run (aggregation, losslessness checks, bench.json,
+tables) is runtime/bench/report.py's, the PNG plots runtime/bench/plots.py's; nothing here formats results,
 and neither of those runs a model.
 """
 
@@ -26,13 +26,12 @@ import json
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.bench_plots import plot
-from runtime.bench_report import Measurements, RunResult, build_results, print_tables, print_verdict, write_json
-from runtime.bench_runners import HFRunner, Workload, make_workload, run_engine
+from runtime.bench.plots import plot
+from runtime.bench.report import Measurements, build_results, print_tables, print_verdict, write_json
+from runtime.bench.runners import BenchSetup, HFRunner, RunResult, Workload, make_workload, run_engine
 from runtime.config import ConfigError
 from runtime.engine import LLMEngine, RequestError
 from runtime.factory import create_engine
@@ -75,22 +74,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------------------------- setup
-
-
-@dataclass
-class BenchSetup:
-    label: str  # names the model in titles and bench.json ("RANDOM untrained tiny model" for --random)
-    workload: Workload
-    engines: dict[int, LLMEngine]  # K -> engine with the commit pass; K=0 (plain decoding) is always present
-    ablation: LLMEngine | None  # K=ablation_k without the commit pass; None when the largest K is 0
-    ablation_k: int | None
-    hf: HFRunner | None  # None with --no-hf or when transformers cannot load the checkpoint
-    max_seq_len: int  # the KV table width the engines actually use (the ORT engine dir may override ours)
-    tmp: tempfile.TemporaryDirectory | None  # holds the --random checkpoint until the report is written
-
-    @property
-    def is_random(self) -> bool:
-        return self.tmp is not None
 
 
 def ensure_engine_dir(checkpoint: Path, engine_dir: Path, max_k: int, max_batch: int, console) -> None:

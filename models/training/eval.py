@@ -3,7 +3,7 @@
 Owns `mtp_losses` (main CE and MTP depth-1 CE of one batch of token windows, plus the logits), MTP greedy
 acceptance (how often the MTP draft equals the main model's greedy token, i.e. what greedy speculative decoding
 accepts at depth 1), the held-out evaluation windows and `evaluate` (token-weighted held-out losses,
-acceptance and top-1 accuracies). models/train_tiny.py trains with `mtp_losses` and reports `evaluate`.
+acceptance and top-1 accuracies). models/training/train.py trains with `mtp_losses` and reports `evaluate`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,5 @@
+import sys
+
+from runtime.bench.main import main
+
+sys.exit(main())
