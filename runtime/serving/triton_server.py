@@ -99,7 +99,7 @@ def write_model_repo(out: Path, *, engine: Path | None = None, checkpoint: Path 
 def _site_packages() -> Path:
     import pytriton
 
-    return Path(pytriton.__file__).resolve().parents[2]
+    return Path(pytriton.__file__).resolve().parents[1]
 
 
 def tritonserver_dir() -> Path:
