@@ -32,7 +32,9 @@ def sha256_file(path: Path) -> str:
 def write_engine_config(cfg: EngineConfig) -> Path:
     """Write config.json, then manifest.json with the sha256 of every file under cfg.path (config.json too)."""
     (cfg.path / CONFIG_NAME).write_text(json.dumps(cfg.to_json(), indent=2, sort_keys=True) + "\n")
-    files = sorted(p for p in cfg.path.rglob("*") if p.is_file() and p.relative_to(cfg.path).as_posix() != MANIFEST_NAME)
+    files = sorted(
+        p for p in cfg.path.rglob("*") if p.is_file() and p.relative_to(cfg.path).as_posix() != MANIFEST_NAME
+    )
     cfg.files = {p.relative_to(cfg.path).as_posix(): sha256_file(p) for p in files}
     out = cfg.path / MANIFEST_NAME
     out.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "sha256": cfg.files}, indent=2, sort_keys=True) + "\n")

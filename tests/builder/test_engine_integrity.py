@@ -34,16 +34,27 @@ def _refused(path: Path, message: str, capsys) -> None:
         (dict(kv__block_size=2), "kv.table_width=17 but the model and limits give 34"),
         (dict(kv__block_size=8), "kv.table_width=17 but the model and limits give 9"),
         # Consistent among themselves but not with the graphs: only the plugin nodes' attributes tell.
-        (dict(kv__block_size=8, kv__table_width=9, kv__num_blocks=37),
-         "KvWrite node was built with block_size=4 but config.json gives kv.block_size=8"),
+        (
+            dict(kv__block_size=8, kv__table_width=9, kv__num_blocks=37),
+            "KvWrite node was built with block_size=4 but config.json gives kv.block_size=8",
+        ),
         (dict(kv__num_kv_heads=1), "kv.num_kv_heads=1 but the model and limits give 2"),
-        (dict(model__hidden_size=64, model__num_attention_heads=8),
-         "declares hidden float32\\[.tokens., 32\\], the config implies float32\\[.tokens., 64\\]"),
+        (
+            dict(model__hidden_size=64, model__num_attention_heads=8),
+            "declares hidden float32\\[.tokens., 32\\], the config implies float32\\[.tokens., 64\\]",
+        ),
         (dict(parallel__ep_size=2), "MoeExperts node was built with ep_size=1"),
         (dict(kv__block_size="4"), "lacks or mistypes field .*kv.block_size='4' is not an int"),
     ],
-    ids=["block-size-halved", "block-size-doubled", "block-size-consistent", "kv-heads", "hidden-size",
-         "ep-size", "mistyped"],
+    ids=[
+        "block-size-halved",
+        "block-size-doubled",
+        "block-size-consistent",
+        "kv-heads",
+        "hidden-size",
+        "ep-size",
+        "mistyped",
+    ],
 )
 def test_resealed_config_is_cross_checked_against_the_graphs(engine, tmp_path, capsys, changes, message):
     copy = copy_engine(engine, tmp_path)
