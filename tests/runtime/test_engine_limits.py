@@ -19,7 +19,7 @@ from plugins.engine_format import KVLayout, Limits
 from plugins.engine_format.graph_io import GRAPH_NAMES, SPECS
 from runtime.config import ConfigError, RuntimeConfig
 from runtime.engine import LLMEngine
-from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
+from runtime.executors.base import CommitInput, DraftInput, DraftOutput, Executor, MainInput, MainOutput
 from runtime.executors.torch_executor import TorchExecutor
 from runtime.factory import check_within_engine
 from runtime.sampling import SamplingParams
@@ -31,7 +31,7 @@ class ProfileCheckingExecutor:
     """Delegates to a real executor; first checks each call's dims fit one profile of its graph (as TensorRT's
     profile selection requires) and that block tables are no wider than the engine's table width."""
 
-    inner: TorchExecutor
+    inner: Executor
     profiles: dict[str, list[dict[str, tuple[int, int, int]]]]
     table_width: int
     seen: dict[str, set[tuple[tuple[str, int], ...]]] = field(default_factory=dict)
