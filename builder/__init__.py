@@ -3,14 +3,15 @@
 Owns everything between `mtp-build` and the files the runtime loads (docs/ENGINE_FORMAT.md):
 
 * `options`     build options and their validation (limits, draft depth, parallel mapping, backend);
-* `graphs`      the three graph wrappers (main / mtp_draft / mtp_commit) and their I/O contract;
+* `graphs`      the three graph wrappers (main / mtp_draft / mtp_commit) over the I/O contract of the format;
 * `export`      dynamo ONNX export of each graph for each rank, weights as external data;
 * `ort_build`   the onnxruntime backend (ORT-optimized copies + recorded session options);
 * `trt_build`   the tensorrt backend (strongly typed networks, profiles, timing cache, plans);
-* `engine_dir`  config.json schema, checksums, `load_engine_config` (the checks the runtime runs first);
+* `engine_dir`  re-exports of the engine format, which lives in plugins/engine_format/ (shared with the runtime);
 * `pipeline`    the named build steps and the atomic rename that makes a build all-or-nothing;
 * `cli`         `mtp-build` (build / --check) with rich progress and a summary table.
 
-It does not own the model math (models/), the plugin ops or their ONNX/ORT/TensorRT bindings (plugins/),
+It does not own the model math (models/), the plugin ops or their ONNX/ORT/TensorRT bindings (plugins/), the
+engine format (plugins/engine_format/: KV layout, config.json, manifest, graph I/O specs, session options)
 or how engines are executed (runtime/executors/).
 """

@@ -1,7 +1,7 @@
 """`mtp-build`: build an engine directory from a checkpoint, or `--check` an existing one.
 
 Owns argument parsing, the rich progress display and the summary table; the work is builder/pipeline.py
-(build) and builder/engine_dir.py (check). Exit codes: 0 ok, 2 bad input / failed check.
+(build) and plugins/engine_format/ (check). Exit codes: 0 ok, 2 bad input / failed check.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from builder.engine_dir import CONFIG_NAME, EngineConfig, EngineDirError, load_engine_config
 from builder.options import BACKENDS, DTYPES, BuildError, BuildOptions
 from builder.pipeline import build
+from plugins.engine_format import MANIFEST_NAME, EngineConfig, EngineDirError, load_engine_config
 
 
 class RichReporter:
@@ -68,7 +68,7 @@ def summary(cfg: EngineConfig, seconds: float | None) -> Table:
     table.add_column("size", justify="right")
     table.add_column("sha256")
     total = 0
-    for rel in [CONFIG_NAME, *sorted(cfg.files)]:
+    for rel in [MANIFEST_NAME, *sorted(cfg.files)]:  # the manifest covers every other file, config.json too
         size = (cfg.path / rel).stat().st_size
         total += size
         table.add_row(rel, _size(size), cfg.files.get(rel, "-")[:12])

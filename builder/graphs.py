@@ -1,7 +1,8 @@
 """Thin nn.Module wrappers that give each engine graph its exact I/O contract (docs/ENGINE_FORMAT.md).
 
-Owns: the graph names, their input/output names, dtypes and dynamic axes, and the example inputs used to
-trace them. The math is not here: every wrapper calls a method of models/glm4_moe.py
+Owns the wrappers and the example inputs used to trace them. The contract itself (graph names, input and
+output names, dtypes, dims) is plugins/engine_format/graph_io.py, shared with the executors; it is
+re-exported here for the exporter. The math is not here: every wrapper calls a method of models/glm4_moe.py
 (`forward_main` + `compute_logits`, `forward_draft`, `forward_commit`), so there is one copy of it.
 
 Hidden states cross graph boundaries as float32 whatever the engine dtype (the executor contract in
@@ -10,69 +11,12 @@ runtime/executors/base.py is float32); the wrappers cast at the edges, as the to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
+from plugins.engine_format.graph_io import SPECS
 from plugins.kv_pool import KVPoolGeometry
-
-GRAPH_NAMES = ("main", "mtp_draft", "mtp_commit")
-
-
-@dataclass(frozen=True, slots=True)
-class GraphSpec:
-    name: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    # input name -> {axis: symbolic dim name}; the dim names are what optimization profiles bucket over
-    dynamic: dict[str, dict[int, str]]
-
-
-_BT = {0: "requests", 1: "max_blocks"}
-SPECS: dict[str, GraphSpec] = {
-    "main": GraphSpec(
-        "main",
-        ("input_ids", "positions", "q_counts", "kv_lens", "block_tables", "logit_rows", "kv_pool_ptr"),
-        ("hidden", "logits"),
-        {
-            "input_ids": {0: "tokens"},
-            "positions": {0: "tokens"},
-            "q_counts": {0: "requests"},
-            "kv_lens": {0: "requests"},
-            "block_tables": _BT,
-            "logit_rows": {0: "logit_rows"},
-            "kv_pool_ptr": {},
-        },
-    ),  # fmt: skip
-    "mtp_draft": GraphSpec(
-        "mtp_draft",
-        ("hidden_in", "token_ids", "positions", "counts", "block_tables", "kv_pool_ptr"),
-        ("hidden_out", "logits"),
-        {
-            "hidden_in": {0: "requests"},
-            "token_ids": {0: "requests"},
-            "positions": {0: "requests"},
-            "counts": {0: "requests"},
-            "block_tables": _BT,
-            "kv_pool_ptr": {},
-        },
-    ),  # fmt: skip
-    "mtp_commit": GraphSpec(
-        "mtp_commit",
-        ("hidden_in", "token_ids", "counts", "starts", "block_tables", "kv_pool_ptr"),
-        ("rows_written",),
-        {
-            "hidden_in": {0: "rows"},
-            "token_ids": {0: "rows"},
-            "counts": {0: "requests"},
-            "starts": {0: "requests"},
-            "block_tables": _BT,
-            "kv_pool_ptr": {},
-        },
-    ),  # fmt: skip
-}
 
 
 class MainGraph(nn.Module):
@@ -110,6 +54,8 @@ class CommitGraph(nn.Module):
         kv = PagedKV(kv_pool_ptr, self.geom)
         return self.model.forward_commit(hidden_in.to(self.dtype), token_ids, counts, starts, block_tables, kv)
 
+
+__all__ = ["SPECS", "WRAPPERS", "example_inputs"]  # SPECS re-exported for builder/export.py
 
 WRAPPERS: dict[str, type[nn.Module]] = {"main": MainGraph, "mtp_draft": DraftGraph, "mtp_commit": CommitGraph}
 

@@ -6,7 +6,6 @@ Checks that need the model config (draft modules, experts, positions) are in `va
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,9 @@ from typing import Any
 import torch
 
 from models.config import ModelConfig
+from plugins.engine_format.config import Limits
+from plugins.engine_format.layout import KVLayout
+from plugins.kv_pool import DTYPE_CODES
 
 BACKENDS = ("onnxruntime", "tensorrt")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -43,17 +45,16 @@ class BuildOptions:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return math.ceil(self.max_seq_len / self.kv_block_size)
+    def limits(self) -> Limits:
+        return Limits(self.max_batch, self.max_num_tokens, self.max_seq_len)
 
-    @property
-    def default_num_blocks(self) -> int:
-        # Every request at max_seq_len at once, plus the reserved null block 0.
-        return self.max_batch * self.max_blocks_per_seq + 1
-
-    def limits(self) -> dict[str, int]:
-        return {"max_batch": self.max_batch, "max_num_tokens": self.max_num_tokens, "max_seq_len": self.max_seq_len}
+    def kv_layout(self, cfg: ModelConfig) -> KVLayout:
+        """The engine's KV layout (plugins/engine_format/layout.py computes the table width, lookahead included)."""
+        return KVLayout.plan(
+            num_planes=cfg.num_hidden_layers + cfg.num_mtp_modules, num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, dtype_code=DTYPE_CODES[self.torch_dtype], block_size=self.kv_block_size,
+            max_batch=self.max_batch, max_seq_len=self.max_seq_len, num_draft_tokens=self.num_draft_tokens,
+        )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

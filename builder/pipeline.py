@@ -21,20 +21,21 @@ import onnx
 import torch
 
 from builder import ort_build, trt_build
-from builder.engine_dir import (
+from builder.export import export_graph
+from builder.options import BuildError, BuildOptions
+from models.checkpoint import CheckpointError, checkpoint_hash, load_model, read_model_config
+from models.config import ModelConfig
+from plugins.engine_format import (
     SCHEMA_VERSION,
     EngineConfig,
-    installed_plugins,
+    KVLayout,
+    Parallel,
     load_engine_config,
     looks_like_engine_dir,
     rank_dir,
-    write_config,
+    write_engine_config,
 )
-from builder.export import export_graph
-from builder.options import BuildError, BuildOptions
-from models.checkpoint import CheckpointError, checkpoint_hash, load_model, read_checkpoint
-from models.config import ModelConfig
-from plugins.kv_pool import DTYPE_CODES, KVPoolGeometry
+from plugins.engine_format.names import installed_plugins
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")  # fmt: skip
@@ -76,17 +77,11 @@ def check_output(opts: BuildOptions) -> None:
     )
 
 
-def _geometry(cfg: ModelConfig, opts: BuildOptions) -> KVPoolGeometry:
-    planes = cfg.num_hidden_layers + cfg.num_mtp_modules
-    return KVPoolGeometry(planes, opts.default_num_blocks, opts.kv_block_size, cfg.num_key_value_heads, cfg.head_dim,
-                          DTYPE_CODES[opts.torch_dtype])  # fmt: skip
-
-
 def _graph_names(cfg: ModelConfig, opts: BuildOptions) -> list[str]:
     return ["main", "mtp_draft", "mtp_commit"] if cfg.num_mtp_modules else ["main"]
 
 
-def _export_rank(rank: int, opts: BuildOptions, work: Path, geom: KVPoolGeometry, rep: Reporter) -> dict[str, Any]:
+def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, rep: Reporter) -> dict[str, Any]:
     ep_rank = rank % opts.ep_size
     model, _ = load_model(opts.checkpoint, opts.torch_dtype, ep_rank=ep_rank, ep_size=opts.ep_size)
     rdir = work / rank_dir(rank)
@@ -96,7 +91,7 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, geom: KVPoolGeometry
         t0 = time.perf_counter()
         rep.step(f"rank {rank}: export {name} (experts {_expert_range(model.cfg, opts, ep_rank)})")
         path = rdir / f"{name}.onnx"
-        data = export_graph(name, model, geom, opts.max_blocks_per_seq, path)
+        data = export_graph(name, model, layout.geometry(), layout.table_width, path)
         graphs[name] = {"onnx": str(path.relative_to(work)), "data": str(data.relative_to(work))}
         rep.done(f"rank {rank}: {name}.onnx", time.perf_counter() - t0)
     return graphs
@@ -109,7 +104,8 @@ def _expert_range(cfg: ModelConfig, opts: BuildOptions, ep_rank: int) -> str:
     return f"{ep_rank * n}..{(ep_rank + 1) * n - 1} of {cfg.n_routed_experts}"
 
 
-def _backend(opts: BuildOptions, work: Path, graphs: list[dict[str, dict[str, str]]], rep: Reporter) -> dict[str, Any]:
+def _backend(opts: BuildOptions, work: Path, graphs: list[dict[str, dict[str, str]]], layout: KVLayout,
+             rep: Reporter) -> dict[str, Any]:  # fmt: skip
     info: dict[str, Any] = {}
     if opts.backend == "onnxruntime":
         info["ort_session_options"] = ort_build.SESSION_OPTIONS
@@ -135,7 +131,8 @@ def _backend(opts: BuildOptions, work: Path, graphs: list[dict[str, dict[str, st
                 t0 = time.perf_counter()
                 rep.step(f"rank {rank}: tensorrt build {name}")
                 plan = work / rank_dir(rank) / f"{name}.plan"
-                plans[f"{rank_dir(rank)}/{name}"] = trt_build.build_plan(name, work / files["onnx"], plan, cache, opts)
+                profiles = trt_build.profile_dims(name, opts.limits(), layout, opts.num_draft_tokens)
+                plans[f"{rank_dir(rank)}/{name}"] = trt_build.build_plan(name, work / files["onnx"], plan, cache, profiles)
                 files["plan"] = str(plan.relative_to(work))
                 rep.done(f"rank {rank}: {name}.plan", time.perf_counter() - t0)
         info["tensorrt"] = {"timing_cache": trt_build.TIMING_CACHE, "strongly_typed": True, "plans": plans}
@@ -172,34 +169,31 @@ def build(opts: BuildOptions, rep: Reporter | None = None) -> BuildResult:
     check_output(opts)
     rep.step("import checkpoint")
     try:
-        ckpt_cfg = read_checkpoint(opts.checkpoint).config
+        ckpt_cfg, _ = read_model_config(opts.checkpoint)  # reads no tensor
         opts.validate_for_model(ckpt_cfg)
         ckpt_hash = checkpoint_hash(opts.checkpoint)
     except CheckpointError as e:
         raise BuildError(str(e)) from e
-    geom = _geometry(ckpt_cfg, opts)
+    layout = opts.kv_layout(ckpt_cfg)
     opts.output.parent.mkdir(parents=True, exist_ok=True)
     work = opts.output.with_name(f".{opts.output.name}.tmp-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     try:
-        graphs = [_export_rank(r, opts, work, geom, rep) for r in range(opts.world_size)]
-        backend_info = _backend(opts, work, graphs, rep)
+        graphs = [_export_rank(r, opts, work, layout, rep) for r in range(opts.world_size)]
+        backend_info = _backend(opts, work, graphs, layout, rep)
         rep.step("write config + checksums")
         cfg = EngineConfig(
             path=work, schema_version=SCHEMA_VERSION, model=ckpt_cfg, dtype=opts.dtype, limits=opts.limits(),
-            kv={"block_size": opts.kv_block_size, "num_planes": geom.num_planes, "num_kv_heads": geom.num_kv_heads,
-                "head_dim": geom.head_dim, "dtype_code": geom.dtype_code,
-                "max_blocks_per_seq": opts.max_blocks_per_seq, "default_num_blocks": opts.default_num_blocks},
-            num_draft_tokens=opts.num_draft_tokens,
-            parallel={"world_size": opts.world_size, "ep_size": opts.ep_size, "tp_size": opts.tp_size},
+            kv=layout, num_draft_tokens=opts.num_draft_tokens,
+            parallel=Parallel(opts.world_size, opts.ep_size, opts.tp_size),
             plugins=installed_plugins(), backend=opts.backend,
             build={"options": opts.to_json(), "torch_version": torch.__version__, "onnx_version": onnx.__version__,
                    "onnx_opset": _opset(work / graphs[0]["main"]["onnx"]), **backend_info},
             checkpoint={"path": str(opts.checkpoint.resolve()), "sha256": ckpt_hash},
             tokenizer_files=_copy_tokenizer(opts, work), graphs=graphs,
         )  # fmt: skip
-        write_config(cfg)
+        write_engine_config(cfg)
         load_engine_config(work)  # what the runtime will run: refuse to install a directory that fails it
         rep.step("atomic rename")
         _install(work, opts.output)

@@ -16,8 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from builder.graphs import SPECS
-from builder.options import BuildError, BuildOptions
+from builder.options import BuildError
+from plugins.engine_format.config import Limits
+from plugins.engine_format.graph_io import SPECS
+from plugins.engine_format.layout import KVLayout
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -51,12 +53,19 @@ def _pow2_ranges(last: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def profile_dims(graph: str, opts: BuildOptions) -> list[dict[str, tuple[int, int, int]]]:
-    """Per profile: symbolic dim name -> (min, opt, max)."""
-    k, mb, mt = opts.num_draft_tokens, opts.max_batch, opts.max_num_tokens
-    reqs, blocks = (1, mb, mb), (1, opts.max_blocks_per_seq, opts.max_blocks_per_seq)
+Profiles = list[dict[str, tuple[int, int, int]]]
+
+
+def profile_dims(graph: str, limits: Limits, kv: KVLayout, num_draft_tokens: int) -> Profiles:
+    """Per profile: symbolic dim name -> (min, opt, max), from the limits and layout recorded in config.json.
+
+    The block-table axis spans the layout's table width (lookahead included), the width the runtime sends.
+    """
+    k, mb, mt = num_draft_tokens, limits.max_batch, limits.max_num_tokens
+    reqs, blocks = (1, mb, mb), (1, kv.table_width, kv.table_width)
     if graph == "main":
-        return [{"tokens": t, "requests": reqs, "max_blocks": blocks, "logit_rows": (1, t[1], t[2])}
+        # logit_rows starts at 0: a step of partial prefill chunks only needs no logits at all (an empty tensor).
+        return [{"tokens": t, "requests": reqs, "max_blocks": blocks, "logit_rows": (0, t[1], t[2])}
                 for t in _ranges(mb * (1 + k), mt)]  # fmt: skip
     if graph == "mtp_draft":
         return [{"requests": r, "max_blocks": blocks} for r in _pow2_ranges(mb)]
@@ -80,8 +89,9 @@ def _parse(builder: trt.Builder, logger: trt.ILogger, onnx_path: Path) -> trt.IN
     return network
 
 
-def build_plan(graph: str, onnx_path: Path, plan_path: Path, cache_path: Path, opts: BuildOptions) -> dict[str, Any]:
-    """Parse `onnx_path`, build a strongly typed plan with one profile per bucket, persist the timing cache."""
+def build_plan(graph: str, onnx_path: Path, plan_path: Path, cache_path: Path, profiles: Profiles) -> dict[str, Any]:
+    """Parse `onnx_path`, build a strongly typed plan with one profile per bucket (`profile_dims`), persist the
+    timing cache."""
     import tensorrt as trt
 
     from plugins.trt_plugins import register_plugins
@@ -95,7 +105,6 @@ def build_plan(graph: str, onnx_path: Path, plan_path: Path, cache_path: Path, o
     cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
     config.set_timing_cache(cache, False)  # never ignore a mismatch: tactics from another GPU are wrong here
     dynamic = SPECS[graph].dynamic
-    profiles = profile_dims(graph, opts)
     for dims in profiles:
         profile = builder.create_optimization_profile()
         for i in range(network.num_inputs):

@@ -79,8 +79,8 @@ def _mtp_rename(name: str, num_layers: int) -> str:
     return name
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
-    """Read config.json and all safetensors tensors of a checkpoint directory, validating the config."""
+def read_model_config(path: str | Path) -> tuple[ModelConfig, dict]:
+    """(validated ModelConfig, raw Hugging Face dict) from config.json alone: no weight file is opened."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist; pass --checkpoint DIR with config.json")
@@ -95,6 +95,13 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         config = ModelConfig.from_hf_dict(hf)
     except ConfigError as e:
         raise CheckpointError(f"{cfg_file}: {e}") from e
+    return config, hf
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """Read config.json and all safetensors tensors of a checkpoint directory, validating the config."""
+    path = Path(path)
+    config, hf = read_model_config(path)
     tensors: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as f:

@@ -1,3 +1,4 @@
 """plugins/: the custom operators the engine graphs need (varlen paged KV write, paged attention, MoE
 experts). One semantic definition each (reference.py) and its implementations: torch ops (ops.py),
-Triton kernels, ONNX Runtime custom ops, TensorRT plugins, and the ONNX export rules."""
+Triton kernels, ONNX Runtime custom ops, TensorRT plugins, and the ONNX export rules. Also the engine
+format (engine_format/): the on-disk contract between the builder and the runtime, which both import."""

@@ -18,6 +18,7 @@ import tensorrt as trt
 import torch
 from onnx.defs import OpSchema
 
+from plugins.engine_format.names import KV_WRITE, PAGED_ATTENTION
 from plugins.kv_pool import KVPoolGeometry
 from plugins.onnx_export import DOMAIN, KV_WRITE_ATTRS, PAGED_ATTENTION_ATTRS, PLUGIN_VERSION
 from plugins.triton_kernels import kv_write_triton, paged_attention_triton
@@ -133,7 +134,7 @@ class _PluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, tr
 class KvWritePlugin(_PluginBase):
     """KvWrite: inputs k, v, counts, starts, block_tables, pool_ptr; output int64[1] rows stored."""
 
-    name = "KvWrite"
+    name = KV_WRITE
     spec = KV_WRITE_ATTRS
     pool_input = 5
 
@@ -172,7 +173,7 @@ class KvWritePlugin(_PluginBase):
 class PagedAttentionPlugin(_PluginBase):
     """PagedAttention: inputs q, q_counts, kv_lens, block_tables, pool_ptr, after; output like q."""
 
-    name = "PagedAttention"
+    name = PAGED_ATTENTION
     spec = PAGED_ATTENTION_ATTRS
     pool_input = 4
 

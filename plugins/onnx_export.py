@@ -21,9 +21,8 @@ import onnx
 import torch
 from onnx.defs import OpSchema
 
-DOMAIN = "mtp"
-VERSION = 1
-PLUGIN_VERSION = "1"
+from plugins.engine_format.names import DOMAIN, KV_WRITE, MOE_EXPERTS, PAGED_ATTENTION, PLUGIN_VERSION
+from plugins.engine_format.names import OPSET_VERSION as VERSION
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 _INTS = ["tensor(int32)", "tensor(int64)"]
@@ -87,7 +86,7 @@ def schemas() -> list[OpSchema]:
     index_types = [("I", _INTS, "per-request int32/int64 metadata"), ("B", _INTS, "block table ids")]
     return [
         _schema(
-            "KvWrite",
+            KV_WRITE,
             "Varlen paged KV write into the pool at pool_ptr, in place. Output: rows stored.",
             [
                 ("k", "T", "[T, Hkv, D]"),
@@ -102,7 +101,7 @@ def schemas() -> list[OpSchema]:
             [("T", _FLOATS, "row type"), *index_types],
         ),  # fmt: skip
         _schema(
-            "PagedAttention",
+            PAGED_ATTENTION,
             "Varlen paged causal GQA attention over the pool at pool_ptr; `after` orders it after a KvWrite.",
             [
                 ("q", "T", "[T, Hq, D]"),
@@ -117,7 +116,7 @@ def schemas() -> list[OpSchema]:
             [("T", _FLOATS, "query/output type"), *index_types],
         ),  # fmt: skip
         _schema(
-            "MoeExperts",
+            MOE_EXPERTS,
             "Routed experts: sum_k w[t,k] * down(silu(gate(x_t)) * up(x_t)); ep_size > 1 exchanges tokens.",
             [
                 ("x", "T", "[T, H]"),

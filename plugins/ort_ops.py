@@ -21,10 +21,11 @@ import torch
 from onnxruntime_extensions import PyOp, get_library_path, onnx_op
 
 import plugins.ops  # noqa: F401  (defines torch.ops.mtp.*)
+from plugins.engine_format.names import PLUGIN_NODES
 from plugins.onnx_export import DOMAIN, KV_WRITE_ATTRS, MOE_EXPERTS_ATTRS, PAGED_ATTENTION_ATTRS
 
 ORT_DOMAIN = "ai.onnx.contrib"
-PLUGIN_OPS = ("KvWrite", "PagedAttention", "MoeExperts")
+PLUGIN_OPS = PLUGIN_NODES
 
 _ATTR_TYPES = {onnx.defs.OpSchema.AttrType.INT: PyOp.dt_int64, onnx.defs.OpSchema.AttrType.FLOAT: PyOp.dt_float}
 

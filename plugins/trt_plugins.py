@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-NAMESPACE = "mtp"
-PLUGIN_NAMES = ("KvWrite", "PagedAttention")
+from plugins.engine_format.names import DOMAIN, TRT_PLUGIN_NODES
+
+NAMESPACE = DOMAIN
+PLUGIN_NAMES = TRT_PLUGIN_NODES
 _NOT_INSTALLED = (
     "TensorRT is not installed (or only its type stubs are): build TensorRT engines on a machine with "
     "TensorRT >= 10.x and a CUDA GPU"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plugins.engine_format.layout import table_width
+
 
 class ConfigError(ValueError):
     pass
@@ -42,5 +44,5 @@ class RuntimeConfig:
 
     @property
     def max_blocks_per_request(self) -> int:
-        """Block-table width: max_seq_len plus the draft lookahead (2k positions)."""
-        return -(-(self.max_seq_len + 2 * self.num_draft_tokens) // self.block_size)
+        """Block-table width: max_seq_len plus the draft lookahead, by the engine format's one width function."""
+        return table_width(self.max_seq_len, self.num_draft_tokens, self.block_size)

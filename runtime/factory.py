@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from plugins.engine_format import EngineConfig, KVLayout, Limits, load_engine_config
 from runtime.config import ConfigError, RuntimeConfig
 from runtime.engine import LLMEngine
 from runtime.executors.base import Executor
@@ -47,25 +48,12 @@ def create_engine(
         raise ConfigError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if engine_dir is not None:
-        from builder.engine_dir import load_engine_config
-
         ecfg = load_engine_config(engine_dir)
         if ecfg.world_size != world_size:
             raise ConfigError(f"engine {engine_dir} was built for world_size={ecfg.world_size} but "
                               f"{world_size} rank(s) were launched: use mpirun -np {ecfg.world_size}")  # fmt: skip
-        base = RuntimeConfig(
-            max_batch=ecfg.limits["max_batch"],
-            max_num_tokens=ecfg.limits["max_num_tokens"],
-            max_seq_len=ecfg.limits["max_seq_len"],
-            block_size=ecfg.kv["block_size"],
-            num_blocks=ecfg.kv["default_num_blocks"],
-            num_draft_tokens=ecfg.num_draft_tokens,
-            max_prefill_chunk=ecfg.limits["max_num_tokens"],
-        )
-        cfg = replace(base, **overrides)
-        if cfg.num_draft_tokens > ecfg.num_draft_tokens:
-            raise ConfigError(f"num_draft_tokens={cfg.num_draft_tokens} exceeds the {ecfg.num_draft_tokens} the "
-                              f"engine was built for; rebuild with --num-draft-tokens {cfg.num_draft_tokens}")  # fmt: skip
+        cfg = replace(engine_defaults(ecfg), **overrides)
+        check_within_engine(cfg, ecfg.limits, ecfg.kv, ecfg.num_draft_tokens)
         model_cfg, tokenizer = ecfg.model, load_tokenizer(Path(engine_dir))
         ex: Executor
         if executor == "onnxruntime":
@@ -78,7 +66,7 @@ def create_engine(
             ex = TrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)
         else:
             checkpoint = checkpoint or ecfg.checkpoint["path"]
-            ex, model_cfg = _torch_executor(checkpoint, cfg, rank, ecfg.parallel.get("ep_size", 1), device, cuda_graphs)
+            ex, model_cfg = _torch_executor(checkpoint, cfg, rank, ecfg.parallel.ep_size, device, cuda_graphs)
     else:
         if checkpoint is None:
             raise ConfigError("give --engine DIR (built by mtp-build) or --checkpoint DIR (torch executor)")
@@ -91,6 +79,34 @@ def create_engine(
     if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:
         cfg = replace(cfg, num_draft_tokens=0)  # the checkpoint has no MTP module: plain decoding
     return LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1)
+
+
+def engine_defaults(ecfg: EngineConfig) -> RuntimeConfig:
+    """The runtime config an engine runs with when nothing is overridden: exactly its build limits."""
+    lim = ecfg.limits
+    return RuntimeConfig(max_batch=lim.max_batch, max_num_tokens=lim.max_num_tokens, max_seq_len=lim.max_seq_len,
+                         block_size=ecfg.kv.block_size, num_blocks=ecfg.kv.num_blocks,
+                         num_draft_tokens=ecfg.num_draft_tokens, max_prefill_chunk=lim.max_num_tokens)  # fmt: skip
+
+
+def check_within_engine(cfg: RuntimeConfig, lim: Limits, kv: KVLayout, k: int) -> None:
+    """Refuse a runtime config that could send a step the engine (limits, layout, K) was not built for; every
+    step an admitted config produces fits the recorded table width and TensorRT profiles
+    (tests/runtime/test_engine_limits.py)."""
+    if cfg.num_draft_tokens > k:
+        raise ConfigError(f"num_draft_tokens={cfg.num_draft_tokens} exceeds the {k} the engine was built for; "
+                          f"rebuild with --num-draft-tokens {cfg.num_draft_tokens}")  # fmt: skip
+    for name, limit in (("max_batch", lim.max_batch), ("max_num_tokens", lim.max_num_tokens),
+                        ("max_seq_len", lim.max_seq_len)):  # fmt: skip
+        if getattr(cfg, name) > limit:
+            raise ConfigError(f"{name}={getattr(cfg, name)} exceeds the engine's limit {limit}; lower it or rebuild "
+                              f"with --{name.replace('_', '-')} {getattr(cfg, name)}")  # fmt: skip
+    if cfg.block_size != kv.block_size:
+        raise ConfigError(f"block_size={cfg.block_size} differs from the engine's kv.block_size={kv.block_size} "
+                          "(baked into its plugin nodes); drop the override or rebuild with --kv-block-size")  # fmt: skip
+    if cfg.max_blocks_per_request > kv.table_width:  # implied by the checks above; kept as the contract itself
+        raise ConfigError(f"block tables of {cfg.max_blocks_per_request} blocks exceed the engine's table width "
+                          f"{kv.table_width}; lower max_seq_len or num_draft_tokens")  # fmt: skip
 
 
 def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, ep_size: int, device: str, cuda_graphs: bool):

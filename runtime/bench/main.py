@@ -78,13 +78,13 @@ def parser() -> argparse.ArgumentParser:
 
 def ensure_engine_dir(checkpoint: Path, engine_dir: Path, max_k: int, max_batch: int, console) -> None:
     """Build engine_dir with mtp-build when it is missing or was built for fewer draft depths / a smaller batch."""
-    from builder.engine_dir import EngineDirError, load_engine_config
+    from plugins.engine_format import EngineDirError, load_engine_config
 
     try:
         ecfg = load_engine_config(engine_dir)
-        if ecfg.num_draft_tokens >= max_k and ecfg.limits["max_batch"] >= max_batch:
+        if ecfg.num_draft_tokens >= max_k and ecfg.limits.max_batch >= max_batch:
             return
-        why = f"built for K={ecfg.num_draft_tokens}, max_batch={ecfg.limits['max_batch']}"
+        why = f"built for K={ecfg.num_draft_tokens}, max_batch={ecfg.limits.max_batch}"
     except (EngineDirError, FileNotFoundError) as e:
         why = str(e).splitlines()[0] if engine_dir.exists() else "missing"
     console.print(f"[yellow]building {engine_dir} ({why}) with K={max_k}, max_batch={max_batch}[/]")

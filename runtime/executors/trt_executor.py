@@ -14,7 +14,7 @@ from then on; a refused capture falls back to plain enqueue for that key (a refu
 would otherwise record an empty graph, so the return value is checked).
 
 The pool geometry (num_blocks included) is baked into the plans' plugin fields, so the pool has exactly
-the engine's default_num_blocks.
+the engine's `kv.num_blocks`. Feeds come from the graph I/O spec (plugins.engine_format.graph_io).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from builder.engine_dir import EngineConfig, EngineDirError, load_engine_config
-from plugins.kv_pool import KVPoolGeometry, allocate_pool
+from plugins.engine_format import EngineConfig, EngineDirError, load_engine_config
+from plugins.engine_format.graph_io import POOL_INPUT, SPECS, feeds
+from plugins.kv_pool import allocate_pool
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
 
 if TYPE_CHECKING:
@@ -81,25 +82,25 @@ class _Graph:
                  trt.DataType.INT32: torch.int32, trt.DataType.INT64: torch.int64}  # fmt: skip
         return table[dt]
 
-    def _pick_profile(self, feeds: dict[str, np.ndarray]) -> int:
+    def _pick_profile(self, arrays: dict[str, np.ndarray]) -> int:
         for p in range(self.num_profiles):
             if all(
                 all(lo <= s <= hi for lo, s, hi in zip(_dims(prof[0]), arr.shape, _dims(prof[2]), strict=True))
-                for name, arr in feeds.items()
+                for name, arr in arrays.items()
                 for prof in [self.engine.get_tensor_profile_shape(name, p)]
             ):
                 return p
-        shapes = {n: a.shape for n, a in feeds.items()}
+        shapes = {n: a.shape for n, a in arrays.items()}
         raise ValueError(f"step shapes {shapes} are outside every optimization profile of this engine (build limits)")
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def run(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         ctx, handle = self.context, self.stream.cuda_stream
-        profile = self._pick_profile(feeds)
+        profile = self._pick_profile(arrays)
         if profile != self.profile:
             ctx.set_optimization_profile_async(profile, handle)
             self.profile = profile
         with torch.cuda.stream(self.stream):
-            for name, arr in feeds.items():
+            for name, arr in arrays.items():
                 buf = self.buffers[name]
                 view = buf.view(-1)[: arr.size].view(arr.shape)
                 view.copy_(torch.from_numpy(np.ascontiguousarray(arr)).to(buf.dtype), non_blocking=False)
@@ -116,7 +117,7 @@ class _Graph:
                     self.buffers[name] = out
                 outputs[name] = out.view(-1)[: int(np.prod(shape))].view(shape)
                 ctx.set_tensor_address(name, out.data_ptr())
-            key = (profile, *[(n, a.shape) for n, a in feeds.items()])
+            key = (profile, *[(n, a.shape) for n, a in arrays.items()])
             self._launch(key)
         self.stream.synchronize()
         return outputs
@@ -163,13 +164,12 @@ class TrtExecutor:
             raise EngineDirError(f"{cfg.path} was built for {cfg.backend}; rebuild with --backend tensorrt")
         if not 0 <= rank < cfg.world_size:
             raise EngineDirError(f"rank {rank} is outside the engine's world_size={cfg.world_size}")
-        if num_blocks is not None and num_blocks != kv["default_num_blocks"]:
-            raise ValueError(f"TensorRT plans fix the pool at {kv['default_num_blocks']} blocks; rebuild to change it")
+        if num_blocks is not None and num_blocks != kv.num_blocks:
+            raise ValueError(f"TensorRT plans fix the pool at {kv.num_blocks} blocks; rebuild to change it")
         register_plugins()  # creators must be registered before a plan holding plugin layers is deserialized
         self.logger = trt.Logger(trt.Logger.WARNING)  # must outlive the runtime
         self.runtime = trt.Runtime(self.logger)
-        self.geom = KVPoolGeometry(kv["num_planes"], kv["default_num_blocks"], kv["block_size"], kv["num_kv_heads"],
-                                   kv["head_dim"], kv["dtype_code"])  # fmt: skip
+        self.geom = kv.geometry()
         self.pool = allocate_pool(self.geom, "cuda")
         self.hidden_size, self.vocab_size = cfg.model.hidden_size, cfg.model.vocab_size
         self.stream = torch.cuda.Stream()  # never the legacy default stream (it serializes, and breaks capture)
@@ -183,33 +183,19 @@ class TrtExecutor:
             self.graphs[name] = _Graph(self.runtime, plan, self.stream)
         self._ptr = np.array([self.pool.data_ptr()], dtype=np.int64)
 
-    def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        feeds["kv_pool_ptr"] = self._ptr
-        return self.graphs[graph].run(feeds)
+    def _run(self, graph: str, inp: object) -> dict[str, torch.Tensor]:
+        return self.graphs[graph].run({**feeds(SPECS[graph], inp), POOL_INPUT: self._ptr})
 
     def run_main(self, inp: MainInput) -> MainOutput:
-        out = self._run("main", {
-            "input_ids": np.asarray(inp.input_ids, np.int64), "positions": np.asarray(inp.positions, np.int64),
-            "q_counts": np.asarray(inp.q_counts, np.int32), "kv_lens": np.asarray(inp.kv_lens, np.int32),
-            "block_tables": np.asarray(inp.block_tables, np.int32), "logit_rows": np.asarray(inp.logit_rows, np.int64),
-        })  # fmt: skip
-        return MainOutput(out["hidden"].float().cpu().numpy(), out["logits"].float().cpu().numpy())
+        out = self._run("main", inp)
+        return MainOutput(**{n: out[n].float().cpu().numpy() for n in SPECS["main"].outputs})
 
     def run_draft(self, inp: DraftInput) -> DraftOutput:
-        out = self._run("mtp_draft", {
-            "hidden_in": np.asarray(inp.hidden_in, np.float32), "token_ids": np.asarray(inp.token_ids, np.int64),
-            "positions": np.asarray(inp.positions, np.int64), "counts": np.asarray(inp.counts, np.int32),
-            "block_tables": np.asarray(inp.block_tables, np.int32),
-        })  # fmt: skip
-        return DraftOutput(out["hidden_out"].float().cpu().numpy(), out["logits"].float().cpu().numpy())
+        out = self._run("mtp_draft", inp)
+        return DraftOutput(**{n: out[n].float().cpu().numpy() for n in SPECS["mtp_draft"].outputs})
 
     def run_commit(self, inp: CommitInput) -> int:
-        out = self._run("mtp_commit", {
-            "hidden_in": np.asarray(inp.hidden_in, np.float32), "token_ids": np.asarray(inp.token_ids, np.int64),
-            "counts": np.asarray(inp.counts, np.int32), "starts": np.asarray(inp.starts, np.int32),
-            "block_tables": np.asarray(inp.block_tables, np.int32),
-        })  # fmt: skip
-        return int(out["rows_written"][0].item())
+        return int(self._run("mtp_commit", inp)["rows_written"][0].item())
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         with torch.no_grad(), torch.cuda.stream(self.stream):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import onnx
@@ -11,10 +9,11 @@ import pytest
 from onnx import numpy_helper
 
 from builder import cli
-from builder.engine_dir import SCHEMA_VERSION, EngineDirError, load_engine_config
 from builder.pipeline import build
 from models.checkpoint import load_model
+from plugins.engine_format import SCHEMA_VERSION, EngineDirError, Limits, Parallel, load_engine_config
 from tests.builder.conftest import tiny_opts
+from tests.builder.engine_edits import copy_engine, edit_config
 
 GRAPHS = ("main", "mtp_draft", "mtp_commit")
 
@@ -26,9 +25,11 @@ def _ops(path: Path) -> set[tuple[str, str]]:
 def test_layout_and_config(engine, checkpoint):
     cfg = load_engine_config(engine)
     assert cfg.schema_version == SCHEMA_VERSION and cfg.backend == "onnxruntime" and cfg.dtype == "float32"
-    assert cfg.limits == {"max_batch": 4, "max_num_tokens": 32, "max_seq_len": 64}
-    assert cfg.kv["block_size"] == 4 and cfg.kv["num_planes"] == 3 and cfg.kv["default_num_blocks"] == 4 * 16 + 1
-    assert cfg.num_draft_tokens == 2 and cfg.parallel == {"world_size": 1, "ep_size": 1, "tp_size": 1}
+    assert cfg.limits == Limits(max_batch=4, max_num_tokens=32, max_seq_len=64)
+    # Table width covers max_seq_len plus the 2K lookahead: ceil((64 + 4) / 4) = 17 blocks, not 64 / 4 = 16.
+    assert cfg.kv.block_size == 4 and cfg.kv.num_planes == 3 and cfg.kv.table_width == 17
+    assert cfg.kv.num_blocks == 4 * 17 + 1
+    assert cfg.num_draft_tokens == 2 and cfg.parallel == Parallel(world_size=1, ep_size=1, tp_size=1)
     assert cfg.plugins["namespace"] == "mtp" and set(cfg.plugins["nodes"]) == {
         "KvWrite",
         "PagedAttention",
@@ -71,23 +72,6 @@ def test_check_cli_passes(engine, capsys):
     assert "ok" in capsys.readouterr().out
 
 
-def _tampered(engine: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "copy"
-    shutil.copytree(engine, copy)
-    return copy
-
-
-def _edit_config(path: Path, **changes) -> None:
-    raw = json.loads((path / "config.json").read_text())
-    for dotted, value in changes.items():
-        node = raw
-        *parents, leaf = dotted.split("__")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    (path / "config.json").write_text(json.dumps(raw))
-
-
 def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -99,15 +83,18 @@ def _flip_byte(path: Path) -> None:
     [
         (lambda p: _flip_byte(p / "rank0" / "mtp_draft.onnx.data"), "rank0/mtp_draft.onnx.data in .* is corrupted"),
         (lambda p: (p / "rank0" / "main.ort.onnx").unlink(), "rank0/main.ort.onnx is missing"),
-        (lambda p: _edit_config(p, schema_version=SCHEMA_VERSION + 1), "schema_version 2; this installation reads"),
-        (lambda p: _edit_config(p, parallel__world_size=2), "rank count mismatch.*world_size=2"),
-        (lambda p: _edit_config(p, plugins__nodes__KvWrite="0"), "plugin version mismatch.*KvWrite version '0'"),
+        (lambda p: edit_config(p, schema_version=SCHEMA_VERSION + 1), f"schema_version {SCHEMA_VERSION + 1}; this installation reads"),
+        (lambda p: edit_config(p, parallel__world_size=2), "rank count mismatch.*world_size=2"),
+        (lambda p: edit_config(p, plugins__nodes__KvWrite="0"), "plugin version mismatch.*KvWrite version '0'"),
         (lambda p: (p / "config.json").unlink(), "not an engine directory"),
+        (lambda p: edit_config(p, reseal=False, kv__block_size=2), "config.json in .* is corrupted"),
+        (lambda p: (p / "manifest.json").unlink(), "no readable manifest.json"),
     ],
-    ids=["flipped-byte", "missing-file", "schema-version", "rank-count", "plugin-version", "no-config"],
+    ids=["flipped-byte", "missing-file", "schema-version", "rank-count", "plugin-version", "no-config",
+         "edited-config", "no-manifest"],
 )
 def test_check_refuses_tampered_engine(engine, tmp_path, capsys, tamper, message):
-    copy = _tampered(engine, tmp_path)
+    copy = copy_engine(engine, tmp_path)
     tamper(copy)
     with pytest.raises(EngineDirError, match=message):
         load_engine_config(copy)

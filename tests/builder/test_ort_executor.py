@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from builder.engine_dir import EngineDirError
 from models.checkpoint import load_model
+from plugins.engine_format import EngineDirError
 from runtime.executors.base import CommitInput, DraftInput, MainInput
 from runtime.executors.ort_executor import OrtExecutor
 from runtime.executors.torch_executor import TorchExecutor
 
 TOL = 1e-4
-MB = 16  # block table width (max_seq_len 64 / block size 4)
+MB = 17  # block table width: ceil((max_seq_len 64 + 2K) / block size 4)
 
 
 def _tables(rng: np.random.Generator, n_requests: int, n_blocks: int) -> np.ndarray:
@@ -104,3 +104,25 @@ def test_corrupted_engine_is_refused_at_load(engine, tmp_path):
 def test_rank_outside_world_is_refused(engine):
     with pytest.raises(EngineDirError, match="rank 1 is outside"):
         OrtExecutor(engine, rank=1)
+
+
+def test_every_step_of_a_built_engine_fits_its_recorded_limits(engine):
+    """The engine's own config.json (limits, layout, K) bounds what the runtime sends: requests run to
+    max_seq_len with K drafts through the ORT executor, each call checked against the profiles and width."""
+    from builder.trt_build import profile_dims
+    from plugins.engine_format import load_engine_config
+    from plugins.engine_format.graph_io import GRAPH_NAMES
+    from runtime.engine import LLMEngine
+    from runtime.factory import engine_defaults
+    from runtime.sampling import SamplingParams
+    from tests.runtime.engine_utils import random_prompts
+    from tests.runtime.test_engine_limits import ProfileCheckingExecutor
+
+    ecfg = load_engine_config(engine)
+    profiles = {g: profile_dims(g, ecfg.limits, ecfg.kv, ecfg.num_draft_tokens) for g in GRAPH_NAMES}
+    rc = engine_defaults(ecfg)
+    ex = ProfileCheckingExecutor(OrtExecutor(engine), profiles, ecfg.kv.table_width)
+    lengths = [60, 61, 62, 63, 30]  # 5 requests > max_batch 4: one waits, then reuses freed blocks
+    outs = LLMEngine(ex, ecfg.model, rc).generate(random_prompts(lengths), SamplingParams(max_tokens=64))
+    assert [n + len(o.output_ids) for n, o in zip(lengths, outs, strict=True)] == [64] * 5
+    assert max(dict(s)["max_blocks"] for s in ex.seen["main"]) == ecfg.kv.table_width == 17

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper
 
 import plugins.ops  # noqa: F401
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
-from plugins.onnx_export import DOMAIN, custom_translation_table, register_schemas
+from plugins.onnx_export import DOMAIN, PLUGIN_VERSION, custom_translation_table, register_schemas
 from plugins.ort_ops import ORT_DOMAIN, make_session, prepare_for_ort
 from plugins.reference import kv_write_ref, moe_experts_ref, paged_attention_ref
 from tests.plugins.cases import Case, cases, filled_pool
@@ -29,7 +29,7 @@ register_schemas()
 
 def _plugin_graph(c: Case, scale: float) -> onnx.ModelProto:
     geometry = c.geom.attrs()
-    common: dict[str, Any] = {"plane": c.plane, **geometry, "plugin_namespace": DOMAIN, "plugin_version": "1"}
+    common: dict[str, Any] = {"plane": c.plane, **geometry, "plugin_namespace": DOMAIN, "plugin_version": PLUGIN_VERSION}
     i32, f32, i64 = TensorProto.INT32, TensorProto.FLOAT, TensorProto.INT64
     inputs = [
         helper.make_tensor_value_info("k", f32, ["T", c.geom.num_kv_heads, c.geom.head_dim]),

@@ -1,0 +1,120 @@
+"""Cross-checks of config.json against itself and against the graphs it names.
+
+The checksums prove the files are the ones the build wrote; these prove the config describes them. A
+config whose `kv.block_size` differs from the plugin nodes' (a hand edit re-sealed into the manifest, or a
+builder bug) would size the pool and block tables wrong: the ops then index past the pool (a segfault) or
+silently read other slots. The graph checks read the ONNX protos without their weights (cheap).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import torch
+from onnx.helper import tensor_dtype_to_np_dtype
+
+from plugins.engine_format.config import EngineConfig
+from plugins.engine_format.graph_io import GRAPH_NAMES, SPECS
+from plugins.engine_format.layout import table_width
+from plugins.engine_format.names import MOE_EXPERTS, POOL_NODES
+from plugins.engine_format.paths import EngineDirError, rank_dir
+from plugins.kv_pool import DTYPE_CODES
+
+_FIX = "the config does not describe the graphs it ships with; rebuild with `mtp-build --checkpoint CKPT --output {}`"
+# Graph files the checks read (a TensorRT plan is opaque here: its recorded profiles are checked instead).
+_ONNX_KINDS = ("onnx", "ort_optimized")
+
+
+def _refuse(cfg: EngineConfig, what: str) -> EngineDirError:
+    return EngineDirError(f"engine {cfg.path}: {what}; {_FIX.format(cfg.path)}")
+
+
+def check_consistent(cfg: EngineConfig) -> None:
+    """config.json's fields agree with each other and with the model (no file is read)."""
+    kv, lim, k, m = cfg.kv, cfg.limits, cfg.num_draft_tokens, cfg.model
+    width = table_width(lim.max_seq_len, k, kv.block_size)
+    want = {
+        "kv.table_width": (kv.table_width, width),
+        "kv.num_planes": (kv.num_planes, m.num_hidden_layers + m.num_mtp_modules),
+        "kv.num_kv_heads": (kv.num_kv_heads, m.num_key_value_heads),
+        "kv.head_dim": (kv.head_dim, m.head_dim),
+    }
+    dtype = getattr(torch, cfg.dtype, None)
+    if isinstance(dtype, torch.dtype) and dtype in DTYPE_CODES:
+        want["kv.dtype_code"] = (kv.dtype_code, DTYPE_CODES[dtype])
+    else:
+        raise _refuse(cfg, f"dtype {cfg.dtype!r} is not one of float32, float16, bfloat16")
+    for name, (got, expected) in want.items():
+        if got != expected:
+            raise _refuse(cfg, f"{name}={got} but the model and limits give {expected}")
+    if not 0 <= k < kv.block_size:
+        raise _refuse(cfg, f"num_draft_tokens={k} must be in [0, kv.block_size={kv.block_size})")
+    if kv.num_blocks < 2:
+        raise _refuse(cfg, f"kv.num_blocks={kv.num_blocks}: the pool needs the null block 0 plus one block")
+    if lim.max_num_tokens < lim.max_batch * (1 + k):
+        raise _refuse(cfg, f"limits.max_num_tokens={lim.max_num_tokens} < max_batch*(1+K)={lim.max_batch * (1 + k)}")
+    expected_graphs = set(GRAPH_NAMES) if m.num_mtp_modules else {"main"}
+    for rank, per_graph in enumerate(cfg.graphs):
+        if set(per_graph) != expected_graphs:
+            raise _refuse(cfg, f"{rank_dir(rank)} has graphs {sorted(per_graph)}, expected {sorted(expected_graphs)}")
+    if k and not m.num_mtp_modules:
+        raise _refuse(cfg, f"num_draft_tokens={k} but the model has no MTP module")
+    _check_profiles(cfg)
+
+
+def _check_profiles(cfg: EngineConfig) -> None:
+    """TensorRT profiles recorded at build time admit every block-table width and batch the limits allow."""
+    plans = cfg.build.get("tensorrt", {}).get("plans", {}) if cfg.backend == "tensorrt" else {}
+    for key, plan in plans.items():
+        for prof in plan.get("profiles", []):
+            for dim, hi in (("max_blocks", cfg.kv.table_width), ("requests", cfg.limits.max_batch)):
+                if dim in prof and prof[dim][2] < hi:
+                    raise _refuse(cfg, f"plan {key} caps {dim} at {prof[dim][2]} but the limits need {hi}")
+
+
+def check_against_graphs(cfg: EngineConfig) -> None:
+    """Every ONNX graph file declares the I/O contract and plugin attributes the config implies."""
+    for rank, per_graph in enumerate(cfg.graphs):
+        for graph in per_graph:
+            for kind in _ONNX_KINDS:
+                path = cfg.graph_file(rank, graph, kind)
+                if path is not None:
+                    _check_graph(cfg, graph, path, f"{rank_dir(rank)}/{path.name}")
+
+
+def _check_graph(cfg: EngineConfig, graph: str, path: Path, label: str) -> None:
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # onnx raises DecodeError and others for a file that is not a model
+        raise _refuse(cfg, f"{label} is not a readable ONNX model ({type(e).__name__})") from e
+    spec = SPECS[graph]
+    g = model.graph
+    for kind, values, names in (("inputs", g.input, spec.inputs), ("outputs", g.output, spec.outputs)):
+        got = tuple(v.name for v in values)
+        if got != names:
+            raise _refuse(cfg, f"{label} has {kind} {got}, the contract is {names}")
+        for v in values:
+            tt = v.type.tensor_type
+            dtype = tensor_dtype_to_np_dtype(tt.elem_type).name
+            dims = tuple(d.dim_param or d.dim_value for d in tt.shape.dim)
+            want = spec.concrete_dims(v.name, cfg.model.hidden_size, cfg.model.vocab_size)
+            if dtype != spec.dtypes[v.name] or dims != want:
+                raise _refuse(cfg, f"{label} declares {v.name} {dtype}{list(dims)}, the config implies "
+                                   f"{spec.dtypes[v.name]}{list(want)}")  # fmt: skip
+    kv = cfg.kv
+    geometry = {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes,
+                "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim, "dtype": kv.dtype_code}  # fmt: skip
+    moe = {"num_experts": cfg.model.n_routed_experts, "ep_size": cfg.parallel.ep_size}
+    for node in g.node:
+        want_attrs = geometry if node.op_type in POOL_NODES else moe if node.op_type == MOE_EXPERTS else None
+        if want_attrs is None:
+            continue
+        attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+        for name, value in want_attrs.items():
+            if attrs.get(name) != value:
+                field = ("kv.dtype_code" if name == "dtype" else f"kv.{name}") if want_attrs is geometry else name
+                raise _refuse(cfg, f"{label}: {node.op_type} node was built with {name}={attrs.get(name)} but "
+                                   f"config.json gives {field}={value}")  # fmt: skip
+        if node.op_type in POOL_NODES and not 0 <= attrs.get("plane", -1) < kv.num_planes:
+            raise _refuse(cfg, f"{label}: {node.op_type} node writes plane {attrs.get('plane')} outside the pool")

@@ -1,0 +1,86 @@
+"""The graph I/O contract: names, dtypes and dims of every input and output of the three engine graphs.
+
+One definition, read by the exporter (builder/export.py: input/output names, dynamic axes), the
+TensorRT profiles (builder/trt_build.py: symbolic dim names), the load-time cross-check
+(engine_format/directory.py: the ONNX files must declare exactly these) and the executors (`feeds`:
+the per-step dataclasses of runtime/executors/base.py have one field per graph input, same name).
+
+Dims: a string is a symbolic (dynamic) axis name, "H" and "V" are the model's hidden size and vocab size,
+an int is fixed. Hidden states are float32 at graph boundaries whatever the engine dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+GRAPH_NAMES = ("main", "mtp_draft", "mtp_commit")
+POOL_INPUT = "kv_pool_ptr"  # int64[1] pool address, supplied by the executor (not a step field)
+MODEL_DIMS = ("H", "V")  # placeholders for ModelConfig.hidden_size / vocab_size
+
+Dim = str | int
+
+
+@dataclass(frozen=True, slots=True)
+class GraphSpec:
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    dtypes: dict[str, str]  # every input and output -> numpy dtype name
+    dims: dict[str, tuple[Dim, ...]]  # every input and output -> dims (see the module docstring)
+
+    @property
+    def dynamic(self) -> dict[str, dict[int, str]]:
+        """Input name -> {axis: symbolic dim name}; the names are what optimization profiles bucket over."""
+        return {n: {a: d for a, d in enumerate(self.dims[n]) if isinstance(d, str) and d not in MODEL_DIMS}
+                for n in self.inputs}  # fmt: skip
+
+    @property
+    def step_inputs(self) -> tuple[str, ...]:
+        """The inputs a step supplies (= the field names of the executor's input dataclass)."""
+        return tuple(n for n in self.inputs if n != POOL_INPUT)
+
+    def concrete_dims(self, name: str, hidden_size: int, vocab_size: int) -> tuple[Dim, ...]:
+        model = {"H": hidden_size, "V": vocab_size}
+        return tuple(model.get(d, d) if isinstance(d, str) else d for d in self.dims[name])
+
+
+_IO = list[tuple[str, str, tuple[Dim, ...]]]
+
+
+def _spec(name: str, inputs: _IO, outputs: _IO) -> GraphSpec:
+    io = inputs + outputs
+    return GraphSpec(name, tuple(n for n, _, _ in inputs), tuple(n for n, _, _ in outputs),
+                     {n: t for n, t, _ in io}, {n: d for n, _, d in io})  # fmt: skip
+
+
+_I32, _I64, _F32 = "int32", "int64", "float32"
+_BT = ("block_tables", _I32, ("requests", "max_blocks"))
+_PTR = (POOL_INPUT, _I64, (1,))
+SPECS: dict[str, GraphSpec] = {
+    "main": _spec(
+        "main",
+        [("input_ids", _I64, ("tokens",)), ("positions", _I64, ("tokens",)), ("q_counts", _I32, ("requests",)),
+         ("kv_lens", _I32, ("requests",)), _BT, ("logit_rows", _I64, ("logit_rows",)), _PTR],
+        [("hidden", _F32, ("tokens", "H")), ("logits", _F32, ("logit_rows", "V"))],
+    ),
+    "mtp_draft": _spec(
+        "mtp_draft",
+        [("hidden_in", _F32, ("requests", "H")), ("token_ids", _I64, ("requests",)),
+         ("positions", _I64, ("requests",)), ("counts", _I32, ("requests",)), _BT, _PTR],
+        [("hidden_out", _F32, ("requests", "H")), ("logits", _F32, ("requests", "V"))],
+    ),
+    "mtp_commit": _spec(
+        "mtp_commit",
+        [("hidden_in", _F32, ("rows", "H")), ("token_ids", _I64, ("rows",)), ("counts", _I32, ("requests",)),
+         ("starts", _I32, ("requests",)), _BT, _PTR],
+        [("rows_written", _I64, (1,))],
+    ),
+}  # fmt: skip
+
+
+def feeds(spec: GraphSpec, inp: Any) -> dict[str, np.ndarray]:
+    """The graph's feed dict from a step dataclass: one field per input, cast to the contract dtype."""
+    return {name: np.asarray(getattr(inp, name), spec.dtypes[name]) for name in spec.step_inputs}

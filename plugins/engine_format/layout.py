@@ -1,0 +1,54 @@
+"""The KV layout of an engine: pool geometry plus block-table width, computed once by `table_width`.
+
+The builder computes a `KVLayout` from its options and records it in config.json (`kv`); the runtime
+reads it back and sizes every block table with the same `table_width` function (runtime/config.py),
+so the width the graphs and TensorRT profiles were built for and the width the scheduler can produce
+cannot disagree (they once did: ceil(L/B) in the builder vs ceil((L+2k)/B) in the runtime).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plugins.kv_pool import KVPoolGeometry
+
+
+def table_width(max_seq_len: int, num_draft_tokens: int, block_size: int) -> int:
+    """Blocks a request may own: max_seq_len positions plus the MTP lookahead.
+
+    A step verifying k drafts at the last position before max_seq_len writes main KV up to
+    max_seq_len - 1 + k and MTP KV up to k - 1 positions further (runtime/scheduler.py
+    `lookahead_tokens`), so 2k positions past max_seq_len bound every write.
+    """
+    return -(-(max_seq_len + 2 * num_draft_tokens) // block_size)
+
+
+def default_num_blocks(max_batch: int, width: int) -> int:
+    """Every request at full width at once, plus the reserved null block 0."""
+    return max_batch * width + 1
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """config.json `kv`: what the plugin nodes were built to index, and how wide a block table may be."""
+
+    block_size: int  # positions per block
+    num_blocks: int  # pool blocks baked into the plugin nodes (block 0 is the null block)
+    num_planes: int  # main layers, then MTP modules
+    num_kv_heads: int
+    head_dim: int
+    dtype_code: int  # 0 fp32, 1 fp16, 2 bf16 (plugins/kv_pool.py DTYPE_CODES)
+    table_width: int  # block-table columns = table_width(max_seq_len, K, block_size)
+
+    @classmethod
+    def plan(cls, *, num_planes: int, num_kv_heads: int, head_dim: int, dtype_code: int, block_size: int,
+             max_batch: int, max_seq_len: int, num_draft_tokens: int) -> KVLayout:  # fmt: skip
+        width = table_width(max_seq_len, num_draft_tokens, block_size)
+        return cls(block_size, default_num_blocks(max_batch, width), num_planes, num_kv_heads, head_dim, dtype_code,
+                   width)  # fmt: skip
+
+    def geometry(self, num_blocks: int | None = None) -> KVPoolGeometry:
+        """The pool geometry, optionally with another block count (only the ORT executor may change it)."""
+        blocks = self.num_blocks if num_blocks is None else num_blocks
+        return KVPoolGeometry(self.num_planes, blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                              self.dtype_code)  # fmt: skip

@@ -1,0 +1,28 @@
+"""Plugin node names, their ONNX domain and versions: the one list every exporter, executor and check reads.
+
+`plugins/onnx_export.py` emits these nodes, `plugins/ort_ops.py` binds them for ONNX Runtime,
+`plugins/trt_plugins.py` registers TensorRT creators for `TRT_PLUGIN_NODES`, and an engine's config.json
+records `installed_plugins()` so a runtime with other plugin versions refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DOMAIN = "mtp"  # ONNX domain of the plugin nodes = the TensorRT plugin namespace
+OPSET_VERSION = 1  # version of that ONNX domain
+PLUGIN_VERSION = "1"  # TensorRT plugin version string carried by every node
+
+KV_WRITE = "KvWrite"
+PAGED_ATTENTION = "PagedAttention"
+MOE_EXPERTS = "MoeExperts"
+PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, MOE_EXPERTS)
+# MoeExperts has no TensorRT plugin yet (its ep_size > 1 form needs NCCL).
+TRT_PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION)
+# Nodes that index the KV pool and therefore carry its geometry as attributes.
+POOL_NODES = (KV_WRITE, PAGED_ATTENTION)
+
+
+def installed_plugins() -> dict[str, Any]:
+    """Plugin names and versions this installation executes (what an engine must have been built with)."""
+    return {"namespace": DOMAIN, "onnx_opset": OPSET_VERSION, "nodes": {name: PLUGIN_VERSION for name in PLUGIN_NODES}}
