@@ -242,11 +242,13 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], path: str 
         raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:10]}; it does not match config.json")
     extra = sorted(set(weights) - set(expected))
     if extra:
-        raise CheckpointError(f"checkpoint {path} has tensors the config does not describe: {extra[:10]}")
+        raise CheckpointError(f"checkpoint {path} has tensors the config does not describe: {extra[:10]}; fix "
+                              "config.json (e.g. attention_bias, n_shared_experts) or remove them")  # fmt: skip
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:
             raise CheckpointError(
-                f"tensor {name}: expected shape {shape} from config.json, found {tuple(weights[name].shape)}"
+                f"tensor {name}: expected shape {shape} from config.json, found {tuple(weights[name].shape)}; "
+                "config.json and the weights disagree: fix config.json or re-export the checkpoint"
             )
 
 

@@ -78,7 +78,7 @@ class ModelConfig:
     def from_hf_dict(cls, hf: Any) -> ModelConfig:
         """Validate a Hugging Face config.json dict and convert it; a bad field is named with what it must be."""
         if not isinstance(hf, dict):
-            raise ConfigError(f"config.json must be a JSON object, got a {type(hf).__name__}; is this a HF config?")
+            raise ConfigError(f"must be a JSON object, got a {type(hf).__name__}; is this a Hugging Face config?")
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
@@ -95,7 +95,7 @@ class ModelConfig:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         if not isinstance(rope, dict):
             key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-            raise ConfigError(f"config.json field {key} must be a JSON object, got {rope!r}; fix config.json")
+            raise ConfigError(f"{key} must be a JSON object, got {rope!r}; fix config.json")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise ConfigError(f"rope_type {rope_type!r} is not supported yet; only 'default' RoPE is")

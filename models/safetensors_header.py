@@ -16,9 +16,10 @@ class SafetensorsHeaderError(ValueError):
     """A safetensors file whose header is damaged; the message names the file, the tensor and the fix."""
 
 
-# safetensors dtype codes -> bytes per element (the format's full list, so a valid file is never "corrupt")
-_ST_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-                   "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
+# safetensors dtype codes -> bits per element (the format's full list, so a valid file is never called corrupt)
+_ST_DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+                  "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+                  "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}  # fmt: skip
 _ST_MAX_HEADER = 100 << 20  # the limit the safetensors library itself enforces
 
 
@@ -47,13 +48,13 @@ def check_safetensors_header(file: Path) -> dict:
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
             raise SafetensorsHeaderError(f"{file}: header entry for tensor {name} is malformed ({info!r}); {fix}")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in _ST_DTYPE_BYTES:
+        if dtype not in _ST_DTYPE_BITS:
             raise SafetensorsHeaderError(f"{file}: tensor {name} has unknown dtype {dtype!r}: the file is corrupt; {fix}")
         ints = isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
         ints = ints and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in [*shape, *offsets])
         if not ints or offsets[0] > offsets[1]:
             raise SafetensorsHeaderError(f"{file}: tensor {name} has a bad shape {shape!r} or data_offsets {offsets!r}; {fix}")
-        nbytes = math.prod(shape) * _ST_DTYPE_BYTES[dtype]
+        nbytes = (math.prod(shape) * _ST_DTYPE_BITS[dtype] + 7) // 8
         if offsets[1] - offsets[0] != nbytes:
             raise SafetensorsHeaderError(
                 f"{file}: tensor {name} has dtype {dtype} and shape {shape} ({nbytes} bytes) but its data_offsets "

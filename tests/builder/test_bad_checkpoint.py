@@ -105,7 +105,7 @@ CASES = [
      rf"tensor {re.escape(Q)} in model\.safetensors has 1 NaN/Inf values"),
     ("int8-weight", lambda c: _edit_tensors(c, lambda t: t.update({Q: t[Q].to(torch.int8)})),
      rf"tensor {re.escape(Q)} in model\.safetensors has dtype int8; .*float32, float16 or bfloat16"),
-    ("config-not-object", lambda c: (c / "config.json").write_text("[1, 2]"), r"config\.json must be a JSON object"),
+    ("config-not-object", lambda c: (c / "config.json").write_text("[1, 2]"), r"config\.json: must be a JSON object"),
     ("config-not-utf8", lambda c: (c / "config.json").write_bytes(b"\xff\xfe{}"), r"config\.json is not valid JSON"),
     ("tokenizer-unparsable", lambda c: (c / "tokenizer.json").write_text('{"version": "1.0"}'),
      r"tokenizer\.json .* does not load .*remove it to build an ids-only engine"),
