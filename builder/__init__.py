@@ -7,7 +7,7 @@ Owns everything between `mtp-build` and the files the runtime loads (docs/ENGINE
 * `export`      dynamo ONNX export of each graph for each rank, weights as external data;
 * `ort_build`   the onnxruntime backend (ORT-optimized copies + recorded session options);
 * `trt_build`   the tensorrt backend (strongly typed networks, profiles, timing cache, plans);
-* `engine_dir`  re-exports of the engine format, which lives in plugins/engine_format/ (shared with the runtime);
+* `validate`    the checks that run before anything is written (output safety, weights, tokenizer, memory);
 * `pipeline`    the named build steps and the atomic rename that makes a build all-or-nothing;
 * `cli`         `mtp-build` (build / --check) with rich progress and a summary table.
 

@@ -1,21 +1,26 @@
 """`mtp-build`: build an engine directory from a checkpoint, or `--check` an existing one.
 
-Owns argument parsing, the rich progress display and the summary table; the work is builder/pipeline.py
-(build) and plugins/engine_format/ (check). Exit codes: 0 ok, 2 bad input / failed check.
+Owns argument parsing, the rich progress display, the summary table and how failures reach the user: one line
+naming the problem and the fix, never a traceback (`--debug` shows them). The work is builder/pipeline.py
+(build) and plugins/engine_format/ (check). Exit codes: 0 ok, 1 internal error (a bug), 2 bad input / failed
+check, 128+N killed by signal N (the temporary build directory is removed first).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from builder.options import BACKENDS, DTYPES, BuildError, BuildOptions
-from builder.pipeline import build
+from builder.pipeline import BuildInterrupted, build
+from models.checkpoint import CheckpointError
 from plugins.engine_format import MANIFEST_NAME, EngineConfig, EngineDirError, load_engine_config
 
 
@@ -47,7 +52,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--ep-size", type=int, default=1)
     p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--force", action="store_true", help="replace --output even if it is not an engine directory")
+    p.add_argument("--force", action="store_true",
+                   help="replace an --output engine directory that is incomplete or from another version (never a "
+                   "directory mtp-build did not write, never the checkpoint)")  # fmt: skip
+    p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     return p
 
 
@@ -78,15 +86,39 @@ def summary(cfg: EngineConfig, seconds: float | None) -> Table:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    console = Console(stderr=False)
     err = Console(stderr=True, soft_wrap=True)  # error messages stay on one greppable line
+    try:
+        return _run(args, err)
+    except (BuildError, EngineDirError, CheckpointError) as e:
+        if args.debug:
+            raise
+        err.print(f"[bold red]{'check' if args.check is not None else 'build'} failed:[/] {_line(e)}", highlight=False)
+        return 2
+    except (BuildInterrupted, KeyboardInterrupt) as e:
+        if args.debug:
+            raise
+        signum = e.signum if isinstance(e, BuildInterrupted) else signal.SIGINT
+        err.print(f"[bold red]build interrupted by {signal.Signals(signum).name}[/]: the temporary build directory "
+                  f"was removed; {args.output or 'the output'} is unchanged", highlight=False)  # fmt: skip
+        return 128 + signum
+    except Exception as e:  # a bug: one line by default, the traceback with --debug
+        if args.debug:
+            raise
+        err.print(f"[bold red]internal error:[/] {type(e).__name__}: {_line(e)} (a bug in mtp-build; rerun with --debug "
+                  "for the traceback and report it)", highlight=False)  # fmt: skip
+        return 1
+
+
+def _line(e: BaseException) -> str:
+    """The message on one line, with rich markup escaped (messages quote lists like ['norm.weight'])."""
+    return escape(" ".join(str(e).split()))
+
+
+def _run(args: argparse.Namespace, err: Console) -> int:
+    console = Console(stderr=False)
     if args.check is not None:
         t0 = time.perf_counter()
-        try:
-            cfg = load_engine_config(args.check)
-        except EngineDirError as e:
-            err.print(f"[bold red]check failed:[/] {e}", highlight=False)
-            return 2
+        cfg = load_engine_config(args.check)
         console.print(summary(cfg, None))
         console.print(f"[green]ok[/]: schema {cfg.schema_version}, plugins {cfg.plugins['nodes']}, "
                       f"{cfg.world_size} rank(s), {len(cfg.files)} files verified in {time.perf_counter() - t0:.1f}s")  # fmt: skip
@@ -100,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_block_size=args.kv_block_size, num_draft_tokens=args.num_draft_tokens, world_size=args.world_size,
         ep_size=args.ep_size, tp_size=args.tp_size, force=args.force,
     )  # fmt: skip
-    try:
-        result = build(opts, RichReporter(console))
-    except (BuildError, EngineDirError) as e:
-        err.print(f"[bold red]build failed:[/] {e}", highlight=False)
-        return 2
+    result = build(opts, RichReporter(console))
     console.print(summary(result.config, result.seconds))
     return 0
 

@@ -1,18 +1,23 @@
 """The build as a pipeline of small named steps, all-or-nothing on disk.
 
-    check options -> import checkpoint -> export ONNX (per graph per rank) -> backend build
-    -> write config + checksums -> atomic rename
+    check options -> check --output -> import checkpoint (headers, weights, tokenizer) -> check memory
+    -> export ONNX (per graph per rank) -> backend build -> write config + checksums -> atomic rename
 
-Everything is written into a temporary directory next to the output (same filesystem, so the final
-`os.replace` is atomic) and renamed into place only when every step succeeded; a failure removes it.
+Every check (builder/validate.py) runs before anything is written. Everything is written into a temporary
+directory next to the output (same filesystem, so the final `os.replace` is atomic) and renamed into place
+only when every step succeeded; a failure, or SIGTERM/SIGINT/SIGHUP (`BuildInterrupted`), removes it.
 Progress goes to a `Reporter` (the CLI draws it with rich; tests pass a silent one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,10 +25,10 @@ from typing import Any, Protocol
 import onnx
 import torch
 
-from builder import ort_build, trt_build
+from builder import ort_build, trt_build, validate
 from builder.export import export_graph
 from builder.options import BuildError, BuildOptions
-from models.checkpoint import CheckpointError, checkpoint_hash, load_model, read_model_config
+from models.checkpoint import CheckpointError, check_weights, checkpoint_hash, load_model, read_checkpoint, to_canonical
 from models.config import ModelConfig
 from plugins.engine_format import (
     SCHEMA_VERSION,
@@ -31,7 +36,6 @@ from plugins.engine_format import (
     KVLayout,
     Parallel,
     load_engine_config,
-    looks_like_engine_dir,
     rank_dir,
     write_engine_config,
 )
@@ -63,18 +67,8 @@ class BuildResult:
 
 
 def check_output(opts: BuildOptions) -> None:
-    """Refuse to replace something that is not an engine directory unless --force."""
-    out = opts.output
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise BuildError(f"--output {out} exists and is a file; choose another path or remove it")
-    if opts.force or not any(out.iterdir()) or looks_like_engine_dir(out):
-        return
-    raise BuildError(
-        f"--output {out} exists and is not an engine directory (no engine config.json); refusing to replace it. "
-        "Choose another path, or pass --force to delete it and build there"
-    )
+    """Refuse an --output that overlaps the checkpoint or is not ours to replace (builder/validate.py)."""
+    validate.check_output(opts.checkpoint, opts.output, opts.force)
 
 
 def _graph_names(cfg: ModelConfig, opts: BuildOptions) -> list[str]:
@@ -139,9 +133,11 @@ def _backend(opts: BuildOptions, work: Path, graphs: list[dict[str, dict[str, st
     return info
 
 
-def _copy_tokenizer(opts: BuildOptions, work: Path) -> list[str]:
+def _copy_tokenizer(opts: BuildOptions, work: Path, tokenizer: str) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES:
+        if name == "tokenizer.json" and tokenizer == validate.IDS_ONLY:
+            continue
         src = opts.checkpoint / name
         if src.is_file():
             shutil.copyfile(src, work / name)
@@ -158,8 +154,94 @@ def _install(work: Path, output: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+class BuildInterrupted(BaseException):
+    """SIGTERM/SIGINT/SIGHUP during a build (a BaseException, so `except Exception` in export code lets it pass)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"build interrupted by {signal.Signals(signum).name}")
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Turn the signals that end a build into an exception, so its temporary directory is removed."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise BuildInterrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in _SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Defer those signals over a step that must not stop half-way (install, cleanup)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+
+
+def _import(opts: BuildOptions, rep: Reporter) -> tuple[ModelConfig, str, str, int]:
+    """Read and check everything the build needs from the checkpoint: (config, sha256, tokenizer, weight bytes)."""
+    rep.step("import checkpoint")
+    try:
+        ckpt = read_checkpoint(opts.checkpoint)
+        validate.check_tensors(ckpt)
+        cfg, weights = to_canonical(ckpt)
+        check_weights(cfg, weights, opts.checkpoint)
+        opts.validate_for_model(ckpt.config)
+        ckpt_hash = checkpoint_hash(opts.checkpoint)
+    except CheckpointError as e:
+        raise BuildError(str(e)) from e
+    except OSError as e:
+        raise BuildError(f"cannot read the checkpoint: {e.strerror or e} ({e.filename}); check its files") from e
+    tokenizer = validate.check_tokenizer(opts.checkpoint, ckpt.config.vocab_size)
+    if tokenizer == validate.IDS_ONLY:
+        rep.step("no tokenizer.json in the checkpoint: the engine is ids-only (requests must be token ids; "
+                 "text prompts will be refused)")  # fmt: skip
+    elt = torch.empty((), dtype=opts.torch_dtype).element_size()
+    per_rank = sum(t.numel() // (opts.ep_size if _is_routed(n) else 1) for n, t in weights.items())
+    return ckpt.config, ckpt_hash, tokenizer, per_rank * elt
+
+
+def _is_routed(name: str) -> bool:
+    return name.endswith("mlp.w_gate_up") or name.endswith("mlp.w_down")
+
+
+def _make_work_dir(output: Path) -> Path:
+    work = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+    except OSError as e:
+        raise BuildError(f"cannot create the build directory {work}: {e.strerror or e}; choose an --output on a "
+                         "writable filesystem") from e  # fmt: skip
+    return work
+
+
 def build(opts: BuildOptions, rep: Reporter | None = None) -> BuildResult:
     rep = rep or SilentReporter()
+    with _signals_raise():
+        return _build(opts, rep)
+
+
+def _build(opts: BuildOptions, rep: Reporter) -> BuildResult:
     t_start = time.perf_counter()
     opts.validate()
     if opts.backend == "tensorrt":
@@ -167,41 +249,49 @@ def build(opts: BuildOptions, rep: Reporter | None = None) -> BuildResult:
         if missing:
             raise BuildError(f"--backend tensorrt cannot build here: {missing}. Use --backend onnxruntime on CPU")
     check_output(opts)
-    rep.step("import checkpoint")
-    try:
-        ckpt_cfg, _ = read_model_config(opts.checkpoint)  # reads no tensor
-        opts.validate_for_model(ckpt_cfg)
-        ckpt_hash = checkpoint_hash(opts.checkpoint)
-    except CheckpointError as e:
-        raise BuildError(str(e)) from e
+    ckpt_cfg, ckpt_hash, tokenizer, weight_bytes = _import(opts, rep)
     layout = opts.kv_layout(ckpt_cfg)
-    opts.output.parent.mkdir(parents=True, exist_ok=True)
-    work = opts.output.with_name(f".{opts.output.name}.tmp-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    need = validate.memory_estimate(layout.geometry(), weight_bytes, layout.table_width)
+    device = "cuda" if opts.backend == "tensorrt" else "cpu"
+    validate.check_memory(need, validate.machine_memory(device), opts.max_batch)
+    work = _make_work_dir(opts.output)
     try:
-        graphs = [_export_rank(r, opts, work, layout, rep) for r in range(opts.world_size)]
-        backend_info = _backend(opts, work, graphs, layout, rep)
-        rep.step("write config + checksums")
-        cfg = EngineConfig(
-            path=work, schema_version=SCHEMA_VERSION, model=ckpt_cfg, dtype=opts.dtype, limits=opts.limits(),
-            kv=layout, num_draft_tokens=opts.num_draft_tokens,
-            parallel=Parallel(opts.world_size, opts.ep_size, opts.tp_size),
-            plugins=installed_plugins(), backend=opts.backend,
-            build={"options": opts.to_json(), "torch_version": torch.__version__, "onnx_version": onnx.__version__,
-                   "onnx_opset": _opset(work / graphs[0]["main"]["onnx"]), **backend_info},
-            checkpoint={"path": str(opts.checkpoint.resolve()), "sha256": ckpt_hash},
-            tokenizer_files=_copy_tokenizer(opts, work), graphs=graphs,
-        )  # fmt: skip
-        write_engine_config(cfg)
-        load_engine_config(work)  # what the runtime will run: refuse to install a directory that fails it
-        rep.step("atomic rename")
-        _install(work, opts.output)
+        try:
+            cfg = _write_engine(opts, work, rep, ckpt_cfg, ckpt_hash, tokenizer, layout)
+        except CheckpointError as e:
+            raise BuildError(str(e)) from e
+        except OSError as e:
+            raise BuildError(f"writing the engine failed: {e.strerror or e} ({e.filename}); free space or choose "
+                             "another --output") from e  # fmt: skip
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        with _signals_held():
+            shutil.rmtree(work, ignore_errors=True)
         raise
     cfg.path = opts.output
     return BuildResult(cfg, time.perf_counter() - t_start)
+
+
+def _write_engine(opts: BuildOptions, work: Path, rep: Reporter, ckpt_cfg: ModelConfig, ckpt_hash: str,
+                  tokenizer: str, layout: KVLayout) -> EngineConfig:  # fmt: skip
+    graphs = [_export_rank(r, opts, work, layout, rep) for r in range(opts.world_size)]
+    backend_info = _backend(opts, work, graphs, layout, rep)
+    rep.step("write config + checksums")
+    cfg = EngineConfig(
+        path=work, schema_version=SCHEMA_VERSION, model=ckpt_cfg, dtype=opts.dtype, limits=opts.limits(),
+        kv=layout, num_draft_tokens=opts.num_draft_tokens,
+        parallel=Parallel(opts.world_size, opts.ep_size, opts.tp_size),
+        plugins=installed_plugins(), backend=opts.backend,
+        build={"options": opts.to_json(), "torch_version": torch.__version__, "onnx_version": onnx.__version__,
+               "onnx_opset": _opset(work / graphs[0]["main"]["onnx"]), "tokenizer": tokenizer, **backend_info},
+        checkpoint={"path": str(opts.checkpoint.resolve()), "sha256": ckpt_hash},
+        tokenizer_files=_copy_tokenizer(opts, work, tokenizer), graphs=graphs,
+    )  # fmt: skip
+    write_engine_config(cfg)
+    load_engine_config(work)  # what the runtime will run: refuse to install a directory that fails it
+    rep.step("atomic rename")
+    with _signals_held():  # never leave the old engine moved aside and the new one not yet in place
+        _install(work, opts.output)
+    return cfg
 
 
 def _opset(path: Path) -> int:

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from models.config import ConfigError, ModelConfig
 from models.glm4_moe import Glm4MoeMTPModel
+from models.safetensors_header import SafetensorsHeaderError, check_safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]  # checkpoint names -> tensors (loaded lazily is not needed at our sizes)
     path: Path
     notes: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)  # checkpoint name -> the file it was read from
 
 
 def _mtp_rename(name: str, num_layers: int) -> str:
@@ -82,38 +84,63 @@ def _mtp_rename(name: str, num_layers: int) -> str:
 def read_model_config(path: str | Path) -> tuple[ModelConfig, dict]:
     """(validated ModelConfig, raw Hugging Face dict) from config.json alone: no weight file is opened."""
     path = Path(path)
+    if path.is_file():
+        raise CheckpointError(f"checkpoint {path} is a file, not a directory; pass --checkpoint DIR (the directory "
+                              "holding config.json and the safetensors files)")  # fmt: skip
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist; pass --checkpoint DIR with config.json")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{path} has no config.json; a Hugging Face checkpoint directory needs one")
     try:
-        hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(cfg_file.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); fix or re-export the checkpoint") from e
+    except OSError as e:
+        raise CheckpointError(f"cannot read {cfg_file}: {e.strerror}; check its permissions") from e
     try:
-        config = ModelConfig.from_hf_dict(hf)
+        return ModelConfig.from_hf_dict(hf), hf
     except ConfigError as e:
         raise CheckpointError(f"{cfg_file}: {e}") from e
-    return config, hf
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
-    """Read config.json and all safetensors tensors of a checkpoint directory, validating the config."""
+    """Read config.json and all safetensors tensors of a checkpoint directory, validating config and headers."""
     path = Path(path)
     config, hf = read_model_config(path)
     tensors: dict[str, torch.Tensor] = {}
+    sources: dict[str, str] = {}
     for file in _weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensors[name] = f.get_tensor(name)
-    return Checkpoint(config=config, hf_config=hf, tensors=tensors, path=path)
+        try:
+            check_safetensors_header(file)
+        except SafetensorsHeaderError as e:
+            raise CheckpointError(str(e)) from e
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    tensors[name] = f.get_tensor(name)
+                    sources[name] = file.name
+        except Exception as e:  # safetensors raises its own error type (and OSError); the header check ran first
+            raise CheckpointError(f"{file} cannot be read ({type(e).__name__}: {e}); re-download or re-save it") from e
+    return Checkpoint(config=config, hf_config=hf, tensors=tensors, path=path, sources=sources)
 
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            raw = json.loads(index.read_bytes().decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index} is not valid JSON ({e}); fix it or re-save the checkpoint") from e
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f'{index} has no "weight_map" object (tensor name -> shard file name); fix it or '
+                                  "re-save the checkpoint")  # fmt: skip
+        root = path.resolve()
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).resolve().is_relative_to(root):
+                raise CheckpointError(f"{index} names shard {shard!r} outside the checkpoint directory; shards must "
+                                      "sit next to the index")  # fmt: skip
         files = sorted({path / f for f in weight_map.values()})
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -186,13 +213,43 @@ def _stack_experts(target: str, per_expert: dict[int, dict[str, torch.Tensor]], 
     missing = [e for e in range(num_experts) if e not in per_expert]
     if missing:
         raise CheckpointError(f"{target}: experts {missing[:8]} are missing from the checkpoint")
-    if target.endswith("w_down"):
-        return torch.stack([per_expert[e]["down"] for e in range(num_experts)])
     parts = [per_expert[e] for e in range(num_experts)]
+    names = ["down"] if target.endswith("w_down") else ["gate", "up"]
     for e, p in enumerate(parts):
-        if "gate" not in p or "up" not in p:
-            raise CheckpointError(f"{target}: expert {e} lacks its {'gate' if 'gate' not in p else 'up'}_proj tensor")
+        for part in names:
+            if part not in p:
+                raise CheckpointError(f"{target}: expert {e} lacks its {part}_proj tensor")
+            if p[part].shape != parts[0][part].shape:
+                raise CheckpointError(
+                    f"{target}: expert {e} {part}_proj has shape {tuple(p[part].shape)}, expert 0 has "
+                    f"{tuple(parts[0][part].shape)}; every expert of a layer must have the same shape"
+                )
+    if names == ["down"]:
+        return torch.stack([p["down"] for p in parts])
+    gate, up = parts[0]["gate"], parts[0]["up"]
+    if gate.dim() != 2 or gate.shape[1:] != up.shape[1:]:
+        raise CheckpointError(f"{target}: gate_proj {tuple(gate.shape)} and up_proj {tuple(up.shape)} do not stack; "
+                              "both must be [moe_intermediate_size, hidden_size]")  # fmt: skip
     return torch.stack([torch.cat([p["gate"], p["up"]], dim=0) for p in parts])
+
+
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Every canonical tensor present once with the shape config.json implies, and nothing else."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Glm4MoeMTPModel(cfg).state_dict().items()}
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:10]}; it does not match config.json")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise CheckpointError(f"checkpoint {path} has tensors the config does not describe: {extra[:10]}; fix "
+                              "config.json (e.g. attention_bias, n_shared_experts) or remove them")  # fmt: skip
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise CheckpointError(
+                f"tensor {name}: expected shape {shape} from config.json, found {tuple(weights[name].shape)}; "
+                "config.json and the weights disagree: fix config.json or re-export the checkpoint"
+            )
 
 
 def load_model(
@@ -203,15 +260,10 @@ def load_model(
     cfg, weights = to_canonical(ckpt)
     if cfg.has_moe and cfg.n_routed_experts % ep_size:
         raise CheckpointError(f"n_routed_experts={cfg.n_routed_experts} does not split over ep_size={ep_size}")
+    check_weights(cfg, weights, path)
     with torch.device("meta"):
         model = Glm4MoeMTPModel(cfg, ep_size=ep_size)
     expected = dict(model.state_dict())
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:10]}; it does not match config.json")
-    extra = sorted(set(weights) - set(expected))
-    if extra:
-        raise CheckpointError(f"checkpoint {path} has tensors the config does not describe: {extra[:10]}")
     loaded = {}
     for name, param in expected.items():
         w = weights[name]

@@ -7,6 +7,7 @@ needs and names the missing or bad one. Knows nothing about checkpoints, engines
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,8 +75,10 @@ class ModelConfig:
         return cls(**d)
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Validate a Hugging Face config.json dict and convert it."""
+    def from_hf_dict(cls, hf: Any) -> ModelConfig:
+        """Validate a Hugging Face config.json dict and convert it; a bad field is named with what it must be."""
+        if not isinstance(hf, dict):
+            raise ConfigError(f"must be a JSON object, got a {type(hf).__name__}; is this a Hugging Face config?")
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
@@ -83,50 +86,55 @@ class ModelConfig:
                 "(DeepSeek-V3, MiMo and Qwen3-Next layouts are planned additions to models/checkpoint.py's table)"
             )
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
-        missing = [k for k in required if k not in hf]
+        missing = [k for k in required if hf.get(k) is None]
         if missing:
             raise ConfigError(f"config.json is missing required field(s) {missing}; add them (see the HF Glm4MoeConfig)")
-        heads = int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+        f = _Fields(hf)
+        heads = f.integer("num_attention_heads")
+        hidden = f.integer("hidden_size")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+            raise ConfigError(f"{key} must be a JSON object, got {rope!r}; fix config.json")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise ConfigError(f"rope_type {rope_type!r} is not supported yet; only 'default' RoPE is")
-        eos = hf.get("eos_token_id")
-        eos_ids: tuple[int, ...] = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
-        n_experts = int(hf.get("n_routed_experts") or 0)
+        rf = _Fields(rope, prefix="rope_parameters.")
+        n_experts = f.integer("n_routed_experts", 0, minimum=0)
         cfg = cls(
             model_type=model_type,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_hidden_layers=int(hf["num_hidden_layers"]),
+            vocab_size=f.integer("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=f.integer("intermediate_size"),
+            num_hidden_layers=f.integer("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            use_qk_norm=bool(hf.get("use_qk_norm", False)),
-            first_k_dense_replace=int(hf.get("first_k_dense_replace", 1 if n_experts else 0)),
-            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+            num_key_value_heads=f.integer("num_key_value_heads", heads),
+            head_dim=f.integer("head_dim", hidden // heads),
+            rms_norm_eps=f.number("rms_norm_eps", 1e-5),
+            rope_theta=rf.number("rope_theta", f.number("rope_theta", 10000.0)),
+            partial_rotary_factor=rf.number("partial_rotary_factor", f.number("partial_rotary_factor", 0.5)),
+            attention_bias=f.flag("attention_bias", False),
+            use_qk_norm=f.flag("use_qk_norm", False),
+            first_k_dense_replace=f.integer("first_k_dense_replace", 1 if n_experts else 0, minimum=0),
+            moe_intermediate_size=f.integer("moe_intermediate_size", 0, minimum=0),
             n_routed_experts=n_experts,
-            num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
-            n_group=int(hf.get("n_group") or 1),
-            topk_group=int(hf.get("topk_group") or 1),
-            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            n_shared_experts=int(hf.get("n_shared_experts") or 0),
-            num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            eos_token_id=eos_ids,
+            num_experts_per_tok=f.integer("num_experts_per_tok", 0, minimum=0),
+            n_group=f.integer("n_group", 1),
+            topk_group=f.integer("topk_group", 1),
+            routed_scaling_factor=f.number("routed_scaling_factor", 1.0),
+            norm_topk_prob=f.flag("norm_topk_prob", True),
+            n_shared_experts=f.integer("n_shared_experts", 0, minimum=0),
+            num_nextn_predict_layers=f.integer("num_nextn_predict_layers", f.integer("num_mtp_layers", 0, minimum=0),
+                                           minimum=0),  # fmt: skip
+            tie_word_embeddings=f.flag("tie_word_embeddings", False),
+            max_position_embeddings=f.integer("max_position_embeddings", 4096),
+            eos_token_id=_eos_ids(hf.get("eos_token_id")),
         )
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
+        """Cross-field checks (single fields are checked where they are parsed, by `_Fields`)."""
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -142,3 +150,59 @@ class ModelConfig:
                     f"n_routed_experts={self.n_routed_experts} must split into n_group={self.n_group} groups "
                     f"and topk_group={self.topk_group} <= n_group"
                 )
+            if self.num_experts_per_tok > self.n_routed_experts:
+                raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be <= n_routed_experts="
+                                  f"{self.n_routed_experts} (a token cannot pick more experts than exist)")  # fmt: skip
+        for eos in self.eos_token_id:
+            if not 0 <= eos < self.vocab_size:
+                raise ConfigError(f"eos_token_id {eos} is outside the vocabulary (vocab_size={self.vocab_size})")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+
+
+def _eos_ids(eos: Any) -> tuple[int, ...]:
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ConfigError(f"eos_token_id must be a token id or a list of them (integers >= 0), got {eos!r}")
+    return tuple(ids)
+
+
+class _Fields:
+    """Typed reads of config.json fields; null counts as absent (HF configs write null for "default")."""
+
+    def __init__(self, raw: dict[str, Any], prefix: str = "") -> None:
+        self.raw, self.prefix = raw, prefix
+
+    def _bad(self, key: str, what: str, value: Any) -> ConfigError:
+        kind = "" if isinstance(value, int | float) and not isinstance(value, bool) else f" (a {type(value).__name__})"
+        return ConfigError(f"{self.prefix}{key} must be {what}, got {value!r}{kind}; fix config.json")
+
+    def integer(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        value = self.raw.get(key)
+        if value is None:
+            if default is None:
+                raise ConfigError(f"config.json is missing required field {self.prefix}{key}")
+            return default
+        ok = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not ok or value < minimum:
+            raise self._bad(key, f"an integer >= {minimum}", value)
+        return int(value)
+
+    def number(self, key: str, default: float) -> float:
+        value = self.raw.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise self._bad(key, "a finite number > 0", value)
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.raw.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._bad(key, "true or false", value)
+        return value

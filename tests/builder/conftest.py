@@ -14,6 +14,16 @@ from models.testing import make_checkpoint, tiny_config
 LIMITS = dict(max_batch=4, max_num_tokens=32, max_seq_len=64, kv_block_size=4, num_draft_tokens=2)
 
 
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A real (loadable) word-level tokenizer.json with `vocab_size` tokens: the build checks that it loads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+
+
 def tiny_opts(ckpt: Path, out: Path, **kw) -> BuildOptions:
     return BuildOptions(checkpoint=ckpt, output=out, **{**LIMITS, **kw})
 
@@ -22,7 +32,7 @@ def tiny_opts(ckpt: Path, out: Path, **kw) -> BuildOptions:
 def checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("ckpt") / "tiny"
     make_checkpoint(path, tiny_config(), seed=3)
-    (path / "tokenizer.json").write_text('{"version": "1.0"}\n')  # stands in for a real tokenizer file
+    write_tokenizer(path / "tokenizer.json", 96)
     return path
 
 
