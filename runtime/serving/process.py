@@ -103,7 +103,8 @@ def server_env(control_dir: Path | None = None) -> dict[str, str]:
     libs = [sysconfig.get_config_var("LIBDIR") or "", str(_site_packages() / "nvidia_pytriton.libs")]
     env["LD_LIBRARY_PATH"] = os.pathsep.join([p for p in libs if p] + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
     # The stub must import the same `runtime` as this launcher, installed or not: no path baked into the repo.
-    env["PYTHONPATH"] = os.pathsep.join([str(package_root())] + [p for p in [env.get("PYTHONPATH")] if p])
+    # Its interpreter is isolated (ignores PYTHONPATH): model.py puts this on sys.path itself.
+    env["MTP_SERVE_PYTHONPATH"] = os.pathsep.join([str(package_root())] + [p for p in [env.get("PYTHONPATH")] if p])
     env.pop("PYTHONHOME", None)
     if control_dir is not None:
         env[CONTROL_ENV] = str(control_dir)

@@ -2,8 +2,8 @@
 
 Written into `<model-repo>/mtp/1/model.py` by `mtp-serve` (runtime/serving/triton_server.py) and run by Triton's Python
 stub, where `triton_python_backend_utils` exists. The engine and its options come
-from the `parameters` of config.pbtxt; `runtime` must be importable by the stub's Python (mtp-serve puts the
-package it runs on the server's PYTHONPATH; an installed package needs nothing).
+from the `parameters` of config.pbtxt; `runtime` must be importable by the stub's Python (an installed package
+is; mtp-serve also passes its own import path in MTP_SERVE_PYTHONPATH).
 
 Continuous batching: `execute` only parses (and tokenizes) each request and queues it with its response sender, then
 returns None (decoupled mode). ONE background thread owns the engine: it admits the queued requests,
@@ -30,8 +30,14 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.serving.triton_model.exporter import MetricsExporter
-from runtime.serving.triton_model.policy import (
+# The stub's interpreter is isolated (PYTHONPATH ignored), so mtp-serve passes the import path it runs with: the
+# stub then imports the same `runtime` as the launcher (a checkout, or site-packages where this is a no-op).
+for _p in reversed(os.environ.get("MTP_SERVE_PYTHONPATH", "").split(os.pathsep)):
+    if _p and _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from runtime.serving.triton_model.exporter import MetricsExporter  # noqa: E402
+from runtime.serving.triton_model.policy import (  # noqa: E402
     Control,
     Counts,
     cancelled,
