@@ -131,14 +131,15 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 class MtpServe:
     """`python -m runtime.serving.triton_server ...` as a subprocess: the real CLI, signals and children."""
 
-    def __init__(self, repo_dir: Path, ports: list[int], *extra: str) -> None:
+    def __init__(self, repo_dir: Path, ports: list[int], *extra: str, checkpoint: Path = TINY,
+                 pythonpath: Path = ROOT) -> None:  # fmt: skip
         self.ports = ports
         self.out_path = repo_dir.parent / f"{repo_dir.name}.mtp-serve.out"
-        cmd = [sys.executable, "-m", "runtime.serving.triton_server", "--checkpoint", str(TINY),
+        cmd = [sys.executable, "-m", "runtime.serving.triton_server", "--checkpoint", str(checkpoint),
                "--num-draft-tokens", "2", "--torch-threads", "1", "--model-repo", str(repo_dir),
                "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
                "--ready-timeout", "90", *extra]  # fmt: skip
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=str(pythonpath), OMP_NUM_THREADS="1")
         self.out = open(self.out_path, "wb")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=env, cwd=repo_dir.parent)
         self.server_pid = 0

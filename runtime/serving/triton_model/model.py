@@ -194,7 +194,10 @@ class TritonPythonModel:
         self._parent = os.getppid()
         self._watch = threading.Thread(target=self._watchdog, name="mtp-control", daemon=True)
         self._watch.start()
-        _log("info", f"engine ready: executor={opt.get('executor')} num_draft_tokens={self.k} "
+        import runtime
+
+        _log("info", f"engine ready: runtime={os.path.dirname(runtime.__file__)} executor={opt.get('executor')} "
+                     f"num_draft_tokens={self.k} "
                      f"source={opt.get('engine_dir') or opt.get('checkpoint')} metrics={self._exporter.ok} "
                      f"max_prompt_bytes={self._max_prompt_bytes} control={self._control.directory}")  # fmt: skip
 
