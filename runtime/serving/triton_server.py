@@ -100,6 +100,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.drain_timeout < 0:
+        print(f"mtp-serve: error: --drain-timeout {args.drain_timeout:g}: must be >= 0", file=sys.stderr)
+        return 2
     try:
         repo = write_model_repo(args.model_repo, engine=args.engine, checkpoint=args.checkpoint,
                                 executor=args.executor, num_draft_tokens=args.num_draft_tokens,
@@ -111,9 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mtp-serve: model repository written to {repo} (model {MODEL_NAME!r})", flush=True)
     if args.generate_only:
         return 0
-    if args.drain_timeout < 0:
-        print(f"mtp-serve: error: --drain-timeout {args.drain_timeout:g}: must be >= 0", file=sys.stderr)
-        return 2
     log = args.log or Path(args.model_repo).resolve().parent / f"{Path(args.model_repo).name}.tritonserver.log"
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port, log_path=log)
     return serve(server, args.ready_timeout, args.drain_timeout)

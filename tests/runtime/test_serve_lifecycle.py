@@ -77,6 +77,8 @@ def test_sigterm_under_load_drains_exits_zero_and_restarts(tmp_path):
         assert first.wait(60), "no stream started"
         t0 = time.monotonic()
         serve.signal(signal.SIGTERM)
+        time.sleep(0.5)  # the model sees the drain file within 0.1 s; the 1.5 s drain is still running
+        late_responses, late_error = h.generate(ports[1], "def main(", 4)
         rc = serve.wait(60)
         stop_s = time.monotonic() - t0
         for t in threads:
@@ -84,6 +86,7 @@ def test_sigterm_under_load_drains_exits_zero_and_restarts(tmp_path):
         assert rc == 0, f"mtp-serve exit code {rc}:\n{serve.output()}"
         assert "tritonserver exit code 0" in serve.output(), serve.output()
         assert stop_s < 1.5 + 12, f"stop took {stop_s:.1f} s"
+        assert late_error is not None and "shutting down (draining)" in late_error and not late_responses, late_error
         assert len(results) == 6
         for i, (responses, error) in results.items():  # each stream ended exactly once: FINAL, or the drain error
             finals = [r for r in responses if h.is_final(r)]

@@ -21,7 +21,7 @@ from runtime.serving.triton_model.policy import (
     prompt_size_error,
     top_p_off,
 )
-from runtime.serving.triton_server import TEMPLATE_DIR
+from runtime.serving.triton_server import TEMPLATE_DIR, main
 from tests.runtime.serve_helpers import TINY
 
 
@@ -100,3 +100,19 @@ def test_control_drain_file(tmp_path, content, expected):
     assert (tmp_path / "drained").exists()
     assert Control(None).drain_timeout() is None
     json.dumps(expected)
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--max-prompt-bytes", "0", "--generate-only"], "--max-prompt-bytes 0: must be >= 1"),
+    (["--drain-timeout", "-1"], "--drain-timeout -1: must be >= 0"),
+])  # fmt: skip
+def test_bad_serve_options_are_one_line_errors(tmp_path, capsys, args, needle):
+    assert main(["--checkpoint", str(TINY), "--model-repo", str(tmp_path / "repo"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    assert main(["--checkpoint", str(tmp_path / "nope"), "--model-repo", str(tmp_path / "repo"), "--generate-only"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not a directory" in err and len(err.splitlines()) == 1
