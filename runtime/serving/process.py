@@ -162,11 +162,18 @@ def children(pid: int, comm_prefix: str = "") -> list[int]:
     return sorted(out)
 
 
-def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before prctl: nobody would deliver the signal
-        os._exit(1)
+def _die_with_parent_hook():
+    """preexec_fn for Popen: the child gets SIGKILL when this process dies. prctl is looked up here, in the
+    parent, so the child (between fork and exec, possibly beside other threads' locks) only makes the call."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: nobody would deliver the signal
+            os._exit(1)
+
+    return hook
 
 
 def sweep_stale(shm_dir: str = "/dev/shm", tmp_dir: str | None = None) -> list[str]:
@@ -224,11 +231,10 @@ class TritonServer:
             raise ServeError(f"port(s) {busy} on {self.host} are already in use: pick other --*-port values")
         cmd = self.command()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        me = os.getpid()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=server_env(self.control_dir), start_new_session=True,
-                                         preexec_fn=lambda: _die_with_parent(me))  # fmt: skip
+                                         preexec_fn=_die_with_parent_hook())  # fmt: skip
         return self
 
     def log_tail(self, n: int = 40) -> str:
