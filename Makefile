@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 TINY    := models/tiny
 ENGINE  := engines/tiny
 
-.PHONY: install test lint demo bench tiny-model gpu-check clean
+.PHONY: install test lint demo bench soak tiny-model gpu-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	python3 -m venv .venv
@@ -13,7 +13,8 @@ $(STAMP): requirements.lock pyproject.toml
 	# torch==2.13.0 (CPU build) comes from local disk on the dev/CI machines; everything else is pinned.
 	$(PIP) install --quiet -r requirements.lock
 	$(PIP) install --quiet --no-deps tensorrt-stubs==10.13.0.35.1
-	$(PIP) install --quiet --no-deps -e .
+	# --no-deps: the extras' packages are pinned in requirements.lock above; this only registers them.
+	$(PIP) install --quiet --no-deps -e ".[serve,bench,test]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -31,6 +32,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m runtime.bench --checkpoint $(TINY) --engine $(ENGINE)
+
+# The full soak through the real server (docs/SERVING.md, "Soak"); CI runs the same test with 200 requests.
+soak: $(STAMP)
+	MTP_SOAK_REQUESTS=2000 OMP_NUM_THREADS=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/runtime/test_serve_soak.py
 
 tiny-model: $(STAMP)
 	$(PY) -m models.training.train --output $(TINY)

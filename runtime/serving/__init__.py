@@ -1,6 +1,6 @@
 """runtime/serving/: `mtp-serve`, serving an engine behind Triton Inference Server.
 
-Owns: the launcher that writes the model repository and supervises tritonserver (triton_server.py) and the
-Python-backend model that runs one engine loop for all requests (triton_model/). Nothing in the engine
-imports it.
+Owns: the CLI that writes the model repository (triton_server.py); the tritonserver process and what it leaves
+on the machine: start, supervision, drain, stop, stale-resource sweep (process.py); and the Python-backend
+model that runs one engine loop for all requests (triton_model/). Nothing in the engine imports it.
 """

@@ -7,28 +7,27 @@ regions it created (their prefix is unique to this server).
 
 from __future__ import annotations
 
-import queue
 import threading
+import time
 import urllib.request
-from pathlib import Path
 
-import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 from runtime.factory import create_engine
 from runtime.sampling import SamplingParams
 from runtime.serving.triton_server import MODEL_NAME, ServeError, TritonServer, free_ports, main, write_model_repo
+from tests.runtime import serve_helpers as h
+from tests.runtime.serve_helpers import TINY
+from tests.runtime.serve_helpers import ids_of as _ids
+from tests.runtime.serve_helpers import text_of as _text
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "models" / "tiny"
 K = 2
 PROMPTS = ["def main(", "import numpy as np\n", "class Foo:\n    def __init__(self", "for i in range("]
 MAX_TOKENS = 24
 START_TIMEOUT_S = 60
-RESPONSE_TIMEOUT_S = 60
+RESPONSE_TIMEOUT_S = h.RESPONSE_TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +48,7 @@ def server(tmp_path_factory):
         leftovers = srv.leftover_shm()
     assert not leftovers, f"shared-memory regions left behind: {leftovers}"
     assert rc == 0, f"tritonserver exit code {rc} after SIGTERM; log:\n{srv.log_tail()}"
+    assert not h.leftovers(srv), f"left behind: {h.leftovers(srv)}"
 
 
 @pytest.fixture(scope="module")
@@ -59,51 +59,8 @@ def reference():
     return {p: engine.generate([p], params)[0] for p in PROMPTS}
 
 
-def _input(name: str, value, dtype: str):
-    arr = np.array(value if isinstance(value, list) else [value])
-    if dtype == "BYTES":
-        arr = np.array([v.encode() if isinstance(v, str) else v for v in arr.tolist()], dtype=np.object_)
-    else:
-        arr = arr.astype({"INT32": np.int32, "INT64": np.int64, "FP32": np.float32, "BOOL": np.bool_}[dtype])
-    tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
-    tensor.set_data_from_numpy(arr)
-    return tensor
-
-
 def generate(srv: TritonServer, prompt: str, max_tokens: int = MAX_TOKENS, stream: bool = True, **extra):
-    """One request on its own gRPC stream; returns (responses, error message or None)."""
-    inputs = [_input("text_input", prompt, "BYTES"), _input("max_tokens", max_tokens, "INT32"),
-              _input("stream", stream, "BOOL")]  # fmt: skip
-    types = {"temperature": "FP32", "top_p": "FP32", "top_k": "INT32", "seed": "INT64", "end_id": "INT32",
-             "stop_words": "BYTES"}  # fmt: skip
-    inputs += [_input(name, value, types[name]) for name, value in extra.items()]
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
-    results: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    responses, error = [], None
-    try:
-        client.async_stream_infer(MODEL_NAME, inputs, enable_empty_final_response=True)
-        while True:
-            result, err = results.get(timeout=RESPONSE_TIMEOUT_S)
-            if err is not None:
-                error = str(err)
-                break
-            responses.append(result)
-            final = result.get_response().parameters.get("triton_final_response")
-            if final is not None and final.bool_param:
-                break
-    finally:
-        client.stop_stream()
-        client.close()
-    return responses, error
-
-
-def _ids(responses) -> list[int]:
-    return [int(t) for r in responses if r.as_numpy("output_ids") is not None for t in r.as_numpy("output_ids")]
-
-
-def _text(responses) -> str:
-    return "".join(r.as_numpy("text_output")[0].decode() for r in responses if r.as_numpy("text_output") is not None)
+    return h.generate(srv.grpc_port, prompt, max_tokens, stream, **extra)
 
 
 def test_generate_only_writes_a_decoupled_python_model(tmp_path):
@@ -170,7 +127,7 @@ def test_bad_request_fails_alone(server, reference):
         "good": lambda: generate(server, PROMPTS[2]),
         "zero_max_tokens": lambda: generate(server, PROMPTS[3], max_tokens=0),
         "empty_text": lambda: generate(server, "", max_tokens=4),
-        "bad_top_p": lambda: generate(server, PROMPTS[3], max_tokens=4, temperature=1.0, top_p=0.0),
+        "bad_top_p": lambda: generate(server, PROMPTS[3], max_tokens=4, temperature=1.0, top_p=1.5),
     }
     threads = [threading.Thread(target=lambda n=n, f=f: results.__setitem__(n, f())) for n, f in jobs.items()]
     for t in threads:
@@ -187,3 +144,42 @@ def test_bad_request_fails_alone(server, reference):
     # the server keeps serving after the errors
     responses, error = generate(server, PROMPTS[0], max_tokens=4)
     assert error is None and _ids(responses) == reference[PROMPTS[0]].output_ids[:4]
+
+
+def test_top_p_zero_means_off(server):
+    """TensorRT-LLM clients send top_p=0 for "no nucleus filter": same tokens as top_p=1 with the same seed."""
+    sampled = {p: generate(server, PROMPTS[3], max_tokens=12, temperature=1.0, seed=7, top_p=p) for p in (0.0, 1.0)}
+    for p, (_, error) in sampled.items():
+        assert error is None, f"top_p={p}: {error}"
+    assert _ids(sampled[0.0][0]) == _ids(sampled[1.0][0]) and _ids(sampled[0.0][0])
+
+
+def test_huge_prompt_is_refused_before_tokenizing_and_does_not_stall_streams(server):
+    """A 10 MB prompt used to be tokenized on the engine loop (~15 s here) before the length check, stalling
+    every stream. Now its size is checked on the raw bytes first, and tokenizing happens off the loop."""
+    gaps: list[float] = []
+    last = [0.0]
+    started, big_sent = threading.Event(), threading.Event()
+
+    def on_response(_r) -> None:
+        now = time.monotonic()
+        if big_sent.is_set():
+            gaps.append(now - last[0])
+        last[0] = now
+        started.set()
+
+    result: dict[str, tuple] = {}
+    stream = threading.Thread(target=lambda: result.__setitem__(
+        "s", h.generate(server.grpc_port, "x = 1\n" * 20, 400, temperature=1.0, seed=1, on_response=on_response)))
+    stream.start()
+    assert started.wait(RESPONSE_TIMEOUT_S)
+    big_sent.set()
+    t0 = time.monotonic()
+    responses, error = generate(server, "def f():\n    return 1\n" * (10_000_000 // 23), max_tokens=4)
+    refused_s = time.monotonic() - t0
+    stream.join(2 * RESPONSE_TIMEOUT_S)
+    assert error is not None and "max_prompt_bytes" in error and "bytes" in error, error
+    assert not responses
+    assert refused_s < 10, f"refusing the 10 MB prompt took {refused_s:.1f} s"
+    assert result["s"][1] is None, result["s"][1]
+    assert gaps and max(gaps) < 2.0, f"a running stream stalled {max(gaps):.1f} s while the big prompt arrived"

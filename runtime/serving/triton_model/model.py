@@ -1,14 +1,17 @@
 """Triton Python-backend model `mtp`: one MTP speculative-decoding engine behind a decoupled (streaming) API.
 
 Written into `<model-repo>/mtp/1/model.py` by `mtp-serve` (runtime/serving/triton_server.py) and run by Triton's Python
-stub, where `triton_python_backend_utils` exists. The engine, its options and the repository root come
-from the `parameters` of config.pbtxt.
+stub, where `triton_python_backend_utils` exists. The engine and its options come
+from the `parameters` of config.pbtxt; `runtime` must be importable by the stub's Python (an installed package
+is; mtp-serve also passes its own import path in MTP_SERVE_PYTHONPATH).
 
-Continuous batching: `execute` only parses each request and queues it with its response sender, then
+Continuous batching: `execute` only parses (and tokenizes) each request and queues it with its response sender, then
 returns None (decoupled mode). ONE background thread owns the engine: it admits the queued requests,
 calls `engine.step()` (which batches every running request, whichever `execute` call it came from) and
 sends each request its responses, the last one with the FINAL flag. A bad request gets one error
-response (FINAL) and changes nothing for the others.
+response (FINAL) and changes nothing for the others. Prompts are size-checked, then tokenized, in execute()
+(never on the engine loop). A control thread drains on mtp-serve's request and exits the stub when
+tritonserver dies (triton_model/policy.py; docs/SERVING.md, "Lifecycle").
 """
 
 from __future__ import annotations
@@ -16,14 +19,33 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+# The stub's interpreter is isolated (PYTHONPATH ignored), so mtp-serve passes the import path it runs with: the
+# stub then imports the same `runtime` as the launcher (a checkout, or site-packages where this is a no-op).
+for _p in reversed(os.environ.get("MTP_SERVE_PYTHONPATH", "").split(os.pathsep)):
+    if _p and _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from runtime.serving.triton_model.exporter import MetricsExporter  # noqa: E402
+from runtime.serving.triton_model.policy import (  # noqa: E402
+    Control,
+    Counts,
+    cancelled,
+    encode,
+    prompt_byte_limit,
+    prompt_size_error,
+    top_p_off,
+)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -79,13 +101,17 @@ def _text(value) -> str:
         raise BadInput(f"text is not valid UTF-8: {e}") from e
 
 
-def parse_request(request) -> tuple[str, dict, bool]:
+def parse_request(request, max_prompt_bytes: int) -> tuple[str, dict, bool]:
     """Return (prompt, SamplingParams kwargs, stream). Raises BadInput; value checks are the engine's."""
     texts = _values(request, "text_input")
     if texts is None:
         raise BadInput("text_input is missing or empty: send one prompt string")
     if texts.size != 1:
         raise BadInput(f"text_input has {texts.size} strings: send one prompt per request")
+    raw = texts[0]
+    too_big = prompt_size_error(len(raw) if isinstance(raw, bytes) else len(str(raw).encode()), max_prompt_bytes)
+    if too_big:  # checked on the raw bytes, before decoding or tokenizing anything
+        raise BadInput(too_big)
     max_tokens = _scalar(request, "max_tokens", int)
     if max_tokens is None:
         raise BadInput("max_tokens is missing: send an INT32 >= 1")
@@ -95,7 +121,7 @@ def parse_request(request) -> tuple[str, dict, bool]:
         "max_tokens": max_tokens,
         "temperature": _scalar(request, "temperature", float, 0.0),
         "top_k": _scalar(request, "top_k", int, 0),
-        "top_p": _scalar(request, "top_p", float, 1.0),
+        "top_p": top_p_off(_scalar(request, "top_p", float, 1.0)),
         "seed": _scalar(request, "seed", int),
         "end_id": _scalar(request, "end_id", int),
         "stop": stops,
@@ -126,8 +152,6 @@ class TritonPythonModel:
         self.name = args.get("model_name", "mtp")
         params = {k: v.get("string_value", "") for k, v in self.model_config.get("parameters", {}).items()}
         opt: dict[str, Any] = {k: (v if v != "" else None) for k, v in params.items()}
-        if opt.get("repo_root") and opt["repo_root"] not in sys.path:
-            sys.path.insert(0, opt["repo_root"])
         if opt.get("torch_threads"):
             import torch
 
@@ -150,47 +174,110 @@ class TritonPythonModel:
             num_blocks=as_int("num_blocks"),
         )
         self.k = self.engine.k
+        self._tokenizer = getattr(self.engine, "tokenizer", None)
+        self._max_prompt_bytes = prompt_byte_limit(self.engine.cfg.max_seq_len, as_int("max_prompt_bytes"))
         self._ids = itertools.count()
         self._cv = threading.Condition()
-        self._pending: list[tuple[str, str, dict, _Stream]] = []  # guarded by _cv
+        self._pending: list[tuple[str, str | list[int], dict, _Stream]] = []  # guarded by _cv
         self._active: dict[str, _Stream] = {}  # engine thread only
-        self._stopping = False
-        self._init_metrics()
+        self._stopping = False  # guarded by _cv: finalize()
+        self._drain_deadline: float | None = None  # guarded by _cv: monotonic time the drain cuts streams short
+        self._drain_timeout = 0.0
+        self._drained_reported = False
+        self.counts = Counts()  # engine thread only, except "rejected" (under _cv)
+        self._control = Control.from_env()
+        self._exporter = MetricsExporter(pb_utils, self.name, self.k)
+        if not self._exporter.ok:
+            _log("warn", f"custom metrics unavailable ({self._exporter.error}); per-request stats still work")
         self._thread = threading.Thread(target=self._loop, name="mtp-engine-loop", daemon=True)
         self._thread.start()
-        _log("info", f"engine ready: executor={opt.get('executor')} num_draft_tokens={self.k} "
-                     f"source={opt.get('engine_dir') or opt.get('checkpoint')} metrics={self._metrics_ok}")  # fmt: skip
+        self._parent = os.getppid()
+        self._watch = threading.Thread(target=self._watchdog, name="mtp-control", daemon=True)
+        self._watch.start()
+        import runtime
+
+        _log("info", f"engine ready: runtime={os.path.dirname(runtime.__file__)} executor={opt.get('executor')} "
+                     f"num_draft_tokens={self.k} "
+                     f"source={opt.get('engine_dir') or opt.get('checkpoint')} metrics={self._exporter.ok} "
+                     f"max_prompt_bytes={self._max_prompt_bytes} control={self._control.directory}")  # fmt: skip
+
+    # ------------------------------------------------------------------ lifecycle
+    def _watchdog(self) -> None:
+        """Exit when tritonserver dies (the stub would otherwise stay, orphaned, holding its memory and shm);
+        start draining when mtp-serve asks."""
+        while True:
+            if os.getppid() != self._parent:
+                print("[mtp] tritonserver died: the stub exits", file=sys.stderr, flush=True)
+                os._exit(1)  # no cleanup: nobody is left to answer, and interpreter teardown could hang
+            with self._cv:
+                if self._stopping:
+                    return
+                if self._drain_deadline is None:
+                    timeout = self._control.drain_timeout()
+                    if timeout is not None:
+                        self._drain_timeout = timeout
+                        self._drain_deadline = time.monotonic() + timeout
+                        self._cv.notify_all()
+            time.sleep(0.1)
+
+    def _draining(self) -> bool:
+        with self._cv:
+            return self._drain_deadline is not None
 
     # ------------------------------------------------------------------ requests in
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            try:
-                prompt, params, stream = parse_request(request)
-            except BadInput as e:
-                self._send_error(sender, str(e))
+            if self._draining():
+                self._reject(sender, "the server is shutting down (draining): send the request to another server")
                 continue
-            item = (f"triton-{next(self._ids)}", prompt, params, _Stream(sender, stream, params["stop"]))
+            try:
+                prompt, params, stream = parse_request(request, self._max_prompt_bytes)
+                # Tokenized here, in the stub's request thread, so a long prompt never stalls running streams.
+                tokens: str | list[int] = encode(self._tokenizer, prompt) if self._tokenizer is not None else prompt
+            except BadInput as e:
+                self._reject(sender, str(e))
+                continue
+            if isinstance(tokens, list) and not tokens and prompt:
+                tokens = prompt  # let the engine name the problem
+            item = (f"triton-{next(self._ids)}", tokens, params, _Stream(sender, stream, params["stop"]))
             with self._cv:
-                if self._stopping:
-                    self._send_error(sender, "the model is shutting down")
+                if self._stopping or self._drain_deadline is not None:
+                    self.counts.add("rejected")
+                    self._send_error(sender, "the server is shutting down: send the request to another server")
                     continue
                 self._pending.append(item)
                 self._cv.notify()
         return None
+
+    def _reject(self, sender, message: str) -> None:
+        with self._cv:
+            self.counts.add("rejected")
+        self._send_error(sender, message)
 
     # ------------------------------------------------------------------ the engine loop
     def _loop(self) -> None:
         while True:
             with self._cv:
                 while not self._pending and not self._active and not self._stopping:
+                    if self._drain_deadline is not None and not self._drained_reported:
+                        break
+                    self._export_metrics()
                     self._cv.wait()
                 if self._stopping:
                     break
                 pending, self._pending = self._pending, []
+                deadline = self._drain_deadline
             for req_id, prompt, params, st in pending:
                 self._admit(req_id, prompt, params, st)
             self._drop_cancelled()
+            if deadline is not None and time.monotonic() >= deadline and self._active:
+                self._fail_active(f"the server is shutting down: the stream was cut short after the "
+                                  f"{self._drain_timeout:g} s drain timeout")  # fmt: skip
+            if deadline is not None and not self._active and not self._drained_reported:
+                self._export_metrics()
+                self._drained_reported = True
+                self._control.report_drained()
             if not self._active:
                 continue
             if not self.engine.has_unfinished():  # cannot happen; never spin on it
@@ -208,36 +295,41 @@ class TritonPythonModel:
         with self._cv:
             pending, self._pending = self._pending, []
         for *_, st in pending:
+            self.counts.add("rejected")
             self._send_error(st.sender, "the model is shutting down")
         self._fail_active("the model is shutting down")
 
-    def _admit(self, req_id: str, prompt: str, params: dict, st: _Stream) -> None:
+    def _admit(self, req_id: str, prompt: str | list[int], params: dict, st: _Stream) -> None:
         try:
             self.engine.add_request(prompt, self._SamplingParams(**params), req_id=req_id)
         except self._RequestError as e:
+            self.counts.add("rejected")
             self._send_error(st.sender, f"bad request: {e}")
             return
         except Exception as e:
             _log("error", f"add_request failed: {traceback.format_exc()}")
+            self.counts.add("rejected")
             self._send_error(st.sender, f"cannot add the request: {type(e).__name__}: {e}")
             return
+        self.counts.add("admitted")
         self._active[req_id] = st
 
     def _drop_cancelled(self) -> None:
         for req_id, st in list(self._active.items()):
-            try:
-                cancelled = st.sender.is_cancelled()
-            except Exception:
-                cancelled = False
-            if cancelled:
+            is_cancelled, why = cancelled(st.sender)
+            if why:
+                _log("warn", f"{req_id}: {why}")
+            if is_cancelled:
                 self.engine.abort(req_id)
                 del self._active[req_id]
+                self.counts.add("cancelled")
                 self._send(st.sender, None, FINAL)
 
     def _fail_active(self, message: str) -> None:
         for req_id, st in list(self._active.items()):
             with contextlib.suppress(Exception):
                 self.engine.abort(req_id)
+            self.counts.add("failed")
             self._send_error(st.sender, message)
         self._active.clear()
 
@@ -248,6 +340,7 @@ class TritonPythonModel:
             return
         if out.finished:
             del self._active[out.req_id]
+            self.counts.add("finished")
         if not st.stream and not out.finished:
             return
         if st.stream:
@@ -294,63 +387,10 @@ class TritonPythonModel:
         self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), FINAL)
 
     # ------------------------------------------------------------------ metrics (served on Triton's /metrics)
-    def _init_metrics(self) -> None:
-        self._metrics: list = []
-        self._families: list = []
-        self._metrics_ok = False
-        try:
-            fam = pb_utils.MetricFamily
-            proposed = fam(
-                name="mtp_draft_tokens_proposed_total",
-                kind=fam.COUNTER,
-                description="MTP draft tokens proposed, by draft position (0 = first draft)",
-            )
-            accepted = fam(
-                name="mtp_draft_tokens_accepted_total",
-                kind=fam.COUNTER,
-                description="MTP draft tokens accepted, by draft position (0 = first draft)",
-            )
-            rate = fam(
-                name="mtp_draft_acceptance_rate",
-                kind=fam.GAUGE,
-                description="accepted / proposed draft tokens by position, since the model loaded",
-            )
-            length = fam(name="mtp_mean_acceptance_length", kind=fam.GAUGE,
-                         description="tokens emitted per decode verify step, bonus token included")  # fmt: skip
-            self._families = [proposed, accepted, rate, length]
-            labels = [{"model": self.name, "position": str(i)} for i in range(self.k)]
-            self._m_proposed = [proposed.Metric(labels=lab) for lab in labels]
-            self._m_accepted = [accepted.Metric(labels=lab) for lab in labels]
-            self._m_rate = [rate.Metric(labels=lab) for lab in labels]
-            self._m_length = length.Metric(labels={"model": self.name})
-            self._metrics = [*self._m_proposed, *self._m_accepted, *self._m_rate, self._m_length]
-            self._last_proposed = [0] * self.k
-            self._last_accepted = [0] * self.k
-            self._metrics_ok = True
-        except Exception as e:
-            _log("warn", f"custom metrics unavailable ({e}); per-request acceptance_per_position still works")
-            self._metrics, self._families = [], []
-
     def _export_metrics(self) -> None:
-        if not self._metrics_ok:
-            return
-        m = self.engine.metrics
-        try:
-            for i in range(self.k):
-                dp, da = (
-                    m.proposed_per_position[i] - self._last_proposed[i],
-                    m.accepted_per_position[i] - self._last_accepted[i],
-                )
-                if dp:
-                    self._m_proposed[i].increment(dp)
-                if da:
-                    self._m_accepted[i].increment(da)
-                self._last_proposed[i], self._last_accepted[i] = m.proposed_per_position[i], m.accepted_per_position[i]
-                self._m_rate[i].set(m.acceptance_rate_per_position[i])
-            self._m_length.set(m.mean_acceptance_length)
-        except Exception as e:
-            _log("warn", f"metrics update failed, disabling it: {e}")
-            self._metrics_ok = False
+        error = self._exporter.export(self.engine, self.counts, len(self._active))
+        if error:
+            _log("warn", error)
 
     # ------------------------------------------------------------------ shutdown
     def finalize(self):
@@ -358,10 +398,4 @@ class TritonPythonModel:
             self._stopping = True
             self._cv.notify_all()
         self._thread.join(timeout=30)
-        self._metrics_ok = False
-        self._metrics.clear()  # Metric objects must go before their MetricFamily
-        self.__dict__.pop("_m_proposed", None)
-        self.__dict__.pop("_m_accepted", None)
-        self.__dict__.pop("_m_rate", None)
-        self.__dict__.pop("_m_length", None)
-        self._families.clear()
+        self._exporter.close()
