@@ -17,6 +17,8 @@ class TrainSettings:
     seq_len: int = 256
     lr: float = 2.5e-3
     min_lr_ratio: float = 0.1
+    schedule: str = "cosine"  # or "wsd" (warm-up, stable, decay): see train.lr_at
+    decay_fraction: float = 0.2  # wsd: the last 20% of the steps decay linearly
     warmup_steps: int = 60
     weight_decay: float = 0.1
     grad_clip: float = 1.0
@@ -82,7 +84,13 @@ PRESETS: dict[str, Preset] = {
     "deep": Preset(
         "deep",
         TrainSettings(
-            steps=600, lr=2e-3, warmup_steps=40, mtp_lambdas=(0.3, 0.3, 0.3), threads=1, ship_dtype="bfloat16"
+            steps=800,
+            lr=2e-3,
+            warmup_steps=40,
+            schedule="wsd",
+            mtp_lambdas=(0.3, 0.3, 0.3),
+            threads=1,
+            ship_dtype="bfloat16",
         ),
         dict(intermediate_size=1024, num_hidden_layers=12, moe_intermediate_size=96),
     ),

@@ -116,12 +116,21 @@ class RouterBalancer:
 # --------------------------------------------------------------------------------------------- training
 
 
-def lr_at(step: int, s: TrainSettings, total_steps: int) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
+def lr_at(step: int, s: TrainSettings, total_steps: int, decay_start: int | None = None) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr ("cosine"), or constant until `decay_start` and
+    linear decay to min_lr_ratio * lr at `total_steps` ("wsd": warm-up, stable, decay)."""
     if step < s.warmup_steps:
         return s.lr * (step + 1) / s.warmup_steps
+    if s.schedule == "wsd":
+        start = wsd_decay_start(s, total_steps) if decay_start is None else decay_start
+        progress = min(1.0, max(0, step - start) / max(1, total_steps - start))
+        return s.lr * (1 - (1 - s.min_lr_ratio) * progress)
     progress = min(1.0, (step - s.warmup_steps) / max(1, total_steps - s.warmup_steps))
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def wsd_decay_start(s: TrainSettings, total_steps: int) -> int:
+    return max(s.warmup_steps, round(total_steps * (1 - s.decay_fraction)))
 
 
 def make_optimizer(model: Glm4MoeMTPModel, s: TrainSettings) -> torch.optim.Optimizer:
@@ -149,12 +158,22 @@ def make_progress() -> Progress:
     )
 
 
-def train(model, stream, s: TrainSettings, seed: int, minutes: float | None) -> dict:
-    """The training loop; returns what the report needs (steps run, tokens seen, last losses)."""
+def train(model, stream, s: TrainSettings, seed: int, minutes: float | None, decay_start: int | None = None) -> dict:
+    """The training loop; returns what the report needs (steps run, tokens seen, last losses).
+
+    Budget (--minutes, ~15% kept for tokenizer / evaluation / saving): the cosine schedule fixes the step count
+    after 20 steps. The WSD schedule instead runs at constant LR until 80% of the budget is spent, then decays
+    over a quarter as many steps again; its LR before the decay does not depend on the step count, so a shared
+    machine's changing load costs steps but never reproducibility (`--steps N --decay-start D` re-runs it).
+    """
     opt = make_optimizer(model, s)
     balancer = RouterBalancer(model, s.bias_update_speed)
     g = torch.Generator().manual_seed(seed + 1)
     total_steps = s.steps
+    budget = None if minutes is None else minutes * 60 * 0.85
+    adapt = budget is not None and (s.schedule == "cosine" or decay_start is None)
+    if s.schedule == "wsd" and decay_start is None:
+        decay_start = wsd_decay_start(s, total_steps)
     t0 = time.perf_counter()
     ema: list[float] = []  # smoothed [main, mtp depth 1, ...] train losses for the progress bar
     model.train()
@@ -163,7 +182,7 @@ def train(model, stream, s: TrainSettings, seed: int, minutes: float | None) -> 
         step = 0
         while step < total_steps:
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, s, total_steps)
+                group["lr"] = lr_at(step, s, total_steps, decay_start)
             main_ce, ces, _, _ = chained_losses(model, sample_batch(stream, s, g), s.mtp_depths)
             loss = main_ce + sum(lam * ce for lam, ce in zip(s.mtp_lambdas, ces, strict=True))
             opt.zero_grad(set_to_none=True)
@@ -174,16 +193,26 @@ def train(model, stream, s: TrainSettings, seed: int, minutes: float | None) -> 
             cur = [main_ce.item()] + [ce.item() for ce in ces]
             ema = cur if not ema else [0.95 * e + 0.05 * c for e, c in zip(ema, cur, strict=True)]
             step += 1
-            if step == 20 and minutes is not None:
+            elapsed = time.perf_counter() - t0
+            if (
+                adapt and budget and s.schedule == "wsd" and decay_start is not None
+                and s.warmup_steps <= step < decay_start and elapsed >= (1 - s.decay_fraction) * budget
+            ):  # fmt: skip
+                decay_start, total_steps = step, min(total_steps, round(step / (1 - s.decay_fraction)))
+                progress.update(task, total=total_steps)
+                progress.console.log(f"--minutes {minutes}: decaying from step {step} to {total_steps}")
+            if adapt and budget and s.schedule == "cosine" and step == 20:
                 # Fit the run into the budget, keeping ~15% for tokenizer/eval/save; the LR schedule follows.
                 per_step = (time.perf_counter() - t0) / step
-                fit = int(minutes * 60 * 0.85 / per_step)
+                fit = int(budget / per_step)
                 if fit < total_steps:
                     total_steps = max(step + 1, fit)
                     progress.update(task, total=total_steps)
                     progress.console.log(f"--minutes {minutes}: {per_step:.2f} s/step, running {total_steps} steps")
             progress.update(
-                task, advance=1, info=f"main {ema[0]:.3f}  mtp {_fmt(ema[1:])}  lr {lr_at(step, s, total_steps):.1e}"
+                task,
+                advance=1,
+                info=f"main {ema[0]:.3f}  mtp {_fmt(ema[1:])}  lr {lr_at(step, s, total_steps, decay_start):.1e}",
             )
             if step % 50 == 0:
                 progress.console.log(
@@ -193,6 +222,7 @@ def train(model, stream, s: TrainSettings, seed: int, minutes: float | None) -> 
     balancer.enabled = False
     return {
         "steps": total_steps,
+        "decay_start": decay_start,
         "tokens_seen": total_steps * s.batch_size * s.seq_len,
         "train_seconds": time.perf_counter() - t0,
         "final_train_main_loss_ema": ema[0] if ema else None,
@@ -262,6 +292,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, required=True, help="checkpoint directory to (re)create")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
     p.add_argument("--minutes", type=float, default=None, help="wall-clock budget; may lower --steps to fit")
+    p.add_argument("--decay-start", type=int, default=None, help="WSD schedule: first step of the LR decay")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
@@ -295,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
 
     windows = eval_windows(corpus.heldout_stream, s.seq_len, s.eval_tokens)
     before = evaluate(model, windows[:8], s.eval_depths)
-    run = train(model, corpus.train_stream, s, args.seed, args.minutes)
+    run = train(model, corpus.train_stream, s, args.seed, args.minutes, args.decay_start)
     round_to_ship_dtype(model, s.ship_dtype)
     heldout = evaluate(model, windows, s.eval_depths)
     print(
@@ -307,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python -m models.training.train " + " ".join(sys.argv[1:] if argv is None else argv),
         "reproduce": f"python -m models.training.train --model {preset.name} --output {args.output} "
-        f"--steps {run['steps']} --seed {args.seed}",
+        f"--steps {run['steps']} --seed {args.seed}"
+        + (f" --decay-start {run['decay_start']}" if s.schedule == "wsd" else ""),
         "model": preset.name,
         "seed": args.seed,
         "python": sys.version.split()[0],
