@@ -99,3 +99,20 @@ PRESETS: dict[str, Preset] = {
 
 def tiny_model_config(vocab_size: int, eos_id: int) -> ModelConfig:
     return PRESETS["tiny"].model_config(vocab_size, eos_id)
+
+
+def per_token_macs(cfg: ModelConfig, context: int) -> tuple[int, int]:
+    """Multiply-accumulates per decoded token at `context` tokens of history: (main forward incl. lm_head,
+    one MTP draft depth incl. eh_proj and the shared lm_head). Counts matmuls and attention only (norms, RoPE
+    and routing are noise at these sizes); MoE counts the ACTIVE experts (top-k + shared)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = (
+        h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 2 * context * cfg.num_attention_heads * d
+    )
+    dense = attn + 3 * h * cfg.intermediate_size
+    moe = attn + 3 * h * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts)
+    moe += h * cfg.n_routed_experts  # router
+    head = h * cfg.vocab_size
+    main = sum(moe if cfg.is_moe_layer(i) else dense for i in range(cfg.num_hidden_layers)) + head
+    draft = 2 * h * h + (moe if cfg.has_moe else dense) + head
+    return main, draft

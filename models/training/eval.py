@@ -97,3 +97,45 @@ def evaluate(model: Glm4MoeMTPModel, windows: torch.Tensor, depths: int = 1, bat
         "acceptance_conditional": cond,
         "acceptance_positions": n_chain,
     }
+
+
+def heldout_windows(tok, seq_len: int, max_tokens: int) -> torch.Tensor:
+    """The training run's held-out evaluation windows, rebuilt from a checkpoint's own tokenizer."""
+    from models.training.data import encode_documents, read_source, split_files, stdlib_files
+    from models.training.tokenizer import EOS_TOKEN
+
+    _, heldout = split_files(stdlib_files())
+    stream = encode_documents(tok, [read_source(f) for f in heldout], tok.token_to_id(EOS_TOKEN))
+    return eval_windows(stream, seq_len, max_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m models.training.eval --checkpoint DIR`: re-measure a checkpoint on the held-out split."""
+    import argparse
+    import json
+
+    from models.checkpoint import CheckpointError, load_model
+    from models.training.tokenizer import load_tokenizer
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--checkpoint", required=True, help="a directory written by models.training.train")
+    p.add_argument("--depths", type=int, default=3, help="chained draft depths to measure")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--eval-tokens", type=int, default=65_536)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    try:
+        model, _ = load_model(args.checkpoint)
+        tok = load_tokenizer(args.checkpoint)
+    except (CheckpointError, OSError, ValueError) as e:
+        p.error(f"cannot load {args.checkpoint}: {e}")
+    if model.cfg.num_mtp_modules == 0:
+        p.error(f"{args.checkpoint} has no MTP module (num_nextn_predict_layers = 0): nothing to measure")
+    result = evaluate(model, heldout_windows(tok, args.seq_len, args.eval_tokens), args.depths)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
