@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 TINY    := models/tiny
 ENGINE  := engines/tiny
 
-.PHONY: install test lint demo bench soak tiny-model gpu-check clean
+.PHONY: install test lint demo bench soak tiny-model deep-model gpu-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	python3 -m venv .venv
@@ -38,7 +38,10 @@ soak: $(STAMP)
 	MTP_SOAK_REQUESTS=2000 OMP_NUM_THREADS=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/runtime/test_serve_soak.py
 
 tiny-model: $(STAMP)
-	$(PY) -m models.training.train --output $(TINY)
+	$(PY) -m models.training.train --model tiny --output $(TINY)
+
+deep-model: $(STAMP)  # ~35 min on one core; docs/DEEP_MODEL.md
+	$(PY) -m models.training.train --model deep --output models/deep
 
 gpu-check: $(STAMP)
 	$(PY) -m plugins.gpu_check

@@ -32,67 +32,23 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from safetensors.torch import save_file
 
-from models.checkpoint import save_hf_checkpoint, to_hf_config
+from models.checkpoint import to_hf_config, to_hf_tensors
 from models.config import ModelConfig
 from models.glm4_moe import Glm4MoeMTPModel, Router
+from models.training.chained import chained_losses
+from models.training.configs import PRESETS, TrainSettings
 from models.training.data import prepare_corpus
-from models.training.eval import eval_windows, evaluate, mtp_losses
+from models.training.eval import eval_windows, evaluate
 from models.training.tokenizer import EOS_TOKEN, save_tokenizer
 
-
-@dataclass(frozen=True)
-class TrainSettings:
-    steps: int = 900
-    batch_size: int = 8
-    seq_len: int = 256
-    lr: float = 2.5e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 60
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    mtp_lambda: float = 0.3  # DeepSeek-V3 uses 0.3 for the first 10T tokens
-    bias_update_speed: float = 1e-3  # DeepSeek-V3's gamma for the aux-loss-free balancing
-    vocab_size: int = 2048
-    eval_tokens: int = 65_536  # held-out tokens scored at the end (evenly spaced windows over all held-out files)
-
-
 # ------------------------------------------------------------------------------------------------ model
-
-
-def tiny_model_config(vocab_size: int, eos_id: int) -> ModelConfig:
-    """~3.6M parameters (~14 MB fp32): small enough to ship in the repo and train on 2 CPU cores."""
-    cfg = ModelConfig(
-        model_type="glm4_moe",
-        vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=512,  # dense MLP of layer 0
-        num_hidden_layers=3,  # layer 0 dense, layers 1-2 MoE (GLM-4.5's first_k_dense_replace pattern)
-        num_attention_heads=8,
-        num_key_value_heads=2,  # GQA, 4 query heads per KV head
-        head_dim=32,
-        partial_rotary_factor=0.5,  # GLM-4.5 rotates half of each head
-        rope_theta=10000.0,
-        first_k_dense_replace=1,
-        moe_intermediate_size=64,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,  # group-limited routing: pick 1 of 2 groups, then top-2 inside it
-        routed_scaling_factor=1.0,
-        norm_topk_prob=True,
-        n_shared_experts=1,
-        num_nextn_predict_layers=1,
-        max_position_embeddings=1024,
-        eos_token_id=(eos_id,),
-    )
-    cfg.validate()
-    return cfg
 
 
 def init_weights(model: Glm4MoeMTPModel, seed: int, std: float = 0.02) -> None:
@@ -160,12 +116,21 @@ class RouterBalancer:
 # --------------------------------------------------------------------------------------------- training
 
 
-def lr_at(step: int, s: TrainSettings, total_steps: int) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
+def lr_at(step: int, s: TrainSettings, total_steps: int, decay_start: int | None = None) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr ("cosine"), or constant until `decay_start` and
+    linear decay to min_lr_ratio * lr at `total_steps` ("wsd": warm-up, stable, decay)."""
     if step < s.warmup_steps:
         return s.lr * (step + 1) / s.warmup_steps
+    if s.schedule == "wsd":
+        start = wsd_decay_start(s, total_steps) if decay_start is None else decay_start
+        progress = min(1.0, max(0, step - start) / max(1, total_steps - start))
+        return s.lr * (1 - (1 - s.min_lr_ratio) * progress)
     progress = min(1.0, (step - s.warmup_steps) / max(1, total_steps - s.warmup_steps))
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def wsd_decay_start(s: TrainSettings, total_steps: int) -> int:
+    return max(s.warmup_steps, round(total_steps * (1 - s.decay_fraction)))
 
 
 def make_optimizer(model: Glm4MoeMTPModel, s: TrainSettings) -> torch.optim.Optimizer:
@@ -193,66 +158,120 @@ def make_progress() -> Progress:
     )
 
 
-def train(model, stream, s: TrainSettings, seed: int, minutes: float | None) -> dict:
-    """The training loop; returns what the report needs (steps run, tokens seen, last losses)."""
+def train(model, stream, s: TrainSettings, seed: int, minutes: float | None, decay_start: int | None = None) -> dict:
+    """The training loop; returns what the report needs (steps run, tokens seen, last losses).
+
+    Budget (--minutes, ~15% kept for tokenizer / evaluation / saving): the cosine schedule fixes the step count
+    after 20 steps. The WSD schedule instead runs at constant LR until 80% of the budget is spent, then decays
+    over a quarter as many steps again; its LR before the decay does not depend on the step count, so a shared
+    machine's changing load costs steps but never reproducibility (`--steps N --decay-start D` re-runs it).
+    """
     opt = make_optimizer(model, s)
     balancer = RouterBalancer(model, s.bias_update_speed)
     g = torch.Generator().manual_seed(seed + 1)
     total_steps = s.steps
+    budget = None if minutes is None else minutes * 60 * 0.85
+    adapt = budget is not None and (s.schedule == "cosine" or decay_start is None)
+    if s.schedule == "wsd" and decay_start is None:
+        decay_start = wsd_decay_start(s, total_steps)
     t0 = time.perf_counter()
-    ema: list[float] = []  # smoothed [main, mtp] train losses for the progress bar
+    ema: list[float] = []  # smoothed [main, mtp depth 1, ...] train losses for the progress bar
     model.train()
     with make_progress() as progress:
         task = progress.add_task("train", total=total_steps, info="")
         step = 0
         while step < total_steps:
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, s, total_steps)
-            main_ce, mtp_ce, _, _ = mtp_losses(model, sample_batch(stream, s, g))
-            loss = main_ce + s.mtp_lambda * mtp_ce
+                group["lr"] = lr_at(step, s, total_steps, decay_start)
+            main_ce, ces, _, _ = chained_losses(model, sample_batch(stream, s, g), s.mtp_depths)
+            loss = main_ce + sum(lam * ce for lam, ce in zip(s.mtp_lambdas, ces, strict=True))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
             opt.step()
             imbalance = balancer.update()
-            cur = [main_ce.item(), mtp_ce.item()]
+            cur = [main_ce.item()] + [ce.item() for ce in ces]
             ema = cur if not ema else [0.95 * e + 0.05 * c for e, c in zip(ema, cur, strict=True)]
             step += 1
-            if step == 20 and minutes is not None:
+            elapsed = time.perf_counter() - t0
+            if (
+                adapt and budget and s.schedule == "wsd" and decay_start is not None
+                and s.warmup_steps <= step < decay_start and elapsed >= (1 - s.decay_fraction) * budget
+            ):  # fmt: skip
+                decay_start, total_steps = step, min(total_steps, round(step / (1 - s.decay_fraction)))
+                progress.update(task, total=total_steps)
+                progress.console.log(f"--minutes {minutes}: decaying from step {step} to {total_steps}")
+            if adapt and budget and s.schedule == "cosine" and step == 20:
                 # Fit the run into the budget, keeping ~15% for tokenizer/eval/save; the LR schedule follows.
                 per_step = (time.perf_counter() - t0) / step
-                fit = int(minutes * 60 * 0.85 / per_step)
+                fit = int(budget / per_step)
                 if fit < total_steps:
                     total_steps = max(step + 1, fit)
                     progress.update(task, total=total_steps)
                     progress.console.log(f"--minutes {minutes}: {per_step:.2f} s/step, running {total_steps} steps")
             progress.update(
-                task, advance=1, info=f"main {ema[0]:.3f}  mtp {ema[1]:.3f}  lr {lr_at(step, s, total_steps):.1e}"
+                task,
+                advance=1,
+                info=f"main {ema[0]:.3f}  mtp {_fmt(ema[1:])}  lr {lr_at(step, s, total_steps, decay_start):.1e}",
             )
-            if step % 100 == 0:
+            if step % 50 == 0:
                 progress.console.log(
-                    f"step {step}: main {ema[0]:.3f} mtp {ema[1]:.3f} max/mean expert load {imbalance:.2f}"
+                    f"step {step}: main {ema[0]:.3f} mtp {_fmt(ema[1:])} max/mean expert load {imbalance:.2f} "
+                    f"({time.perf_counter() - t0:.0f} s)"
                 )
     balancer.enabled = False
     return {
         "steps": total_steps,
+        "decay_start": decay_start,
         "tokens_seen": total_steps * s.batch_size * s.seq_len,
         "train_seconds": time.perf_counter() - t0,
         "final_train_main_loss_ema": ema[0] if ema else None,
         "final_train_mtp_loss_ema": ema[1] if ema else None,
+        "final_train_mtp_loss_ema_per_depth": ema[1:],
     }
+
+
+def _fmt(xs: list[float]) -> str:
+    return "/".join(f"{x:.3f}" for x in xs)
 
 
 # ----------------------------------------------------------------------------------------------- output
 
 
-def write_checkpoint(model, tok, cfg: ModelConfig, report: dict, output: Path) -> None:
+SHIP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@torch.no_grad()
+def round_to_ship_dtype(model: Glm4MoeMTPModel, ship_dtype: str) -> None:
+    """Round every matrix to the dtype it will be stored in (1-D tensors: norms, router bias stay fp32), so the
+    final evaluation measures exactly the shipped weights. A no-op for float32."""
+    dtype = SHIP_DTYPES[ship_dtype]
+    for p in model.parameters():
+        if p.dim() >= 2:
+            p.copy_(p.to(dtype).float())
+
+
+def save_checkpoint(model: Glm4MoeMTPModel, cfg: ModelConfig, path: Path, ship_dtype: str) -> None:
+    """config.json + model.safetensors in the HF Glm4Moe layout; matrices in `ship_dtype`, 1-D tensors fp32.
+
+    fp32 norms / router biases cost nothing in size and keep routing decisions exactly as evaluated; every
+    loader (models/checkpoint.py, transformers with dtype=float32) upcasts the bf16 matrices exactly.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = SHIP_DTYPES[ship_dtype]
+    tensors = {k: (t.to(dtype) if t.dim() >= 2 else t) for k, t in to_hf_tensors(model).items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = {**to_hf_config(cfg), "dtype": ship_dtype}
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+
+
+def write_checkpoint(model, tok, cfg: ModelConfig, report: dict, output: Path, ship_dtype: str) -> None:
     """Write everything to a temp dir beside `output`, then swap it in (a half-written dir never looks valid)."""
     output = output.resolve()
     tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    save_hf_checkpoint(model, to_hf_config(cfg), tmp)
+    save_checkpoint(model, cfg, tmp, ship_dtype)
     save_tokenizer(tok, tmp, model_max_length=cfg.max_position_embeddings)
     eos = cfg.eos_token_id[0]
     gen = {"eos_token_id": eos, "pad_token_id": eos, "do_sample": False, "max_new_tokens": 128}
@@ -268,46 +287,60 @@ def write_checkpoint(model, tok, cfg: ModelConfig, report: dict, output: Path) -
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    d = TrainSettings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="which shipped model to train")
     p.add_argument("--output", type=Path, required=True, help="checkpoint directory to (re)create")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
     p.add_argument("--minutes", type=float, default=None, help="wall-clock budget; may lower --steps to fit")
+    p.add_argument("--decay-start", type=int, default=None, help="WSD schedule: first step of the LR decay")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    return p.parse_args(argv)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the preset's)")
+    p.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens scored at the end")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "seq_len", "threads", "eval_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    torch.set_num_threads(args.threads)
+    preset = PRESETS[args.model]
+    overrides = {k: getattr(args, k) for k in ("steps", "batch_size", "seq_len", "lr", "threads", "eval_tokens")}
+    s = replace(preset.settings, **{k: v for k, v in overrides.items() if v is not None})
+    torch.set_num_threads(s.threads)
     torch.manual_seed(args.seed)
-    s = TrainSettings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
 
     corpus = prepare_corpus(s.vocab_size)
     tok = corpus.tok
-    cfg = tiny_model_config(tok.get_vocab_size(), corpus.eos_id)
+    cfg = preset.model_config(tok.get_vocab_size(), corpus.eos_id)
     model = Glm4MoeMTPModel(cfg)
     init_weights(model, args.seed)
     params = count_params(model)
-    print(f"model: {params['total']:,} parameters ({params['mtp_module']:,} in the MTP module)")
+    print(f"model {preset.name}: {params['total']:,} parameters ({params['mtp_module']:,} in the MTP module)")
 
     windows = eval_windows(corpus.heldout_stream, s.seq_len, s.eval_tokens)
-    before = evaluate(model, windows[:8])
-    run = train(model, corpus.train_stream, s, args.seed, args.minutes)
-    heldout = evaluate(model, windows)
+    before = evaluate(model, windows[:8], s.eval_depths)
+    run = train(model, corpus.train_stream, s, args.seed, args.minutes, args.decay_start)
+    round_to_ship_dtype(model, s.ship_dtype)
+    heldout = evaluate(model, windows, s.eval_depths)
     print(
-        f"held-out: main loss {heldout['main_loss']:.3f}, MTP loss {heldout['mtp_loss']:.3f}, "
-        f"MTP greedy acceptance {heldout['mtp_greedy_acceptance']:.3f} (untrained: {before['mtp_greedy_acceptance']:.3f})"
+        f"held-out: main loss {heldout['main_loss']:.3f}, MTP loss per depth {_fmt(heldout['mtp_loss_per_depth'])}, "
+        f"acceptance unconditional {_fmt(heldout['acceptance_unconditional'])}, "
+        f"conditional {_fmt(heldout['acceptance_conditional'])}"
     )
-
+    terms = " + ".join(f"{lam} * CE(MTP depth {j})" for j, lam in enumerate(s.mtp_lambdas, start=1))
     report = {
         "command": "python -m models.training.train " + " ".join(sys.argv[1:] if argv is None else argv),
-        "reproduce": f"python -m models.training.train --output {args.output} --steps {run['steps']} --seed {args.seed}",
+        "reproduce": f"python -m models.training.train --model {preset.name} --output {args.output} "
+        f"--steps {run['steps']} --seed {args.seed}"
+        + (f" --decay-start {run['decay_start']}" if s.schedule == "wsd" else ""),
+        "model": preset.name,
         "seed": args.seed,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -319,16 +352,16 @@ def main(argv: list[str] | None = None) -> int:
         },
         "params": params,
         "settings": {k: getattr(s, k) for k in TrainSettings.__dataclass_fields__},
-        "loss": f"CE(main) + {s.mtp_lambda} * CE(MTP depth 1)",
+        "loss": f"CE(main) + {terms}",
         "training": run,
         "heldout_untrained_sample": before,
         "heldout": heldout,
-        "threads": args.threads,
+        "threads": s.threads,
         "wall_seconds": None,
         "model_config": cfg.to_dict(),
     }
     report["wall_seconds"] = round(time.perf_counter() - t_start, 1)
-    write_checkpoint(model, tok, cfg, report, args.output)
+    write_checkpoint(model, tok, cfg, report, args.output, s.ship_dtype)
     print(f"wrote {args.output} in {report['wall_seconds']:.0f} s total")
     return 0
 

@@ -7,23 +7,17 @@ greedy acceptance close to the one in training_report.json (a broken or untraine
 
 from __future__ import annotations
 
-import json
-import sysconfig
-from pathlib import Path
-
 import pytest
 import torch
 
 from models.checkpoint import load_model, read_checkpoint
-from models.glm4_moe import PagedKV, StepMeta
 from models.training.eval import greedy_acceptance, mtp_losses
 from models.training.tokenizer import EOS_TOKEN, load_tokenizer
-from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
+from tests.models.shipped import MODELS, SNIPPET, heldout_middle_windows, paged_main_logits, read_report
 
 transformers = pytest.importorskip("transformers")
 
-TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
-SNIPPET = 'def greet(name):\n    """Say hello."""\n    return f"Hello, {name}!"\n\n\nclass Point:\n    x: int = 0\n'
+TINY = MODELS / "tiny"
 MIN_ACCEPTANCE = 0.3  # far above an untrained model on code (~0 after the first tokens), far below a trained one
 WINDOW = 512  # tokens scored per held-out file
 ACCEPTANCE_TOLERANCE = 0.15  # two files are a small sample; the report's number is over ~65k held-out tokens
@@ -31,9 +25,7 @@ ACCEPTANCE_TOLERANCE = 0.15  # two files are a small sample; the report's number
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    if not (TINY / "training_report.json").is_file():
-        pytest.fail(f"{TINY} is missing or incomplete; run `make tiny-model` to (re)create it")
-    return json.loads((TINY / "training_report.json").read_text())
+    return read_report(TINY, "tiny-model")
 
 
 @pytest.fixture(scope="module")
@@ -63,38 +55,26 @@ def test_main_logits_match_hf(ours):
     assert tok.eos_token == EOS_TOKEN
     ids = torch.tensor(tok(SNIPPET)["input_ids"])
     assert tok.decode(ids) == SNIPPET  # byte-level BPE round-trips
-    n, block = len(ids), 16
-    geom = KVPoolGeometry(ours.num_kv_planes, n // block + 2, block, ours.cfg.num_key_value_heads, ours.cfg.head_dim)
-    pool = allocate_pool(geom)
-    kv = PagedKV(pool_address(pool), geom)
-    table = torch.arange(1, 2 + n // block, dtype=torch.int32)[None]
-    meta = StepMeta(torch.arange(n), torch.tensor([n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32), table)
     with torch.no_grad():
         expected = hf(ids[None]).logits[0]
-        got = ours.compute_logits(ours.forward_main(ids, meta, kv))
+    got = paged_main_logits(ours, ids)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_heldout_mtp_acceptance_matches_report(ours, report):
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = [root / p for p in report["corpus"]["heldout_paths"] if (root / p).is_file()][:2]
-    if not paths:
-        pytest.skip(f"none of the held-out stdlib files exist under {root} (different Python install)")
     tok = load_tokenizer(TINY)
+    windows = heldout_middle_windows(report, tok, n_files=2, window=WINDOW)
+    if not windows:
+        pytest.skip("none of the held-out stdlib files exist here (different Python install)")
     matches = total = 0
     main_loss = 0.0
     with torch.no_grad():
-        for p in paths:
-            ids = tok.encode(p.read_text(encoding="utf-8", errors="replace")).ids
-            # A window from the middle of the file: code, like most of the report's evenly spaced windows
-            # (file openings are licence headers and module docstrings, which score noticeably lower).
-            start = max(0, len(ids) // 2 - WINDOW // 2)
-            ids = ids[start : start + WINDOW + 1]
-            main_ce, _, main_logits, mtp_logits = mtp_losses(ours, torch.tensor(ids)[None])
+        for w in windows:
+            main_ce, _, main_logits, mtp_logits = mtp_losses(ours, w[None])
             k, n = greedy_acceptance(main_logits, mtp_logits)
-            matches, total, main_loss = matches + k, total + n, main_loss + float(main_ce) / len(paths)
+            matches, total, main_loss = matches + k, total + n, main_loss + float(main_ce) / len(windows)
     acceptance = matches / total
     reported = report["heldout"]["mtp_greedy_acceptance"]
-    assert acceptance >= MIN_ACCEPTANCE, f"acceptance {acceptance:.3f} on {paths}: model broken or untrained?"
+    assert acceptance >= MIN_ACCEPTANCE, f"acceptance {acceptance:.3f}: model broken or untrained?"
     assert abs(acceptance - reported) <= ACCEPTANCE_TOLERANCE, f"{acceptance:.3f} vs reported {reported:.3f}"
     assert main_loss < report["heldout"]["main_loss"] + 1.0, f"held-out main loss {main_loss:.3f} is far off"
