@@ -16,8 +16,8 @@ All three acceptance rules return `(num_accepted, next_token)`: the request emit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
