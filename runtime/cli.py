@@ -65,10 +65,19 @@ def parser() -> argparse.ArgumentParser:
 def read_prompts(args) -> list[str]:
     if args.prompt:
         return list(args.prompt)
-    if not args.prompts_file.is_file():
+    if not args.prompts_file.exists():
         raise ConfigError(f"--prompts-file {args.prompts_file} does not exist")
-    lines = [line.rstrip("\n").replace("\\n", "\n") for line in args.prompts_file.read_text().splitlines()]
-    return [line for line in lines if line.strip()]
+    if not args.prompts_file.is_file():
+        raise ConfigError(f"--prompts-file {args.prompts_file} is not a file; give a text file, one prompt per line")
+    try:
+        text = args.prompts_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--prompts-file {args.prompts_file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    lines = [line.rstrip("\n").replace("\\n", "\n") for line in text.splitlines()]
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ConfigError(f"--prompts-file {args.prompts_file} has no prompts (one per line, blank lines skipped)")
+    return prompts
 
 
 def run(args, comm=None, rank: int = 0, world: int = 1) -> int:
