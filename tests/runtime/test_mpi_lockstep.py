@@ -87,7 +87,7 @@ def test_idle_rank_keeps_lockstep(checkpoint, tmp_path):
 
 
 def test_failing_rank_aborts_all(checkpoint, tmp_path):
-    proc = mpirun(2, checkpoint, tmp_path / "out.json", "fail", timeout=120)
+    proc = mpirun(2, checkpoint, tmp_path / "out.json", "fail", timeout=240)
     assert proc.returncode != 0
     assert our_lines(proc.stderr, "mpi_engine_worker") == [
         "mpi_engine_worker: error: [rank 1] RuntimeError: injected failure on rank 1"], proc.stderr
@@ -133,7 +133,7 @@ def test_ranks_with_different_settings_exit_with_one_line(ep2_engine, tmp_path):
     """Issue 8 item 3: ranks launched with different --num-draft-tokens used to hang forever in a
     mismatched all-to-all. Now both exit non-zero at start-up; rank 0 names the first differing field."""
     base = [MTP_RUN, "--engine", ep2_engine, "--prompt", "def main(", "--prompt", "import os", "--max-tokens", "8"]
-    proc = mpmd([*base, "--num-draft-tokens", "1"], [*base, "--num-draft-tokens", "2"], timeout=120)
+    proc = mpmd([*base, "--num-draft-tokens", "1"], [*base, "--num-draft-tokens", "2"], timeout=240)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert our_lines(proc.stderr, "mtp-run") == [
         "mtp-run: error: ranks disagree on runtime.num_draft_tokens: rank 0 has 1, rank 1 has 2; "
@@ -146,7 +146,7 @@ def test_bad_input_on_one_rank_is_one_line(ep2_engine, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def main(\nimport os\n")
     base = [MTP_RUN, "--engine", ep2_engine, "--max-tokens", "8", "--prompts-file"]
-    proc = mpmd([*base, prompts], [*base, tmp_path / "missing.txt"], timeout=120)
+    proc = mpmd([*base, prompts], [*base, tmp_path / "missing.txt"], timeout=240)
     assert proc.returncode != 0
     assert our_lines(proc.stderr, "mtp-run") == [
         f"mtp-run: error: [rank 1] --prompts-file {tmp_path / 'missing.txt'} does not exist"], proc.stderr
