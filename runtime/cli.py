@@ -5,6 +5,11 @@
 
 --json prints JSON Lines: one object per request, then {"summary": {...}} (format in README.md).
 Under mpirun each rank serves prompts[rank::world_size] and only rank 0 prints (it gathers the rest).
+
+Errors are one line on stderr (`--debug` adds the traceback): exit 2 for bad input, 1 for a rejected
+request or an internal error, 130 for Ctrl-C (a single process still prints every finished request).
+Under mpirun a failing rank prints one line naming itself and the job ends; ranks started with different
+settings all exit with one line naming the first differing field (runtime/parallel.py).
 """
 
 from __future__ import annotations
@@ -13,13 +18,18 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
+from runtime.admission import RequestError, validate_params
 from runtime.config import ConfigError
-from runtime.engine import RequestError
 from runtime.factory import EXECUTORS, create_engine
-from runtime.parallel import abort_on_error, lockstep_stream, mpi_world
+from runtime.parallel import RanksDisagree, describe, exit_failed_rank, lockstep_stream, mpi_world
 from runtime.sampling import SamplingParams
+
+PROG = "mtp-run"
+# Errors that mean the user's input (flags, files, engine directory) is wrong: one line, exit 2.
+BAD_INPUT = (ConfigError, RequestError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,21 +58,42 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--prefill-chunk", type=int, default=None, help="longest prefill chunk per step")
     r.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--json", action="store_true", help="JSON Lines output (see README)")
+    p.add_argument("--debug", action="store_true", help="print the Python traceback of an error")
     return p
 
 
 def read_prompts(args) -> list[str]:
     if args.prompt:
         return list(args.prompt)
-    if not args.prompts_file.is_file():
+    if not args.prompts_file.exists():
         raise ConfigError(f"--prompts-file {args.prompts_file} does not exist")
-    lines = [line.rstrip("\n").replace("\\n", "\n") for line in args.prompts_file.read_text().splitlines()]
-    return [line for line in lines if line.strip()]
+    if not args.prompts_file.is_file():
+        raise ConfigError(f"--prompts-file {args.prompts_file} is not a file; give a text file, one prompt per line")
+    try:
+        text = args.prompts_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--prompts-file {args.prompts_file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    lines = [line.rstrip("\n").replace("\\n", "\n") for line in text.splitlines()]
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ConfigError(f"--prompts-file {args.prompts_file} has no prompts (one per line, blank lines skipped)")
+    return prompts
 
 
-def run(args) -> int:
-    comm, rank, world = mpi_world()
+def run(args, comm=None, rank: int = 0, world: int = 1) -> int:
     executor = args.executor or ("onnxruntime" if args.engine else "torch")
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=tuple(args.stop), acceptance=args.acceptance)  # fmt: skip
+    # Checked before the engine loads (seconds): the flags are the same for every prompt, so a bad one is
+    # a bad command line, not N rejected requests. No end_id comes from the CLI, so the vocab bound is moot.
+    validate_params(params, vocab_size=2**63)
+    prompts = read_prompts(args)
+    if executor == "tensorrt":
+        from runtime.executors.trt_executor import tensorrt_runtime_missing
+
+        missing = tensorrt_runtime_missing()
+        if missing:
+            raise ConfigError(f"--executor tensorrt cannot run here: {missing}; use --executor onnxruntime on CPU")
     engine = create_engine(
         args.engine, args.checkpoint, executor, rank=rank, world_size=world,
         num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch, max_num_tokens=args.max_num_tokens,
@@ -70,9 +101,6 @@ def run(args) -> int:
         enable_prefix_caching=False if args.no_prefix_caching else None,
         commit_pass=False if args.no_commit_pass else None,
     )  # fmt: skip
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            max_tokens=args.max_tokens, stop=tuple(args.stop), acceptance=args.acceptance)  # fmt: skip
-    prompts = read_prompts(args)
     mine = list(range(rank, len(prompts), world))
     ids, errors = {}, {}
     for i in mine:
@@ -82,14 +110,20 @@ def run(args) -> int:
             errors[i] = str(e)
     stream_live = not args.json and rank == 0 and world == 1 and len(prompts) == 1
     t0 = time.perf_counter()
-    finals, shown = {}, ""
-    for out in lockstep_stream(engine, comm):
-        if stream_live and out.new_token_ids and out.text.startswith(shown):
-            sys.stdout.write(out.text[len(shown) :])  # print only the new text (a stop string may cut it back)
-            shown = out.text
-            sys.stdout.flush()
-        if out.finished:
-            finals[ids[out.req_id]] = out
+    finals, shown, interrupted = {}, "", False
+    try:
+        for out in lockstep_stream(engine, comm):
+            if stream_live and out.new_token_ids and out.text.startswith(shown):
+                sys.stdout.write(out.text[len(shown) :])  # print only the new text (a stop string may cut it back)
+                shown = out.text
+                sys.stdout.flush()
+            if out.finished:
+                finals[ids[out.req_id]] = out
+    except KeyboardInterrupt:
+        if world > 1:  # the other ranks are inside a collective: this rank cannot finish alone
+            raise
+        interrupted = True  # a single process keeps what finished and prints it below
+        errors.update({i: "interrupted (Ctrl-C) before it finished" for i in mine if i not in finals})
     wall = time.perf_counter() - t0
     records = [_record(prompts[i], finals.get(i), errors.get(i)) for i in mine]
     summary = engine.metrics.summary(wall, len(mine))
@@ -106,6 +140,9 @@ def run(args) -> int:
     if stream_live:
         print()
     _print(records, summary, args.json)
+    if interrupted:
+        print(f"{PROG}: interrupted: {len(finals)} of {len(mine)} request(s) finished", file=sys.stderr)
+        return 130
     return 1 if errors else 0
 
 
@@ -144,11 +181,24 @@ def _print(records: list[dict], summary: dict, as_json: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    comm, rank, world = mpi_world()
     try:
-        return abort_on_error(lambda: run(args))
-    except (ConfigError, RequestError, ValueError, FileNotFoundError) as e:
-        print(f"mtp-run: error: {e}", file=sys.stderr)
+        return run(args, comm, rank, world)
+    except RanksDisagree as e:  # raised on every rank alike: all exit 2, rank 0 says why
+        if rank == 0:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    except BaseException as e:  # noqa: BLE001 - every path below prints one line and exits non-zero
+        if isinstance(e, SystemExit):
+            raise
+        code = 130 if isinstance(e, KeyboardInterrupt) else 2 if isinstance(e, BAD_INPUT) else 1
+        if world > 1:  # the others are (or will be) blocked in a collective: end the job
+            exit_failed_rank(rank, e, PROG, args.debug, code)
+        if args.debug:
+            traceback.print_exception(e)
+        hint = "" if code != 1 else " (rerun with --debug for the traceback)"
+        print(f"{PROG}: {'interrupted' if code == 130 else 'error: ' + describe(e)}{hint}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

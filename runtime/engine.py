@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from models.config import ModelConfig
+from runtime.admission import RequestError, validate_params, validate_prompt, validate_request_id
 from runtime.config import ConfigError, RuntimeConfig
 from runtime.executors.base import DraftInput, Executor, MainInput
 from runtime.kv_manager import KVCacheManager
@@ -37,10 +38,6 @@ from runtime.sampling import (
     sample,
 )
 from runtime.scheduler import ScheduledRequest, Scheduler
-
-
-class RequestError(ValueError):
-    """A bad request: rejected alone, the engine keeps serving the others."""
 
 
 @dataclass(slots=True)
@@ -78,24 +75,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, req_id: str | None = None) -> str:
         """Validate and queue a request. Raises RequestError (naming the problem) and changes nothing."""
-        params = params or SamplingParams()
+        params = validate_params(params, self.model_cfg.vocab_size)
+        req_id = validate_request_id(req_id)
         req_id = req_id if req_id is not None else f"req-{next(self._arrivals)}"
         if req_id in self.requests:
             raise RequestError(f"request id {req_id!r} is already in use; pick a unique id")
-        ids = self._tokenize(prompt)
-        try:
-            params.validate(self.model_cfg.vocab_size)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
-        if not ids:
-            raise RequestError("empty prompt: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
-        if bad:
-            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.model_cfg.vocab_size})")
-        if len(ids) >= self.cfg.max_seq_len:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens but max_seq_len is {self.cfg.max_seq_len}: shorten it or raise max_seq_len"
-            )
+        ids = validate_prompt(prompt, self.tokenizer, self.model_cfg.vocab_size, self.cfg.max_seq_len)
         worst_blocks = self.width
         if worst_blocks > self.cfg.num_blocks - 1:
             raise RequestError(f"a request may need {worst_blocks} KV blocks but the pool has {self.cfg.num_blocks - 1}")
@@ -104,13 +89,6 @@ class LLMEngine:
         self.requests[req_id] = req
         self.scheduler.add(req)
         return req_id
-
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("text prompt given but the engine has no tokenizer; pass token ids")
-            return list(self.tokenizer.encode(prompt).ids)
-        return [int(t) for t in prompt]
 
     def abort(self, req_id: str) -> None:
         req = self.requests.get(req_id)

@@ -1,25 +1,49 @@
-"""Multi-rank driving under mpirun: data-parallel attention + expert-parallel MoE (design section 8).
+"""Multi-rank driving under mpirun: data-parallel attention + expert-parallel MoE (design: docs/ARCHITECTURE.md).
 
 Each rank serves its own share of the requests with its own engine; MoE layers exchange tokens with
 all-to-all inside the forwards, so all ranks step in lockstep: before each step they agree (allreduce)
 whether any rank still has work, and an idle rank runs dummy forwards (runtime/engine.py). Sampling
 decisions are per request and each request lives on exactly one rank, so they are made once.
 
-A rank that fails aborts the whole job (MPI Abort) with its error printed, instead of leaving the others
-blocked in a collective.
+No path may hang silently:
+* at start-up the ranks allgather their settings fingerprint (runtime/fingerprint.py); on any difference
+  every rank raises the same `RanksDisagree` (rank 0 prints it) instead of entering mismatched collectives;
+* a rank that fails prints one line and exits non-zero; the launcher then terminates the others, which are
+  blocked in a collective (see `exit_failed_rank`).
+
+MPI is initialized only under a launcher: importing mpi4py runs MPI_Init, which in a plain process is
+Open MPI's singleton init and leaves a /dev/shm/sm_segment.* file behind every time.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NoReturn, TypeVar
 
+from runtime.config import ConfigError
 from runtime.engine import LLMEngine, RequestOutput
+from runtime.fingerprint import first_difference, settings_fingerprint
+
+T = TypeVar("T")
+# Set by every launcher we support: Open MPI (mpirun / prterun), PMIx launchers (srun --mpi=pmix), MPICH hydra.
+LAUNCHER_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE")
+
+
+class RanksDisagree(ConfigError):
+    """Raised on EVERY rank with the same message, so all ranks exit together without an abort."""
+
+
+def launched_by_mpi() -> bool:
+    return any(name in os.environ for name in LAUNCHER_ENV)
 
 
 def mpi_world():
-    """(comm, rank, size); a single process without MPI is rank 0 of 1."""
+    """(comm, rank, size); a process not started by an MPI launcher is rank 0 of 1 and never imports mpi4py."""
+    if not launched_by_mpi():
+        return None, 0, 1
     try:
         from mpi4py import MPI
     except ImportError:  # pragma: no cover - mpi4py is a dependency
@@ -28,8 +52,18 @@ def mpi_world():
     return comm, comm.Get_rank(), comm.Get_size()
 
 
+def agree_on_settings(engine: LLMEngine, comm) -> None:
+    """Allgather every rank's settings fingerprint; raise RanksDisagree on every rank if any differs."""
+    if comm is None or comm.Get_size() == 1:
+        return
+    problem = first_difference(comm.allgather(settings_fingerprint(engine)))
+    if problem is not None:
+        raise RanksDisagree(problem)
+
+
 def lockstep_stream(engine: LLMEngine, comm) -> Iterator[RequestOutput]:
-    """Step until no rank has work; every rank calls step() the same number of times."""
+    """Check the ranks agree, then step until no rank has work; every rank calls step() equally often."""
+    agree_on_settings(engine, comm)
     while True:
         busy = engine.has_unfinished()
         if comm is None or comm.Get_size() == 1:
@@ -40,17 +74,46 @@ def lockstep_stream(engine: LLMEngine, comm) -> Iterator[RequestOutput]:
         yield from engine.step()
 
 
-def abort_on_error(fn):
-    """Run fn(); on any exception print it with the rank and abort every rank (no silent hang)."""
+def exit_failed_rank(rank: int, error: BaseException, prog: str, debug: bool = False, code: int = 1) -> NoReturn:
+    """Print one line (plus the traceback with debug) and leave at once, without MPI_Finalize.
+
+    The other ranks are blocked in a collective and cannot be told; Open MPI's launcher terminates the
+    whole job when one process exits non-zero, and does so with a shorter banner than MPI_Abort's. Under
+    another launcher, where that is not guaranteed, MPI_Abort is the fallback that always works.
+    """
+    if debug:
+        traceback.print_exception(error)
+    print(f"{prog}: error: [rank {rank}] {describe(error)}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
+
+
+def describe(error: BaseException) -> str:
+    """The one-line form of an error: bad-input errors are their message, anything else names its type."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(error, ValueError | FileNotFoundError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def abort_on_error(fn: Callable[[], T], prog: str = "mtp", debug: bool = False) -> T:
+    """Run fn(); a multi-rank failure becomes one line and a non-zero exit of the job (no silent hang).
+
+    A single process re-raises (the caller prints it), and so does RanksDisagree, which every rank raises
+    together and can exit from normally.
+    """
     comm, rank, size = mpi_world()
     try:
         return fn()
-    except SystemExit:
+    except (SystemExit, RanksDisagree):
         raise
-    except BaseException as e:  # noqa: BLE001 - we re-raise or abort
+    except BaseException as e:  # noqa: BLE001 - we re-raise or exit
         if size <= 1:
             raise
-        print(f"[rank {rank}] fatal: {type(e).__name__}: {e}", file=sys.stderr)
-        traceback.print_exc()
-        sys.stderr.flush()
-        comm.Abort(1)
+        exit_failed_rank(rank, e, prog, debug, code=130 if isinstance(e, KeyboardInterrupt) else 1)

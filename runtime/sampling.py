@@ -16,6 +16,7 @@ All three acceptance rules return `(num_accepted, next_token)`: the request emit
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -44,23 +45,49 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the bad field and how to fix it."""
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature={self.temperature}: must be >= 0 (use 0 for greedy decoding)")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: must be >= 0 (use 0 to disable top-k filtering)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1] (use 1.0 to disable nucleus filtering)")
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1 output token")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError(f"seed={self.seed}: must be a non-negative int or None")
-        if self.end_id is not None and not 0 <= self.end_id < vocab_size:
-            raise ValueError(f"end_id={self.end_id}: must be a token id in [0, {vocab_size}) or None")
-        if self.acceptance not in ACCEPTANCE_METHODS:
+        """Raise ValueError naming the bad field and how to fix it.
+
+        The one admission check of a request's policy: everything downstream (probs_from_logits, the
+        acceptance rules, np.random.default_rng) assumes these types and ranges, so a value that slipped
+        through would fail later inside engine.step() for the whole batch, not just this request.
+        """
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not is_real(t) or not _finite(t) or t < 0.0:
+            raise ValueError(f"temperature={t!r}: must be a finite number >= 0 (use 0 for greedy decoding)")
+        if not is_int(k) or k < 0:
+            raise ValueError(f"top_k={k!r}: must be an int >= 0 (use 0 to disable top-k filtering)")
+        if not is_real(p) or not 0.0 < p <= 1.0:  # NaN and inf fail the range
+            raise ValueError(f"top_p={p!r}: must be a number in (0, 1] (use 1.0 to disable nucleus filtering)")
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens={self.max_tokens!r}: must be an int >= 1 (output tokens to generate)")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed={self.seed!r}: must be an int in [0, 2**64) or None")
+        if self.end_id is not None and (not is_int(self.end_id) or not 0 <= self.end_id < vocab_size):
+            raise ValueError(f"end_id={self.end_id!r}: must be a token id (int) in [0, {vocab_size}) or None")
+        if not isinstance(self.acceptance, str) or self.acceptance not in ACCEPTANCE_METHODS:
             raise ValueError(f"acceptance={self.acceptance!r}: unknown method, use one of {ACCEPTANCE_METHODS}")
-        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, tuple | list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop={self.stop!r}: must be a tuple of non-empty strings, e.g. ('\\n\\n',)")
+
+
+SEED_LIMIT = 2**64  # seeds cross the Triton API as uint64; default_rng takes any int >= 0
+
+
+def is_int(x: object) -> bool:
+    """A Python or numpy integer; bool is not (True would silently mean 1)."""
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def is_real(x: object) -> bool:
+    """A Python or numpy int/float; bool, str, complex and None are not."""
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(float(x))  # NaN and inf are not
+    except OverflowError:  # an int beyond float range
+        return False
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -77,7 +104,10 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         probs = np.zeros_like(logits)
         probs[np.arange(num_rows), logits.argmax(axis=1)] = 1.0
         return probs
-    scaled = logits / params.temperature
+    # Subtract the row max before dividing: logits / 1e-310 overflows to inf and inf - inf is NaN, while
+    # (logits - max) / T is <= 0 and at worst -inf, so exp() stays finite for every temperature > 0.
+    with np.errstate(over="ignore"):  # overflow to -inf is the intended result: exp(-inf) = 0
+        scaled = (logits - logits.max(axis=1, keepdims=True)) / params.temperature
     if 0 < params.top_k < vocab_size:
         kth = np.partition(scaled, vocab_size - params.top_k, axis=1)[:, vocab_size - params.top_k, None]
         scaled = np.where(scaled < kth, -np.inf, scaled)

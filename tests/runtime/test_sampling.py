@@ -175,3 +175,10 @@ def test_exact_match_with_sampled_targets_is_lossless():
     assert chi_square(first, TARGET[0]) < CHI2_CRIT_001[5]
     assert chi_square(second, TARGET[1]) < CHI2_CRIT_001[5]
     assert abs(mean_accepted - 0.102) < 0.02  # sum(p0*q0) * (1 + sum(p1*q1)): well below rejection's 0.42
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324])
+def test_subnormal_temperature_gives_finite_one_hot_probs(temperature):
+    """logits / T overflowed to inf and inf - inf gave NaN rows; scaling after the max shift cannot."""
+    probs = probs_from_logits(LOGITS[:1], SamplingParams(temperature=temperature, top_p=0.9))
+    assert np.isfinite(probs).all() and probs[0].argmax() == 4 and probs[0, 4] == 1.0

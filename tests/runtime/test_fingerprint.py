@@ -1,0 +1,22 @@
+"""The lockstep settings fingerprint (pure): what ranks compare at start-up, and the one-line difference."""
+
+from runtime.fingerprint import first_difference, settings_fingerprint
+from tests.runtime.engine_utils import make_engine
+
+
+def test_same_settings_agree_and_a_different_k_is_named():
+    a, b = settings_fingerprint(make_engine(2)), settings_fingerprint(make_engine(2))
+    assert first_difference([a, b, a]) is None
+    c = settings_fingerprint(make_engine(1, max_num_tokens=64))
+    assert first_difference([a, a, c]) == ("ranks disagree on runtime.num_draft_tokens: rank 0 has 2, rank 2 has 1; "
+                                           "launch every rank with the same engine and flags")  # fmt: skip
+
+
+def test_fingerprint_covers_model_runtime_and_executor():
+    fp = settings_fingerprint(make_engine(2))
+    assert fp["executor"] == "TorchExecutor"
+    assert {"model.num_hidden_layers", "model.vocab_size", "runtime.max_batch", "runtime.block_size"} <= set(fp)
+    assert first_difference([fp, {**fp, "model.num_hidden_layers": 99}]).startswith(
+        "ranks disagree on model.num_hidden_layers: rank 0 has ")
+    missing = {k: v for k, v in fp.items() if k != "executor"}
+    assert "rank 1 has '<missing>'" in first_difference([fp, missing])
