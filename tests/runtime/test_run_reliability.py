@@ -71,7 +71,7 @@ def test_bad_flag_is_one_line(capsys, flags, message):
         (["--prompts-file", "{binary}"], "is not UTF-8 text"),
         (["--prompts-file", "{blank}"], "has no prompts"),
         (["--engine", "{missing}", "--prompt", "x"], "does not exist; build one with `mtp-build`"),
-        (["--engine", str(TINY), "--prompt", "x"], "not an engine config"),
+        (["--engine", str(TINY), "--prompt", "x"], "is a model checkpoint, not an engine directory"),
         (["--engine", str(TINY), "--prompt", "x", "--executor", "tensorrt"], "--executor tensorrt cannot run here"),
         (["--prompt", "x"], "give --engine DIR"),
         (["--checkpoint", str(TINY), "--executor", "onnxruntime", "--prompt", "x"], "needs an engine directory"),

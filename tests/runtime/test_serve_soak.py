@@ -79,7 +79,12 @@ from tests.runtime import serve_helpers as h
 port, n, seed = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 started = threading.Semaphore(0)
 def run(i):
-    h.generate(port, "x = 1\\n" * 12, 400, temperature=1.0, seed=seed + i, on_response=lambda r: started.release())
+    first = threading.Event()  # release once per stream: STARTED must mean every stream reached the model
+    def on_response(r):
+        if not first.is_set():
+            first.set()
+            started.release()
+    h.generate(port, "x = 1\\n" * 12, 400, temperature=1.0, seed=seed + i, on_response=on_response)
 for i in range(n):
     threading.Thread(target=run, args=(i,), daemon=True).start()
 for i in range(n):
