@@ -21,7 +21,7 @@ class TorchExecutor:
                  cuda_graphs: bool | str = False, max_batch: int = 8, num_draft_tokens: int = 0,
                  max_blocks_per_request: int = 64) -> None:  # fmt: skip
         cfg = model.cfg
-        self.model = model.to(device).eval()
+        self.model = model.to(device).eval().fuse()  # fused QKV and gate|up: the fast path is the only path
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
         self.geom = KVPoolGeometry(
