@@ -191,7 +191,7 @@ def moe_experts_local(
     inter, hidden = w_gate_up.shape[1] // 2, x.shape[1]
     flat = (topk_ids - expert_offset).flatten()
     xs = x.float()
-    expert_bytes = (w_gate_up[0].numel() + w_down[0].numel()) * w_down.element_size()
+    expert_bytes = (w_gate_up.numel() + w_down.numel()) // max(num_local, 1) * w_down.element_size()
     if choose_experts_strategy(flat.shape[0], 0, num_local, top_k, inter, hidden, expert_bytes) == "gathered":
         lo, hi = torch.aminmax(flat) if flat.shape[0] else (torch.tensor(0), torch.tensor(0))
         if int(lo) >= 0 and int(hi) < num_local:  # an expert held by another rank: the loop skips it

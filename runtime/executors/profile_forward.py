@@ -1,10 +1,12 @@
 """Per-forward time of the torch executor against the physical bound (weight bytes read / 25 GB/s).
 
     python -m runtime.executors.profile_forward --layers 12 --threads 1
+    python -m runtime.executors.profile_forward --checkpoint models/tiny
 
 Builds a random deep model at the width of models/tiny (override with --layers/--hidden ...), prefills
 `--context` tokens per request, then times `run_main` (the verify forward: every row's hidden and
-logits) for each (batch, rows per request) and one draft depth, median of `--iters`. The bound counts
+logits) for each (batch, rows per request) and one draft depth, median of `--iters`: wall ms and
+this thread's CPU ms (on a shared machine wall time mostly measures the other tenants). The bound counts
 the bytes of every weight a forward must read: all dense weights, the embedding rows it looks up and
 the routed experts its tokens actually select (counted with a hook on the router). `--profile` prints
 the torch.profiler op table of the first shape instead.
@@ -25,6 +27,7 @@ from runtime.executors.base import DraftInput, MainInput
 from runtime.executors.torch_executor import TorchExecutor
 
 BANDWIDTH = 25e9  # B/s: one core's sustained read bandwidth on the machines we bench on
+PEAK_FLOPS = 1e11  # fp32 FLOP/s of one core's GEMMs (measured ~86e9 on a 32-row MLP on the 2-core dev VM)
 
 
 def deep_config(layers: int, hidden: int = 256, experts: int = 8, vocab: int = 2048):
@@ -61,6 +64,19 @@ def bound_ms(model, rows: int, touched_experts: int, main: bool = True) -> float
     per_expert = 0 if moe is None else (moe.w_gate_up[0].numel() + moe.w_down[0].numel()) * moe.w_down.element_size()
     emb = rows * model.embed_tokens.weight.shape[1] * model.embed_tokens.weight.element_size()
     return (dense + emb + touched_experts * per_expert) / BANDWIDTH * 1e3
+
+
+def compute_ms(model, rows: int) -> float:
+    """The main forward's GEMM FLOPs (each weight used once per row; each row's top-k experts) / PEAK_FLOPS.
+
+    At a few rows the byte bound dominates; from ~16 rows this one does (one core, fp32).
+    """
+    skip = ("embed_tokens", "mtp.")
+    dense = sum(p.numel() for n, p in model.named_parameters() if not n.endswith(("w_gate_up", "w_down"))
+                and not n.startswith(skip))  # fmt: skip
+    moes = [m for n, m in model.named_modules() if isinstance(m, MoE) and not n.startswith("mtp.")]
+    experts = sum(rows * m.gate.top_k * (m.w_gate_up[0].numel() + m.w_down[0].numel()) for m in moes)
+    return 2 * (rows * dense + experts) / PEAK_FLOPS * 1e3
 
 
 def _tables(batch: int, blocks_per_req: int) -> np.ndarray:
@@ -109,11 +125,13 @@ def time_shape(ex: TorchExecutor, batch: int, rows: int, context: int, iters: in
     main_ms, draft_ms = statistics.median(times) * 1e3, statistics.median(d_times) * 1e3
     b_main, b_draft = bound_ms(ex.model, batch * rows, touched), bound_ms(ex.model, batch, d_touched, main=False)
     return {"batch": batch, "rows": rows, "main_ms": main_ms, "main_cpu_ms": statistics.median(cpu) * 1e3, "bound_ms": b_main, "x_bound": main_ms / b_main,
+            "compute_ms": compute_ms(ex.model, batch * rows),
             "draft_ms": draft_ms, "draft_bound_ms": b_draft, "draft_x_bound": draft_ms / b_draft}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", help="time this checkpoint (e.g. models/tiny) instead of a random model")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--context", type=int, default=64, help="tokens prefilled per request before timing")
@@ -123,8 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true", help="print the torch.profiler op table of the first shape")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = deep_config(args.layers, args.hidden)
-    ex = TorchExecutor(random_model(cfg), num_blocks=512, block_size=16)
+    if args.checkpoint:
+        from models.checkpoint import load_model
+
+        model = load_model(args.checkpoint)[0]
+    else:
+        model = random_model(deep_config(args.layers, args.hidden))
+    ex = TorchExecutor(model, num_blocks=512, block_size=16)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     if args.profile:
         b, r = shapes[0]
@@ -133,13 +156,15 @@ def main(argv: list[str] | None = None) -> None:
             time_shape(ex, b, r, args.context, args.iters)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
         return
-    print(f"layers={args.layers} hidden={args.hidden} threads={torch.get_num_threads()} context={args.context} "
+    cfg = model.cfg
+    print(f"{args.checkpoint or 'random'}: layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} threads={torch.get_num_threads()} context={args.context} "
           f"bound at {BANDWIDTH / 1e9:.0f} GB/s")  # fmt: skip
-    print(f"{'batch':>5} {'rows':>4} {'main ms':>8} {'cpu ms':>7} {'bound':>7} {'x':>5} | "
+    print(f"{'batch':>5} {'rows':>4} {'main ms':>8} {'cpu ms':>7} {'bound':>7} {'x':>5} {'cpu x':>5} {'flops':>6} | "
           f"{'draft ms':>8} {'bound':>7} {'x':>5}")  # fmt: skip
     for b, r in shapes:
         s = time_shape(ex, b, r, args.context, args.iters)
-        print(f"{b:>5} {r:>4} {s['main_ms']:>8.3f} {s['main_cpu_ms']:>7.3f} {s['bound_ms']:>7.3f} {s['x_bound']:>5.1f} | "
+        print(f"{b:>5} {r:>4} {s['main_ms']:>8.3f} {s['main_cpu_ms']:>7.3f} {s['bound_ms']:>7.3f} {s['x_bound']:>5.1f} {s['main_cpu_ms'] / s['bound_ms']:>5.1f} "
+              f"{s['compute_ms']:>6.3f} | "
               f"{s['draft_ms']:>8.3f} {s['draft_bound_ms']:>7.3f} {s['draft_x_bound']:>5.1f}")  # fmt: skip
 
 
