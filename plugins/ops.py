@@ -206,7 +206,7 @@ def moe_experts_local(
     strategy = choose_experts_strategy(flat.shape[0], touched, num_local, top_k, inter, hidden, expert_bytes)
     if strategy == "dense":
         column = torch.where((flat >= 0) & (flat < num_local), flat, num_local).view(-1, top_k)  # other ranks: last
-        dense_w = torch.zeros(x.shape[0], num_local + 1).scatter_add_(1, column, topk_weights.float())
+        dense_w = torch.zeros(x.shape[0], num_local + 1, device=x.device).scatter_add_(1, column, topk_weights.float())
         dense_w = dense_w[:, :num_local]  # [T, E_local], 0 = not selected
         gate_up = torch.matmul(xs, w_gate_up.float().transpose(1, 2))  # [E_local, T, 2I]
         h = torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]

@@ -14,7 +14,8 @@ import torch
 
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [T, rope_dim] for int positions [T] (computed in fp32, like HF)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.int64).float() / rope_dim))
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.int64, device=positions.device).float() / rope_dim
+    inv_freq = 1.0 / (theta**exponents)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -51,7 +52,8 @@ def rope_table(positions: torch.Tensor, rope_dim: int, head_dim: int, theta: flo
     cos, sin = rope_cos_sin(positions, rope_dim, theta)
     half, rest = rope_dim // 2, head_dim - rope_dim
     t = positions.shape[0]
-    cos_full = torch.cat([cos, torch.ones(t, rest)], dim=-1)
-    sin_full = torch.cat([-sin[:, :half], sin[:, half:], torch.zeros(t, rest)], dim=-1)
-    perm = torch.cat([torch.arange(half, rope_dim), torch.arange(half), torch.arange(rope_dim, head_dim)])
+    dev = positions.device
+    cos_full = torch.cat([cos, torch.ones(t, rest, device=dev)], dim=-1)
+    sin_full = torch.cat([-sin[:, :half], sin[:, half:], torch.zeros(t, rest, device=dev)], dim=-1)
+    perm = torch.cat([torch.arange(half, rope_dim), torch.arange(half), torch.arange(rope_dim, head_dim)]).to(dev)
     return RopeTable(cos_full[:, None, :].to(dtype), sin_full[:, None, :].to(dtype), perm)

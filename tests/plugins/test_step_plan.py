@@ -2,7 +2,8 @@
 
 Plans are looked up by metadata content: computed once per forward however many layers ask, and never
 reused after the metadata changes in place (captured-execution buffers are rewritten between forwards).
-Every MoE strategy (gathered / dense / loop) equals moe_experts_ref, whichever the cost model would pick.
+Every MoE strategy (gathered / dense / loop) equals moe_experts_ref, whichever the cost model would pick;
+the per-forward RoPE table equals apply_rope exactly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from models.glm4_moe import PagedKV, StepMeta
 from models.testing import random_model, tiny_config
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 from plugins.reference import kv_write_ref, moe_experts_ref
+from plugins.rope import apply_rope, rope_table
 
 
 def _write(pool, geom, k, v, counts, starts, tables, plane=0):
@@ -90,3 +92,14 @@ def test_cost_model_picks_each_strategy() -> None:
     assert ops.choose_experts_strategy(32, 8, 8, 2, 64, 256, expert) == "dense"
     assert ops.choose_experts_strategy(256, 8, 8, 2, 64, 256, expert) == "loop"
     assert ops.choose_experts_strategy(8, 8, 160, 8, 1536, 5120, 3 * 1536 * 5120 * 2) == "loop"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rope_dim", [4, 16, 32])
+def test_rope_table_equals_apply_rope_bit_for_bit(dtype: torch.dtype, rope_dim: int) -> None:
+    """The per-forward table (what every layer uses) vs the reference rotation, partial and full rotary."""
+    gen = torch.Generator().manual_seed(rope_dim)
+    x = torch.randn(9, 3, 32, generator=gen).to(dtype)
+    positions = torch.randint(0, 4096, (9,), generator=gen)
+    expected = apply_rope(x, positions, rope_dim, 10000.0)
+    assert torch.equal(rope_table(positions, rope_dim, 32, 10000.0, dtype).apply(x), expected)
