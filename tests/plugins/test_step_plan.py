@@ -103,3 +103,38 @@ def test_rope_table_equals_apply_rope_bit_for_bit(dtype: torch.dtype, rope_dim: 
     positions = torch.randint(0, 4096, (9,), generator=gen)
     expected = apply_rope(x, positions, rope_dim, 10000.0)
     assert torch.equal(rope_table(positions, rope_dim, 32, 10000.0, dtype).apply(x), expected)
+
+
+def test_ort_nodes_of_one_forward_share_a_plan(monkeypatch) -> None:
+    """ONNX Runtime hands every Python-op node fresh copies of its inputs: two KvWrite nodes (two layers)
+    over the same metadata still plan once, and both planes get the rows."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from plugins.onnx_export import DOMAIN, PLUGIN_VERSION
+    from plugins.ort_ops import make_session
+
+    geom = KVPoolGeometry(2, 4, 2, 1, 4)
+    calls = []
+    monkeypatch.setattr(ops, "plan_write", lambda *a: calls.append(1) or step_plan.plan_write(*a))
+    step_plan._CACHE.clear()
+    names = ["k", "v", "counts", "starts", "tables", "pool_ptr"]
+    types = [TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT32, TensorProto.INT32,
+             TensorProto.INT64]  # fmt: skip
+    nodes = [helper.make_node("KvWrite", names, [f"written{p}"], domain=DOMAIN, plane=p, **geom.attrs(), rope_dim=0,
+                              rope_theta=10000.0, plugin_namespace=DOMAIN, plugin_version=PLUGIN_VERSION)
+             for p in range(2)]  # fmt: skip
+    graph = helper.make_graph(nodes, "two_layers", [helper.make_tensor_value_info(n, t, None) for n, t in
+                              zip(names, types, strict=True)],
+                              [helper.make_tensor_value_info(f"written{p}", TensorProto.INT64, [1]) for p in range(2)])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    session = make_session(onnx.ModelProto.FromString(model.SerializeToString()))
+    pool = allocate_pool(geom)
+    k = torch.randn(3, 1, 4)
+    feeds = {"k": k.numpy(), "v": k.numpy(), "counts": torch.tensor([3], dtype=torch.int32).numpy(),
+             "starts": torch.tensor([1], dtype=torch.int32).numpy(),
+             "tables": torch.tensor([[1, 2]], dtype=torch.int32).numpy(), "pool_ptr": pool_address(pool).numpy()}  # fmt: skip
+    written = session.run(None, feeds)
+    assert [int(w[0]) for w in written] == [3, 3]
+    assert len(calls) == 1, f"two nodes planned {len(calls)} times"
+    assert torch.equal(pool[0], pool[1]) and pool[0].abs().sum() > 0
