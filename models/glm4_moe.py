@@ -247,9 +247,9 @@ class Router(nn.Module):
         per_group = self.num_experts // self.n_group
         group_scores = choice.view(-1, self.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
         group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0)
-        expert_mask = group_mask.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
-        return choice.masked_fill(expert_mask == 0, float("-inf"))
+        dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, False)  # [T, groups]
+        grouped = choice.view(-1, self.n_group, per_group).masked_fill(dropped[:, :, None], float("-inf"))
+        return grouped.view(-1, self.num_experts)
 
 
 class MoE(nn.Module):
