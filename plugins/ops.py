@@ -232,7 +232,7 @@ def choose_experts_strategy(pairs: int, touched: int, num_local: int, top_k: int
     Costs in GEMM-FLOP equivalents of one core (~100 GFLOP/s; a byte read ~4 FLOPs; one eager op
     ~OP_FLOPS). gathered copies each pair's expert weights (worth it for small experts only); dense
     computes every (row, expert) pair and reads every expert; the loop pays ~10 ops per touched expert.
-    Constants measured with /tmp-free microbenchmarks described in docs/PERFORMANCE.md: on models/tiny's
+    Constants calibrated in docs/PERFORMANCE.md ("MoE cost model calibration"): on models/tiny's
     width gathered wins up to 8 rows at top-2, dense at 8..16 rows, the loop from 32 rows.
     """
     pair = 6 * inter * hidden  # gate|up and down GEMMs of one (row, expert) pair
