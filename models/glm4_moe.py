@@ -20,7 +20,7 @@ Shape names: T packed rows, R requests, H hidden, Hq/Hkv heads, D head dim, E ex
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -30,7 +30,7 @@ from torch import nn
 from models.config import ModelConfig
 from plugins.kv_pool import KVPoolGeometry
 from plugins.ops import moe_experts_local
-from plugins.rope import apply_rope
+from plugins.rope import RopeTable, apply_rope, rope_table
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,16 +58,29 @@ class PagedKV:
 
 @dataclass(frozen=True, slots=True)
 class StepMeta:
-    """Per-forward varlen metadata (explicit forward arguments, hence named graph inputs)."""
+    """Per-forward varlen metadata (explicit forward arguments, hence named graph inputs).
+
+    What every layer derives from it (write starts, RoPE tables) is computed once, by the first layer
+    that asks, and kept in `derived` for the rest of this forward (so exported graphs compute it once too).
+    """
 
     positions: torch.Tensor  # int64 [T] position of each packed row
     q_counts: torch.Tensor  # int32 [R] rows of each request in this forward (0 = padded request)
     kv_lens: torch.Tensor  # int32 [R] KV length of each request after this forward's write
     block_tables: torch.Tensor  # int32 [R, max_blocks]
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def write_starts(self) -> torch.Tensor:
-        return self.kv_lens - self.q_counts
+        if "write_starts" not in self.derived:
+            self.derived["write_starts"] = self.kv_lens - self.q_counts
+        return self.derived["write_starts"]
+
+    def rope(self, rope_dim: int, head_dim: int, theta: float, dtype: torch.dtype) -> RopeTable:
+        key = ("rope", rope_dim, head_dim, theta, dtype)
+        if key not in self.derived:
+            self.derived[key] = rope_table(self.positions, rope_dim, head_dim, theta, dtype)
+        return self.derived[key]
 
 
 class RMSNorm(nn.Module):
@@ -77,6 +90,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op, same formula
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -96,6 +111,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused [q; k; v] weight, bias (fuse())
+
+    def fuse(self) -> None:
+        """Inference only: one [q; k; v] projection; q/k/v_proj become views of it (no extra memory)."""
+        self.qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (normed, not yet roped) and V: [T, Hkv, D]."""
@@ -116,10 +136,30 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
-        q, k, v = self.project_qkv(x, meta.positions)
+        q, k, v = self._project_qkv_fast(x, meta)
         written = kv.write(self.plane, k, v, meta.q_counts, meta.write_starts, meta.block_tables)
         out = kv.attend(self.plane, q, meta.q_counts, meta.kv_lens, meta.block_tables, written, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+    def _project_qkv_fast(self, x: torch.Tensor, meta: StepMeta):
+        """project_qkv with the fused projection (after fuse()) and the forward's shared RoPE table."""
+        rope = meta.rope(self.rope_dim, self.head_dim, self.rope_theta, x.dtype)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        if self.qkv is None:
+            q = self.q_proj(x).view(-1, hq, self.head_dim)
+            k = self.k_proj(x).view(-1, hkv, self.head_dim)
+            v = self.v_proj(x).view(-1, hkv, self.head_dim)
+        else:
+            qkv = F.linear(x, *self.qkv).view(-1, hq + 2 * hkv, self.head_dim)
+            if self.q_norm is None and self.k_norm is None:  # rope q and k heads together
+                qk = rope.apply(qkv[:, : hq + hkv])
+                return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
+            q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return rope.apply(q), rope.apply(k), v
 
     def forward_train(self, x: torch.Tensor) -> torch.Tensor:
         """Training path: x [B, S, H], causal self-attention over each sequence (no KV pool, autograd-able)."""
@@ -141,9 +181,44 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up: torch.Tensor | None = None  # fused [gate; up] weight (fuse())
+
+    def fuse(self) -> None:
+        """Inference only: one [gate; up] projection; gate/up_proj become views of it."""
+        self.gate_up = _fuse_linears(self.gate_proj, self.up_proj)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None or torch.is_grad_enabled():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of linears over the same input; re-point each at its slice.
+
+    Keeps the checkpoint layout (state_dict names and shapes) while one GEMM replaces several. The
+    storage is [in, out] (see `store_in_out`).
+    """
+    weight = torch.cat([m.weight.detach().t() for m in linears], dim=1).contiguous().t()  # stored [in, out]
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([m.bias.detach() for m in linears if m.bias is not None]) if has_bias else None
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
+def store_in_out(linear: nn.Linear) -> None:
+    """Keep the weight's shape [out, in] but its storage [in, out] (a transposed view), so F.linear runs as
+    x @ W_t. On our CPU this made cold few-row GEMMs 10-60% faster (docs/PERFORMANCE.md). No-op if done."""
+    w = linear.weight
+    if w.dim() == 2 and w.is_contiguous() and w.shape[0] > 1 and w.shape[1] > 1:
+        linear.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
 
 
 class Router(nn.Module):
@@ -160,17 +235,21 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias.float()
-        per_group = self.num_experts // self.n_group
-        group_scores = choice.view(-1, self.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
-        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0)
-        expert_mask = group_mask.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
-        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        if self.topk_group < self.n_group:  # else every group is kept: the group mask is a no-op
+            choice = self._mask_groups(choice)
         topk_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
         topk_weights = scores.gather(1, topk_ids)
         if self.norm_topk_prob:
             topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
         return topk_ids, topk_weights * self.routed_scaling_factor
+
+    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        per_group = self.num_experts // self.n_group
+        group_scores = choice.view(-1, self.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
+        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, False)  # [T, groups]
+        grouped = choice.view(-1, self.n_group, per_group).masked_fill(dropped[:, :, None], float("-inf"))
+        return grouped.view(-1, self.num_experts)
 
 
 class MoE(nn.Module):
@@ -262,6 +341,20 @@ class Glm4MoeMTPModel(nn.Module):
     @property
     def num_kv_planes(self) -> int:
         return self.cfg.num_hidden_layers + self.cfg.num_mtp_modules
+
+    def fuse(self) -> Glm4MoeMTPModel:
+        """Inference layout: one QKV and one gate|up GEMM per block, every linear weight stored [in, out]
+        (state_dict names, shapes and values unchanged; idempotent).
+
+        Call after moving the model to its device: the fused tensors are plain attributes, not moved by .to().
+        """
+        for m in self.modules():
+            if isinstance(m, Attention) and m.qkv is None or isinstance(m, MLP) and m.gate_up is None:
+                m.fuse()
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                store_in_out(m)
+        return self
 
     def forward_main(self, input_ids: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         """input_ids [T] -> post-final-norm hidden [T, H]. Appends K/V of every row to each layer's plane."""

@@ -91,10 +91,29 @@ def view_pool(ptr: int, geom: KVPoolGeometry, device: torch.device | str = "cpu"
     return _view_pool(ptr, geom, str(device))
 
 
+def plane_kv(ptr: int, geom: KVPoolGeometry, plane: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU views of one plane's K and V as [num_blocks * block_size, Hkv, D]: a flat slot indexes a position."""
+    return _plane_views(ptr, geom)[plane]
+
+
+@functools.lru_cache(maxsize=16)
+def _plane_views(ptr: int, geom: KVPoolGeometry) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    pool = view_pool(ptr, geom)
+    rows = geom.num_blocks * geom.block_size
+    with torch.inference_mode(False):
+            return [(pool[p, 0].view(rows, geom.num_kv_heads, geom.head_dim),
+                 pool[p, 1].view(rows, geom.num_kv_heads, geom.head_dim)) for p in range(geom.num_planes)]  # fmt: skip
+
+
 @functools.lru_cache(maxsize=16)
 def _view_pool(ptr: int, geom: KVPoolGeometry, device: str) -> torch.Tensor:
     if ptr == 0:
         raise ValueError("KV pool address is 0: the engine passed no pool")
+    with torch.inference_mode(False):  # a cached view made under inference mode could not be written outside it
+        return _make_view(ptr, geom, device)
+
+
+def _make_view(ptr: int, geom: KVPoolGeometry, device: str) -> torch.Tensor:
     dev = torch.device(device)
     if dev.type == "cuda":
         raw = torch.as_tensor(_CudaArray(ptr, (geom.nbytes,), "|u1"), device=dev)

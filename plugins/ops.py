@@ -14,17 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from plugins.kv_pool import KVPoolGeometry, view_pool
+from plugins.kv_pool import KVPoolGeometry, plane_kv
 from plugins.rope import apply_rope
-
-
-def segment_rows(counts: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expand (count, start) segments into per-row (request index, position), rows packed by request."""
-    counts = counts.long()
-    req = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts)
-    first_row = torch.cumsum(counts, 0) - counts
-    pos = starts.long()[req] + torch.arange(req.shape[0], device=counts.device) - first_row[req]
-    return req, pos
+from plugins.step_plan import AttentionPlan, cached, plan_attention, plan_write
 
 
 def _geometry(num_planes: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: int):
@@ -54,23 +46,33 @@ def kv_write(
         from plugins.triton_kernels import kv_write_triton
 
         return kv_write_triton(k, v, counts, starts, block_tables, int(pool_ptr[0]), plane, geom, rope_dim, rope_theta)
-    pool = view_pool(int(pool_ptr[0]), geom)
-    req, pos = segment_rows(counts, starts)
-    n = req.shape[0]
-    if n > k.shape[0]:
-        raise ValueError(f"kv_write: segments hold {n} rows but only {k.shape[0]} K/V rows were given")
-    col = pos // block_size
-    in_table = col < block_tables.shape[1]
-    block = torch.full_like(pos, -1)
-    block[in_table] = block_tables[req[in_table], col[in_table]].long()
-    valid = block >= 0
-    keys = k[:n]
+    return kv_write_cpu(plane_kv(int(pool_ptr[0]), geom, plane), k, v, counts, starts, block_tables, block_size,
+                        rope_dim, rope_theta)  # fmt: skip
+
+
+def kv_write_cpu(
+    plane_views: tuple[torch.Tensor, torch.Tensor],  # one plane's K and V, [blocks * B, Hkv, D]
+    k: torch.Tensor,
+    v: torch.Tensor,
+    counts: torch.Tensor,
+    starts: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    rope_dim: int,
+    rope_theta: float,
+) -> torch.Tensor:
+    """Two `index_copy_` into the plane at slots planned once per forward (plugins/step_plan.py)."""
+    plan = cached("write", lambda: plan_write(counts, starts, block_tables, block_size), (block_size,),
+                  counts, starts, block_tables)  # fmt: skip
+    if plan.total > k.shape[0]:
+        raise ValueError(f"kv_write: segments hold {plan.total} rows but only {k.shape[0]} K/V rows were given")
+    keys, values = (k[: plan.written], v[: plan.written]) if plan.rows is None else (k[plan.rows], v[plan.rows])
     if rope_dim > 0:
-        keys = apply_rope(keys.float(), pos, rope_dim, rope_theta)
-    block, slot = block[valid], (pos % block_size)[valid]
-    pool[plane, 0, block, slot] = keys[valid].to(pool.dtype)
-    pool[plane, 1, block, slot] = v[:n][valid].to(pool.dtype)
-    return torch.tensor([int(valid.sum())], dtype=torch.int64)
+        keys = apply_rope(keys.float(), plan.positions, rope_dim, rope_theta)
+    k_plane, v_plane = plane_views
+    k_plane.index_copy_(0, plan.slots, keys.to(k_plane.dtype))
+    v_plane.index_copy_(0, plan.slots, values.to(v_plane.dtype))
+    return torch.tensor([plan.written], dtype=torch.int64)
 
 
 @kv_write.register_fake
@@ -101,50 +103,41 @@ def paged_attention(
         from plugins.triton_kernels import paged_attention_triton
 
         return paged_attention_triton(q, q_counts, kv_lens, block_tables, int(pool_ptr[0]), plane, geom, scale)
-    pool = view_pool(int(pool_ptr[0]), geom)
-    return paged_attention_cpu(pool[plane], q, q_counts, kv_lens, block_tables, scale)
+    plan = cached("attend", lambda: plan_attention(q_counts, kv_lens, block_tables, block_size, q.shape[0]),
+                  (block_size, q.shape[0]), q_counts, kv_lens, block_tables)  # fmt: skip
+    return paged_attention_cpu(plane_kv(int(pool_ptr[0]), geom, plane), q, plan, scale)
 
 
 def paged_attention_cpu(
-    plane: torch.Tensor,  # [2, blocks, B, Hkv, D] one KV plane of the pool
+    plane_views: tuple[torch.Tensor, torch.Tensor],  # one plane's K and V, [blocks * B, Hkv, D]
     q: torch.Tensor,  # [T, Hq, D] packed by request
-    q_counts: torch.Tensor,  # [R]
-    kv_lens: torch.Tensor,  # [R]
-    block_tables: torch.Tensor,  # [R, max_blocks]
+    plan: AttentionPlan,
     scale: float,
 ) -> torch.Tensor:
-    """All requests at once: pad queries to [R, Qmax] and keys to [R, Lmax], one batched masked SDPA.
+    """All requests at once: `index_select` the planned key slots, one batched masked SDPA in fp32.
 
-    Padded query rows, padded requests (q_count 0) and positions past a request's kv_len are masked
-    out and never written back, so they read nothing that matters and produce zeros.
+    Padded query slots, padded requests (q_count 0) and positions past a request's kv_len are masked
+    out and never written back, so they read nothing that matters and rows past sum(q_counts) are zeros.
     """
-    out = torch.zeros_like(q)
-    qc, kl = q_counts.long(), kv_lens.long()
-    if q.shape[0] == 0 or int(qc.max()) == 0:
-        return out
-    block_size = plane.shape[2]
-    q_max, kv_max = int(qc.max()), int(kl.max())
-    pos = torch.arange(kv_max)
-    kv_valid = pos[None, :] < kl[:, None]  # [R, Lmax]
-    blocks = torch.where(kv_valid, block_tables[:, pos // block_size].long(), 0).clamp(min=0)
-    keys = plane[0][blocks, pos % block_size]  # [R, Lmax, Hkv, D]
-    values = plane[1][blocks, pos % block_size]
-    j = torch.arange(q_max)
-    q_valid = j[None, :] < qc[:, None]  # [R, Qmax]
-    rows = torch.where(q_valid, (torch.cumsum(qc, 0) - qc)[:, None] + j[None, :], 0)
-    q_pos = (kl - qc)[:, None] + j[None, :]  # position of each query
-    mask = (pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]  # [R, Qmax, Lmax]
-    mask |= ~q_valid[:, :, None]  # padded query rows see everything (their output is discarded): no NaN rows
-    mask[:, :, 0] |= kv_valid.sum(1)[:, None] == 0  # padded requests: one dummy column, output discarded
+    if q.shape[0] == 0 or plan.q_max == 0:
+        return torch.zeros_like(q)
+    k_plane, v_plane = plane_views
+    r, q_max, kv_max = plan.num_requests, plan.q_max, plan.kv_max
+    keys = k_plane.index_select(0, plan.gather).view(r, kv_max, *k_plane.shape[1:]).transpose(1, 2)
+    values = v_plane.index_select(0, plan.gather).view(r, kv_max, *v_plane.shape[1:]).transpose(1, 2)
+    queries = q if plan.q_rows is None else q.index_select(0, plan.q_rows)
     attn = torch.nn.functional.scaled_dot_product_attention(
-        q[rows].transpose(1, 2).float(),  # [R, Hq, Qmax, D]
-        keys.transpose(1, 2).float(),  # [R, Hkv, Lmax, D]
-        values.transpose(1, 2).float(),
-        attn_mask=mask[:, None],
+        queries.view(r, q_max, *q.shape[1:]).transpose(1, 2).float(),  # [R, Hq, Qmax, D]
+        keys.float(),  # [R, Hkv, Lmax, D]
+        values.float(),
+        attn_mask=plan.mask,
         scale=scale,
         enable_gqa=True,
-    ).transpose(1, 2)  # [R, Qmax, Hq, D]
-    out[rows[q_valid]] = attn[q_valid].to(q.dtype)
+    ).transpose(1, 2).reshape(r * q_max, *q.shape[1:])  # [R * Qmax, Hq, D]
+    if plan.out_rows is None or plan.out_slots is None:
+        return attn.to(q.dtype)
+    out = torch.zeros_like(q)
+    out.index_copy_(0, plan.out_rows, attn.index_select(0, plan.out_slots).to(q.dtype))
     return out
 
 
@@ -185,16 +178,74 @@ def moe_experts_local(
     w_down: torch.Tensor,
     expert_offset: int,
 ) -> torch.Tensor:
-    """Grouped-by-expert computation over the experts held locally (global ids offset..offset+E_local-1)."""
+    """The experts held locally (global ids offset..offset+E_local-1), in fp32, returned in x's dtype.
+
+    Three strategies, one result (up to fp32 rounding), chosen by `choose_experts_strategy`:
+      gathered  few (row, expert) pairs (decode): the selected experts' weights gathered per pair, two
+                batched GEMMs; a fixed handful of ops whatever the experts
+      dense     rows touching most experts (verify steps, small batches): every expert on every row as
+                batched GEMMs, unselected pairs weighted 0
+      loop      otherwise (prefill): a loop over the selected experts only, no wasted FLOPs
+    """
+    num_local, top_k = w_gate_up.shape[0], topk_ids.shape[1]
+    inter, hidden = w_gate_up.shape[1] // 2, x.shape[1]
+    flat = (topk_ids - expert_offset).flatten()
+    xs = x.float()
+    expert_bytes = (w_gate_up.numel() + w_down.numel()) // max(num_local, 1) * w_down.element_size()
+    if choose_experts_strategy(flat.shape[0], 0, num_local, top_k, inter, hidden, expert_bytes) == "gathered":
+        lo, hi = torch.aminmax(flat) if flat.shape[0] else (torch.tensor(0), torch.tensor(0))
+        if int(lo) >= 0 and int(hi) < num_local:  # an expert held by another rank: the loop skips it
+            rows = xs.repeat_interleave(top_k, 0)[:, None, :]  # [T*K, 1, H]
+            gate, up = torch.bmm(rows, w_gate_up.index_select(0, flat).float().transpose(1, 2)).chunk(2, dim=-1)
+            y = torch.bmm(torch.nn.functional.silu(gate) * up, w_down.index_select(0, flat).float().transpose(1, 2))
+            return (y.view(-1, top_k, hidden) * topk_weights.float()[:, :, None]).sum(1).to(x.dtype)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept within one
+    ids, sizes = torch.unique_consecutive(flat[order], return_counts=True)
+    ids_list = ids.tolist()
+    touched = sum(0 <= e < num_local for e in ids_list)
+    strategy = choose_experts_strategy(flat.shape[0], touched, num_local, top_k, inter, hidden, expert_bytes)
+    if strategy == "dense":
+        column = torch.where((flat >= 0) & (flat < num_local), flat, num_local).view(-1, top_k)  # other ranks: last
+        dense_w = torch.zeros(x.shape[0], num_local + 1, device=x.device).scatter_add_(1, column, topk_weights.float())
+        dense_w = dense_w[:, :num_local]  # [T, E_local], 0 = not selected
+        gate_up = torch.matmul(xs, w_gate_up.float().transpose(1, 2))  # [E_local, T, 2I]
+        h = torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+        y = torch.bmm(h, w_down.float().transpose(1, 2))  # [E_local, T, H]
+        return (y * dense_w.t()[:, :, None]).sum(0).to(x.dtype)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    inter = w_gate_up.shape[1] // 2
-    local = topk_ids - expert_offset
-    for e in torch.unique(local).tolist():  # only the experts some token picked (decode: a handful)
-        if not 0 <= e < w_gate_up.shape[0]:
-            continue  # held by another rank
-        tok, slot = torch.nonzero(local == e, as_tuple=True)
-        gate_up = x[tok].float() @ w_gate_up[e].float().t()
-        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = (h @ w_down[e].float().t()) * topk_weights[tok, slot].float()[:, None]
-        out.index_add_(0, tok, y)
+    tok_all, w_all = order // top_k, topk_weights.flatten()[order].float()
+    offset = 0
+    for e, n in zip(ids_list, sizes.tolist(), strict=True):
+        if 0 <= e < num_local:  # else: held by another rank
+            tok = tok_all[offset : offset + n]
+            gate, up = torch.nn.functional.linear(xs[tok], w_gate_up[e].float()).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_down[e].float())
+            out.index_add_(0, tok, y * w_all[offset : offset + n, None])
+        offset += n
     return out.to(x.dtype)
+
+
+def choose_experts_strategy(pairs: int, touched: int, num_local: int, top_k: int, inter: int, hidden: int,
+                            expert_bytes: int) -> str:  # fmt: skip
+    """"gathered", "dense" or "loop" for `pairs` (row, expert) pairs; `touched` = 0: not yet counted.
+
+    Costs in GEMM-FLOP equivalents of one core (~100 GFLOP/s; a byte read ~4 FLOPs; one eager op
+    ~OP_FLOPS). gathered copies each pair's expert weights (worth it for small experts only); dense
+    computes every (row, expert) pair and reads every expert; the loop pays ~10 ops per touched expert.
+    Constants calibrated in docs/PERFORMANCE.md ("MoE cost model calibration"): on models/tiny's
+    width gathered wins up to 8 rows at top-2, dense at 8..16 rows, the loop from 32 rows.
+    """
+    pair = 6 * inter * hidden  # gate|up and down GEMMs of one (row, expert) pair
+    rows = pairs // max(top_k, 1)
+    if pairs <= GATHER_MAX_PAIRS and expert_bytes <= GATHER_MAX_EXPERT_BYTES:
+        return "gathered"
+    if touched < 2:
+        return "loop"
+    dense = 12 * OP_FLOPS + rows * num_local * pair + num_local * expert_bytes * 4
+    loop = 6 * OP_FLOPS + touched * (10 * OP_FLOPS + expert_bytes * 4) + pairs * pair
+    return "dense" if dense < loop else "loop"
+
+
+OP_FLOPS = 2.5e5  # one eager torch op (~2.5 us) in GEMM-FLOP equivalents
+GATHER_MAX_PAIRS = 16
+GATHER_MAX_EXPERT_BYTES = 1 << 20  # a bigger expert costs more to copy than the dispatch it saves

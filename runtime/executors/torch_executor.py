@@ -7,6 +7,9 @@ depths and decode-only verify steps replay CUDA graphs captured per request-coun
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import torch
 
@@ -21,7 +24,8 @@ class TorchExecutor:
                  cuda_graphs: bool | str = False, max_batch: int = 8, num_draft_tokens: int = 0,
                  max_blocks_per_request: int = 64) -> None:  # fmt: skip
         cfg = model.cfg
-        self.model = model.to(device).eval()
+        warn_spinning_threads()
+        self.model = model.to(device).eval().fuse()  # fused QKV and gate|up: the fast path is the only path
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
         self.geom = KVPoolGeometry(
@@ -126,3 +130,11 @@ class TorchExecutor:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         for src, dst in pairs:
             self.pool[:, :, dst] = self.pool[:, :, src]
+
+
+def warn_spinning_threads() -> None:
+    """One line when torch runs 2+ threads with spin-waiting OpenMP workers (10-100x slower steps measured
+    on a shared machine, docs/PERFORMANCE.md). `import runtime` defaults OMP_WAIT_POLICY to PASSIVE."""
+    if torch.get_num_threads() > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        print(f"mtp: warning: {torch.get_num_threads()} torch threads with spinning OpenMP waits; on a shared "
+              "machine use 1 thread or set OMP_WAIT_POLICY=PASSIVE before starting", file=sys.stderr)  # fmt: skip

@@ -1,7 +1,9 @@
 """Main-model and MTP-module parity with Hugging Face transformers (the independent reference).
 
 Each case writes a random checkpoint in the HF Glm4Moe layout with our exporter, loads it with both
-transformers and our importer, and compares logits in fp32 within 1e-4.
+transformers and our importer, and compares logits in fp32 within 1e-4. `fused` runs the inference
+layout the torch executor uses (`Glm4MoeMTPModel.fuse()`: one QKV and one gate|up GEMM), `unfused` the
+checkpoint's own modules; both go through the per-forward RoPE tables and planned plugin ops.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ CASES = {
 }  # fmt: skip
 
 
+def load_ours(path, layout: str = "fused"):
+    model, _ = load_model(path)
+    return model.fuse() if layout == "fused" else model
+
+
 def load_hf(path):
     model = transformers.Glm4MoeForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     return model
@@ -43,11 +50,12 @@ def prefill_meta(n: int, block_size=4) -> StepMeta:
     return StepMeta(torch.arange(n), torch.tensor([n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32), table)
 
 
+@pytest.mark.parametrize("layout", ["fused", "unfused"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_main_logits_match_hf(tmp_path, case):
+def test_main_logits_match_hf(tmp_path, case, layout):
     cfg = tiny_config(**CASES[case])
     make_checkpoint(tmp_path, cfg, seed=1)
-    ours, _ = load_model(tmp_path)
+    ours = load_ours(tmp_path, layout)
     hf = load_hf(tmp_path)
     ids = torch.randint(0, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -61,7 +69,7 @@ def test_main_logits_chunked_and_packed_match_hf(tmp_path):
     """Two requests packed in one forward, the second continuing a chunk: same logits as HF."""
     cfg = tiny_config()
     make_checkpoint(tmp_path, cfg, seed=3)
-    ours, _ = load_model(tmp_path)
+    ours = load_ours(tmp_path)
     hf = load_hf(tmp_path)
     g = torch.Generator().manual_seed(4)
     a, b = torch.randint(0, cfg.vocab_size, (9,), generator=g), torch.randint(0, cfg.vocab_size, (11,), generator=g)
@@ -98,12 +106,13 @@ def hf_mtp_logits(hf, path, ids):
     return hidden[0], mtp._project_to_logits(h)[0], h[0]
 
 
+@pytest.mark.parametrize("layout", ["fused", "unfused"])
 @pytest.mark.parametrize("case", ["moe", "moe_qknorm_bias", "moe_full_rotary_mha"])
-def test_mtp_draft_matches_hf(tmp_path, case):
+def test_mtp_draft_matches_hf(tmp_path, case, layout):
     """Draft depth run position by position (each writes then reads the MTP plane) == HF's MTP layer."""
     cfg = tiny_config(**CASES[case])
     make_checkpoint(tmp_path, cfg, seed=5)
-    ours, _ = load_model(tmp_path)
+    ours = load_ours(tmp_path, layout)
     hf = load_hf(tmp_path)
     ids = torch.randint(0, cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -122,7 +131,7 @@ def test_mtp_commit_pass_then_draft_matches_hf(tmp_path):
     """Commit rows 0..n-3 in one packed K/V-only write, then draft at n-2: equals HF's last MTP row."""
     cfg = tiny_config(use_qk_norm=True)
     make_checkpoint(tmp_path, cfg, seed=7)
-    ours, _ = load_model(tmp_path)
+    ours = load_ours(tmp_path)
     hf = load_hf(tmp_path)
     ids = torch.randint(0, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(8))
     n = len(ids)
