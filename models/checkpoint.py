@@ -41,7 +41,7 @@ class Rule:
     expert_part: str = ""  # "gate" | "up" | "down": a per-expert tensor stacked into the fused layout
 
 
-# GLM-4.5 / DeepSeek-V3 layout: MTP module j stored as model.layers.{L+j}.* (design section 3).
+# GLM-4.5 / DeepSeek-V3 layout: MTP module j stored as model.layers.{L+j}.* (docs/ARCHITECTURE.md §3).
 # Rules are tried in order; the first match wins. MTP rules come first (they also match layers.N).
 _BLOCK = r"(input_layernorm|post_attention_layernorm|self_attn\.[a-z_]+|mlp\.(?:gate|shared_experts\.[a-z_]+|[a-z]+_proj))"
 GLM4_MOE_RULES: tuple[Rule, ...] = (

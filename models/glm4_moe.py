@@ -6,7 +6,7 @@ per-request counts. Every attention layer does exactly two KV calls, both plugin
 `mtp::kv_write` (append this step's K/V) and `mtp::paged_attention` (read). Swapping the KV backend
 means swapping those two calls (see `PagedKV`).
 
-Three entry points, one per engine graph (design section 6):
+Three entry points, one per engine graph (docs/ARCHITECTURE.md §6):
   forward_main   packed tokens -> post-final-norm hidden rows (main KV appended inside)
   forward_draft  one MTP depth for R requests: (hidden, token) -> (MTP hidden, logits); MTP KV written
   forward_commit packed (main hidden, next token) rows -> only the MTP attention's K/V written

@@ -6,7 +6,7 @@ and expert ids), is computed there by `plugins.ops.moe_experts_local`, comes bac
 Alltoallv, and is weighted and summed at its origin.
 
 Every rank must call this the same number of times per step, including a rank with 0 tokens (it sends
-nothing but still joins both collectives); otherwise the group deadlocks (DESIGN.md invariant 9).
+nothing but still joins both collectives); otherwise the group deadlocks (docs/ARCHITECTURE.md §5, invariant 9).
 Rows travel as fp32 whatever the activation dtype (MPI has no bf16 type, and the reference accumulates in
 fp32); this is the CPU transport, a GPU build would use NCCL instead.
 """

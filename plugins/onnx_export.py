@@ -2,7 +2,7 @@
 
 Owns the mapping `torch.ops.mtp.*` -> ONNX nodes `KvWrite` / `PagedAttention` / `MoeExperts` in domain
 `mtp` (= the TensorRT plugin namespace), version 1. The node contract is docs/ENGINE_FORMAT.md
-"Plugin nodes"; the recipe this follows is shared/reference/EXPORT_RECIPE.md:
+"Plugin nodes". The export recipe, in short:
 
 * schemas are registered before export (onnxscript refuses nodes of an unknown domain otherwise);
 * translations are plain functions, not `@onnxscript.script` (a scripted function named like the op it

@@ -1,6 +1,6 @@
 """Sampling parameters, logits -> probabilities, token sampling and MTP draft acceptance (numpy only).
 
-Owns the per-request sampling policy and the pure acceptance rules of DESIGN.md section 4 step 2.
+Owns the per-request sampling policy and the pure acceptance rules of docs/ARCHITECTURE.md §4 (phase 3, accept).
 It must not import torch or know about blocks or ranks: executors hand it host arrays, and the caller
 makes every sampling decision once (rank 0, or identical seeds) and broadcasts it (invariant 9).
 

@@ -1,7 +1,7 @@
 """The `tensorrt` executor: runs a tensorrt-backend engine directory's plans on one GPU (TensorRT 10.x/11.x).
 
 NOT EXECUTED ANYWHERE YET: development machines have neither TensorRT nor a GPU. This module follows the
-documented TensorRT Python API (shared/reference/TENSORRT_NOTES.md sections 2.3-2.6), is type-checked with
+documented TensorRT Python API (engine deserialization, execution contexts, optimization profiles, `execute_async_v3`), is type-checked with
 mypy against tensorrt-stubs, and fails fast with a clear message when TensorRT or CUDA is missing.
 
 Owns, for one rank: the deserialized engines (one plan per graph), one execution context per graph, the KV
