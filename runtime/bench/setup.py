@@ -14,6 +14,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from runtime.bench.runners import HFRunner, RunResult, Workload, make_workload, run_engine
@@ -165,6 +166,10 @@ def _load_llama(args, work: Workload, ctx: int, notes: list[str]):
         return None
 
 
+def _first(fn: Callable[..., tuple], *a) -> RunResult:
+    return fn(*a)[0]
+
+
 def make_setup(args, console) -> BenchSetup:
     """Everything the timed rounds need, in the order: checkpoint, engines, HF, llama.cpp, plan."""
     tmp, label = resolve_checkpoint(args)
@@ -192,10 +197,11 @@ def make_setup(args, console) -> BenchSetup:
     if first.model_cfg.num_mtp_modules == 0:
         raise ConfigError(f"{args.checkpoint} has no MTP module: nothing to benchmark against K=0")
     prompts, mt = work.prompts, args.max_tokens
-    plan = [Entry(ex, k, b, lambda e=eng, b=b, t=f"{ex}{k}b{b}": run_engine(e, prompts, b, mt, t))
+    # partial, not lambdas in loops: each entry must bind its own engine / batch / K
+    plan = [Entry(ex, k, b, partial(run_engine, eng, prompts, b, mt, f"{ex}{k}b{b}"))
             for (ex, k), eng in engines.items() for b in args.batches]  # fmt: skip
     warmups: list[tuple[str, Callable[[], object]]] = [
-        (f"{ex} K={k}", lambda e=eng: run_engine(e, prompts[:2], 2, 8, "warm")) for (ex, k), eng in engines.items()
+        (f"{ex} K={k}", partial(run_engine, eng, prompts[:2], 2, 8, "warm")) for (ex, k), eng in engines.items()
     ]
     ablation = None
     if max_k > 0:
@@ -204,7 +210,7 @@ def make_setup(args, console) -> BenchSetup:
                          lambda: run_engine(abl, prompts, max_b, mt, "ablation"))  # fmt: skip
     hf = _load_hf(args, first.model_cfg.eos_token_id, notes)
     if hf is not None:
-        plan += [Entry("hf", "0", b, lambda b=b: hf.run(prompts, b, mt)) for b in args.batches]
+        plan += [Entry("hf", "0", b, partial(hf.run, prompts, b, mt)) for b in args.batches]
         warmups.append(("HF generate", lambda: hf.run(prompts[:2], 2, 8)))
         if 1 in args.batches and hf.mtp_k:
             plan.append(Entry("hf", str(hf.mtp_k), 1, lambda: hf.run_mtp(prompts, mt)))
@@ -215,7 +221,7 @@ def make_setup(args, console) -> BenchSetup:
     llama = _load_llama(args, work, first.cfg.max_seq_len + 64, notes) if 1 in args.batches else None
     if llama is not None:
         for k in [0, *args.llama_ks]:
-            plan.append(Entry("llama.cpp", str(k), 1, lambda k=k: llama.run(work.texts, k, mt)[0]))
+            plan.append(Entry("llama.cpp", str(k), 1, partial(_first, llama.run, work.texts, k, mt)))
         warmups.append(("llama.cpp", lambda: llama.run(work.texts[:1], max(args.llama_ks, default=0), 8)))
         llama_info = {"bin_dir": str(args.llama_cpp), "gguf": str(llama.gguf), "threads": args.threads,
                       "commands": {str(k): llama.command("<prompt>", k, mt) for k in [0, *args.llama_ks]}}  # fmt: skip
