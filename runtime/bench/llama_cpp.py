@@ -53,20 +53,24 @@ def _num(pattern: str, text: str, what: str, cast=float):
 
 
 def parse_completion(stdout: str, stderr: str) -> LlamaOutput:
-    """llama-completion --no-display-prompt: stdout is the generated text; common_perf_print on stderr."""
+    """llama-completion --no-display-prompt: stdout is the generated text (+ " [end of text]\\n" at eos) + "\\n\\n"."""
     log = stdout + "\n" + stderr
     eval_ms = _num(r"(?<!prompt )eval time =\s*([\d.]+) ms", log, "eval time")
     runs = _num(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) runs", log, "eval runs", int)
     sampling_ms = _num(r"sampling time =\s*([\d.]+) ms", log, "sampling time")
     prompt_ms = _num(r"prompt eval time =\s*([\d.]+) ms", log, "prompt eval time")
     prompt_tokens = _num(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", log, "prompt tokens", int)
-    text = stdout.removesuffix("\n").removesuffix(" [end of text]")
+    text = stdout.removesuffix("\n\n").removesuffix(" [end of text]\n")
     return LlamaOutput(text, prompt_tokens, runs, (eval_ms + sampling_ms) / 1e3, prompt_ms / 1e3, runs,
                        generated=runs + 1)  # fmt: skip
 
 
 def parse_speculative(stdout: str, stderr: str, prompt_text: str) -> LlamaOutput:
-    """llama-speculative-simple: stdout is "\\n\\n" + prompt pieces + generated text + "\\n\\n"; stats on stderr."""
+    """llama-speculative-simple: stdout is "\\n\\n" + prompt pieces + generated text + "\\n\\n" * 2; stats on stderr.
+
+    It stops once it has more than -n tokens and a verify step may add up to K + 1, so the text can run a few
+    tokens past max_tokens (the bench compares our text as a prefix of it).
+    """
     log = stdout + "\n" + stderr
     n_in = _num(r"encoded\s+(\d+) tokens in", log, "encoded", int)
     enc_s = _num(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log, "encode time")
@@ -75,7 +79,7 @@ def parse_speculative(stdout: str, stderr: str, prompt_text: str) -> LlamaOutput
     calls = _num(r"#calls\(b,g,a\) =\s*\d+\s+\d+\s+(\d+)", log, "draft statistics (-lv 4)", int)
     m = re.search(r"#acc rate/pos = \(([^)]*)\)", log)
     per_pos = [float(x) for x in m.group(1).split(",")] if m else []
-    body = stdout.removeprefix("\n\n").removesuffix("\n\n")
+    body = stdout.removeprefix("\n\n").removesuffix("\n\n\n\n")
     if not body.startswith(prompt_text):
         raise LlamaCppError("llama-speculative-simple did not echo the prompt as given (its tokenization differs)")
     return LlamaOutput(body[len(prompt_text) :], n_in, n_dec, dec_s, enc_s, calls, per_pos, generated=n_dec)
