@@ -25,6 +25,7 @@ from runtime.bench.runners import RunResult, rates_summary
 
 PLAIN_BIN, SPEC_BIN = "llama-completion", "llama-speculative-simple"
 TIMEOUT_S = 300  # per prompt; a tiny model takes well under a second
+LOST_LOG_RETRIES = 3  # see LlamaCppRunner.run_one
 
 
 class LlamaCppError(RuntimeError):
@@ -90,6 +91,7 @@ class LlamaCppRunner:
 
     def __init__(self, bin_dir: Path, gguf: Path, threads: int, ctx: int) -> None:
         self.bin_dir, self.gguf, self.threads, self.ctx = bin_dir, gguf, threads, ctx
+        self.retries = 0  # runs repeated because llama.cpp's log lost its tail (recorded in bench.json)
         missing = [b for b in (PLAIN_BIN, SPEC_BIN) if not (bin_dir / b).is_file()]
         if missing:
             raise LlamaCppError(f"{', '.join(missing)} not in {bin_dir}; run `make bench-peers`")
@@ -110,16 +112,26 @@ class LlamaCppRunner:
                 "--spec-draft-n-max", str(k), "--spec-draft-p-min", "0", "-lv", "4"]  # fmt: skip
 
     def run_one(self, prompt_text: str, k: int, max_tokens: int) -> LlamaOutput:
+        """One process. llama.cpp logs through a leaked asynchronous logger that can lose its last lines at
+        exit (common/log.cpp says so); the queue is FIFO, so when the statistics lines arrived everything
+        before them did too, and a run whose tail was lost is simply run again."""
         cmd = self.command(prompt_text, k, max_tokens)
-        try:
-            p = subprocess.run(cmd, capture_output=True, env=self.env, timeout=TIMEOUT_S, check=False)
-        except subprocess.TimeoutExpired as e:
-            raise LlamaCppError(f"{Path(cmd[0]).name} ran over {TIMEOUT_S}s") from e
-        out, err = p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")
-        if p.returncode != 0:
-            last = (err.strip().splitlines() or ["(no output)"])[-1]
-            raise LlamaCppError(f"{Path(cmd[0]).name} exited {p.returncode}: {last}")
-        return parse_completion(out, err) if k == 0 else parse_speculative(out, err, prompt_text)
+        for attempt in range(LOST_LOG_RETRIES + 1):
+            try:
+                p = subprocess.run(cmd, capture_output=True, env=self.env, timeout=TIMEOUT_S, check=False)
+            except subprocess.TimeoutExpired as e:
+                raise LlamaCppError(f"{Path(cmd[0]).name} ran over {TIMEOUT_S}s") from e
+            out, err = p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")
+            if p.returncode != 0:
+                last = (err.strip().splitlines() or ["(no output)"])[-1]
+                raise LlamaCppError(f"{Path(cmd[0]).name} exited {p.returncode}: {last}")
+            try:
+                return parse_completion(out, err) if k == 0 else parse_speculative(out, err, prompt_text)
+            except LlamaCppError:
+                if attempt == LOST_LOG_RETRIES:
+                    raise
+            self.retries += 1
+        raise AssertionError("unreachable")
 
     def run(self, texts: list[str], k: int, max_tokens: int) -> tuple[RunResult, list[LlamaOutput]]:
         """All prompts one at a time; the RunResult's outputs are empty (texts are in the LlamaOutputs)."""

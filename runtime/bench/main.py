@@ -26,6 +26,8 @@ import os
 import sys
 from pathlib import Path
 
+from runtime.bench.gguf import GGUFError
+from runtime.bench.llama_cpp import LlamaCppError
 from runtime.bench.runners import RunResult
 from runtime.bench.setup import DEFAULT_LLAMA_BIN, DEFAULT_LLAMA_SRC, BenchSetup, make_setup
 from runtime.config import ConfigError
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return run(args, argv)
-    except (ConfigError, RequestError, FileNotFoundError) as e:
+    except (ConfigError, RequestError, FileNotFoundError, LlamaCppError, GGUFError) as e:
         print(f"mtp-bench: error: {e}", file=sys.stderr)
         return 2
 

@@ -210,7 +210,7 @@ def _describe(args, setup: BenchSetup) -> dict:
             "ks": args.ks, "batches": args.batches, "repeats": args.repeats, "max_tokens": args.max_tokens,
             "threads": args.threads, "num_prompts": len(work.prompts), "prompt_chars": args.prompt_chars,
             "greedy": True, "enable_prefix_caching": False, "max_seq_len": setup.max_seq_len,
-            "hf_transformers": hf.version if hf else None, "llama_cpp": setup.llama or None,
+            "hf_transformers": hf.version if hf else None, "llama_cpp": (setup.llama | {"lost_log_retries": setup.llama_runner.retries}) if setup.llama_runner else None,
         },
         "model": {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
                   "num_hidden_layers": cfg.num_hidden_layers, "num_mtp_modules": cfg.num_mtp_modules,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from runtime.bench.llama_cpp import LlamaCppError, LlamaCppRunner
 from runtime.bench.runners import HFRunner, RunResult, Workload, make_workload, run_engine
 from runtime.config import ConfigError
 from runtime.engine import LLMEngine
@@ -56,7 +57,8 @@ class BenchSetup:
     max_seq_len: int  # the KV table width our engines use
     tmp: tempfile.TemporaryDirectory | None  # holds the --random checkpoint until the report is written
     notes: list[str] = field(default_factory=list)  # why something was skipped (printed and in bench.json)
-    llama: dict = field(default_factory=dict)  # llama.cpp binaries/gguf/version when it runs
+    llama: dict = field(default_factory=dict)  # llama.cpp binaries/gguf/commands when it runs
+    llama_runner: LlamaCppRunner | None = None
 
     @property
     def is_random(self) -> bool:
@@ -142,10 +144,9 @@ def _load_hf(args, eos: tuple[int, ...], notes: list[str]) -> HFRunner | None:
         return None
 
 
-def _load_llama(args, work: Workload, ctx: int, notes: list[str]):
+def _load_llama(args, ctx: int, notes: list[str]) -> LlamaCppRunner | None:
     """The llama.cpp runner, converting the checkpoint to GGUF first when needed; None (with a note) if it can't."""
     from runtime.bench.gguf import gguf_path
-    from runtime.bench.llama_cpp import LlamaCppError, LlamaCppRunner
 
     if args.no_llama_cpp:
         return None
@@ -218,11 +219,12 @@ def make_setup(args, console) -> BenchSetup:
         elif hf.mtp_k:
             notes.append("HF generate(use_mtp=True) skipped: it runs batch 1 only and 1 is not in --batches")
     llama_info: dict = {}
-    llama = _load_llama(args, work, first.cfg.max_seq_len + 64, notes) if 1 in args.batches else None
+    llama = _load_llama(args, first.cfg.max_seq_len + 64, notes) if 1 in args.batches else None
     if llama is not None:
         for k in [0, *args.llama_ks]:
             plan.append(Entry("llama.cpp", str(k), 1, partial(_first, llama.run, work.texts, k, mt)))
         warmups.append(("llama.cpp", lambda: llama.run(work.texts[:1], max(args.llama_ks, default=0), 8)))
         llama_info = {"bin_dir": str(args.llama_cpp), "gguf": str(llama.gguf), "threads": args.threads,
                       "commands": {str(k): llama.command("<prompt>", k, mt) for k in [0, *args.llama_ks]}}  # fmt: skip
-    return BenchSetup(label, work, engines, plan, warmups, ablation, hf, first.cfg.max_seq_len, tmp, notes, llama_info)
+    return BenchSetup(label, work, engines, plan, warmups, ablation, hf, first.cfg.max_seq_len, tmp, notes, llama_info,
+                      llama)  # fmt: skip
