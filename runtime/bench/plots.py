@@ -32,6 +32,8 @@ def plot(results: dict, out_dir: Path, label: str) -> list[Path]:
 def _plot_acceptance(plt, results: dict, label: str):
     """Each drafting engine's largest-K run (solid), its smaller Ks (dotted) and the no-commit ablation (dashed)."""
     acc = results["acceptance"]
+    if any(n.startswith("torch ") for n in acc):  # the executors compute the same model: same acceptance
+        acc = {n: v for n, v in acc.items() if not n.startswith("onnxruntime ")}
     largest: dict[str, str] = {}
     for name in acc:
         engine, _, k = name.partition(" K=")
