@@ -160,11 +160,13 @@ def reference_checks(runs: Runs, setup: BenchSetup) -> dict:
         ours = [tok.decode(ids) for ids in ref1[0].outputs]
         texts = rs[0].texts or []
         # draft-mtp may run a few tokens past max_tokens (runtime/bench/llama_cpp.py): ours must be its prefix
-        bad_text = [i for i, (a, t) in enumerate(zip(texts, ours, strict=True))
+        bad_text = [{"prompt": i, "first_diff_char": next((j for j, (x, y) in enumerate(zip(a, t, strict=False))
+                                                           if x != y), min(len(a), len(t)))}
+                    for i, (a, t) in enumerate(zip(texts, ours, strict=True))
                     if not (a == t or (k != "0" and a.startswith(t)))]  # fmt: skip
         n_ours = [len(p) for p in setup.workload.prompts]
         bad_prompt = [i for i, n in enumerate(rs[0].summary.get("prompt_tokens", [])) if n != n_ours[i]]
-        info[f"llama.cpp K={k} text == {ex0} K=0 text" + (" (prefix)" if k != "0" else "")] = "ok" if not bad_text else {"prompts_differ": bad_text}
+        info[f"llama.cpp K={k} text == {ex0} K=0 text" + (" (prefix)" if k != "0" else "")] = bad_text or "ok"
         info[f"llama.cpp K={k} prompt token counts == ours"] = "ok" if not bad_prompt else {"prompts": bad_prompt}
     return info
 
