@@ -1,8 +1,9 @@
 """mtp-bench runners: the workload and the code that runs it through an engine or through HF `generate`.
 
 Owns the prompt workload (`Workload`: held-out stdlib files, tokenized), the MTP engine runner (`run_engine`,
-which splits step time into decode-only and prefill-carrying steps) and the Hugging Face baseline (`HFRunner`).
-Each runner returns a `RunResult` (runtime/bench/report.py); runtime/bench/main.py decides what runs when.
+which splits step time into decode-only and prefill-carrying steps), the Hugging Face baseline (`HFRunner`:
+plain `generate` and `generate(use_mtp=True)`) and `RunResult`, what every runner returns (the llama.cpp
+runner too, runtime/bench/llama_cpp.py). runtime/bench/setup.py decides what runs, main.py when.
 """
 
 from __future__ import annotations
