@@ -177,7 +177,7 @@ def make_setup(args, console) -> BenchSetup:
     max_k, max_b = max(args.int_ks), max(args.batches)
     if "onnxruntime" in args.executors:
         if args.engine is None:
-            raise ConfigError("--executors onnxruntime needs --engine DIR (it is built when missing)")
+            raise ConfigError("the onnxruntime executor needs --engine DIR (built when missing); or pass --executors torch")
         ensure_engine_dir(args, max_k, max_b, console)
     vocab_size = int(json.loads((args.checkpoint / "config.json").read_text())["vocab_size"])
     tokenizer = load_tokenizer(args.checkpoint)
