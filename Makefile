@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 TINY    := models/tiny
 ENGINE  := engines/tiny
 
-.PHONY: install test lint demo bench soak tiny-model deep-model gpu-check clean
+.PHONY: install test lint demo bench bench-peers soak tiny-model deep-model gpu-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	python3 -m venv .venv
@@ -30,8 +30,37 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m runtime.demo --checkpoint $(TINY) --engine $(ENGINE)
 
+# The bench checkpoint (override: make bench BENCH_CKPT=models/<deep model>).
+BENCH_CKPT    ?= $(TINY)
+BENCH_ENGINE  ?= engines/bench
+BENCH_THREADS ?= 1
+# llama.cpp as vendored in the llama-cpp-python sdist (it has GLM-4.5 MTP: --spec-type draft-mtp).
+PEERS         := build/peers
+LLAMA_PY_VER  := 0.3.36
+LLAMA_SRC     := $(PEERS)/llama_cpp_python-$(LLAMA_PY_VER)/vendor/llama.cpp
+LLAMA_BUILD   := $(PEERS)/llama-build
+LLAMA_BINS    := llama-speculative-simple llama-completion llama-tokenize
+
 bench: $(STAMP)
-	$(PY) -m runtime.bench --checkpoint $(TINY) --engine $(ENGINE)
+	$(PY) -m runtime.bench --checkpoint $(BENCH_CKPT) --engine $(BENCH_ENGINE) --threads $(BENCH_THREADS) \
+		--llama-cpp $(LLAMA_BUILD)/bin
+
+$(LLAMA_SRC)/CMakeLists.txt:
+	mkdir -p $(PEERS)
+	$(PIP) download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_PY_VER) -d $(PEERS)
+	tar -xzf $(PEERS)/llama_cpp_python-$(LLAMA_PY_VER).tar.gz -C $(PEERS)
+	touch $@
+
+# CPU only, Release, just the binaries the bench runs; ~13 min on 2 cores (log: $(PEERS)/build.log).
+$(LLAMA_BUILD)/bin/llama-speculative-simple: $(LLAMA_SRC)/CMakeLists.txt
+	nice -n 19 cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
+		-DBUILD_SHARED_LIBS=OFF > $(PEERS)/build.log 2>&1
+	nice -n 19 cmake --build $(LLAMA_BUILD) -j2 --target $(LLAMA_BINS) >> $(PEERS)/build.log 2>&1
+
+# llama.cpp binaries + the bench checkpoint converted to GGUF (runtime/bench/gguf.py says why a wrapper).
+bench-peers: $(STAMP) $(LLAMA_BUILD)/bin/llama-speculative-simple
+	$(PY) -m runtime.bench.gguf --checkpoint $(BENCH_CKPT) --llama-src $(LLAMA_SRC)
 
 # The full soak through the real server (docs/SERVING.md, "Soak"); CI runs the same test with 200 requests.
 soak: $(STAMP)

@@ -35,6 +35,7 @@ def create_engine(
     world_size: int = 1,
     device: str = "cpu",
     cuda_graphs: bool = False,
+    threads: int | None = None,
     **overrides,
 ) -> LLMEngine:
     """Args:
@@ -42,6 +43,7 @@ def create_engine(
         checkpoint: a Hugging Face checkpoint directory (torch executor only, no build step).
         executor: onnxruntime | torch | tensorrt.
         device, cuda_graphs: torch executor only ("cuda" + cuda_graphs=True replays captured graphs).
+        threads: onnxruntime intra-op threads (default: what the engine recorded); torch uses torch.set_num_threads.
         overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...).
     """
     if executor not in EXECUTORS:
@@ -59,7 +61,7 @@ def create_engine(
         if executor == "onnxruntime":
             from runtime.executors.ort_executor import OrtExecutor
 
-            ex = OrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)
+            ex = OrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks, intra_op_threads=threads)
         elif executor == "tensorrt":
             from runtime.executors.trt_executor import TrtExecutor
 

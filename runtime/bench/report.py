@@ -1,10 +1,10 @@
-"""mtp-bench reporting: turns the measured runs into bench.json and rich tables.
+"""mtp-bench reporting: turns the measured runs into the results dict (bench.json) and the console tables.
 
-Owns the aggregation (medians, speed-ups vs K=0 and vs HF, the per-position acceptance table), the losslessness
-checks (every greedy MTP output must equal K=0), the results dict and its JSON/console rendering (the PNG plots
-of that dict are runtime/bench/plots.py's). It must not run a model or time anything: runtime/bench/main.py measures
-and hands over a `BenchSetup` and a `Measurements`.
-The JSON keys and their order are the published format of bench_results/bench.json (docs/BENCHMARKS.md).
+Owns the aggregation (medians, speed-ups vs the engine's own K=0 and vs HF, the memory-bandwidth bound per
+step, the per-position acceptance table), the losslessness checks (every greedy MTP output of ours must
+equal our K=0), the reference checks against HF and llama.cpp, and bench.json. It must not run a model or
+time anything: runtime/bench/main.py measures and hands over the runs.
+The JSON keys are the published format of bench_results/bench.json (docs/BENCHMARKS.md, "bench.json").
 """
 
 from __future__ import annotations
@@ -16,47 +16,44 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runtime.bench.runners import BenchSetup, RunResult
+from runtime.bench.bound import bound_summary, step_bound_seconds
+from runtime.bench.runners import RunResult
+from runtime.bench.setup import BenchSetup
 
-if TYPE_CHECKING:  # annotations only: bench.py imports this module, not the other way round
-    from runtime.engine import LLMEngine
-
-# The per-position acceptance numbers copied from Metrics.summary() into the acceptance table.
+Runs = dict[tuple[str, str, int], list[RunResult]]
+OURS = ("torch", "onnxruntime")
+# The per-position acceptance numbers copied from a run's summary into the acceptance table.
 ACCEPTANCE_KEYS = ("mean_acceptance_length", "acceptance_rate_per_position", "conditional_acceptance_per_position")
 
 DEFINITIONS = {
-    "decode_tps": "tokens emitted by engine steps with no prefill work / time in those steps "
-                  "(HF: tokens after the first / time from the first to the last generated position)",
-    "e2e_tps": "all generated tokens / wall time of the run, prefill included",
+    "decode_tps": "tokens emitted in the decode phase / time of the decode phase. Ours: engine steps with no "
+                  "prefill work; HF: tokens after the first / first to last generated position; llama.cpp: "
+                  "its own timers (plain: eval + sampling time; draft-mtp: the 'decoded N tokens' line)",
+    "e2e_tps": "all generated tokens / wall time of the run, prefill included (llama.cpp: prompt + decode "
+               "timers, model load excluded)",
+    "step_ms": "decode time / target-model forwards (verify steps) in it",
+    "bound_step_ms": "weight bytes one step must read / DRAM bandwidth (runtime/bench/bound.py)",
+    "bound_tps": "batch * mean acceptance length / bound_step_ms",
     "host_fraction": "1 - executor time / step time (scheduling, planning, acceptance, numpy glue)",
-    "acceptance_rate_per_position": "accepted at draft position i / proposed at position i",
+    "acceptance_rate_per_position": "accepted at draft position i / verify steps",
     "conditional_acceptance_per_position": "P(accept i | positions 0..i-1 accepted)",
     "mean_acceptance_length": "tokens emitted per verify step, bonus token included",
 }  # fmt: skip
 
 
-@dataclass
-class Measurements:
-    runs: dict[tuple[str, int, int], list[RunResult]]  # ("mtp" | "hf", K, batch) -> one result per round
-    ablation: RunResult | None  # K=max without the commit pass, at the largest batch; None when max K is 0
-
-
-# ----------------------------------------------------------------------------------------------- aggregation
-
-
 def _med(xs: list[float]) -> float:
-    return round(statistics.median(xs), 2)
+    return round(statistics.median(xs), 3)
 
 
-def _tps_entry(kind: str, rs: list[RunResult]) -> dict:
-    """Medians over the rounds of one configuration; engine runs add step timing and acceptance length."""
-    entry = {
+def _entry(engine: str, k: str, batch: int, rs: list[RunResult], setup: BenchSetup, bandwidth: float) -> dict:
+    """Medians over the rounds of one configuration, its step time and its bound."""
+    steps = [x.decode_seconds * 1e3 / x.decode_steps for x in rs if x.decode_steps]
+    accept = rs[0].summary.get("mean_acceptance_length") if k != "0" else 1.0
+    e = {
         "decode_tps_median": _med([x.decode_tps for x in rs]),
         "decode_tps_runs": [round(x.decode_tps, 2) for x in rs],
         "decode_tps_best": round(max(x.decode_tps for x in rs), 2),  # least disturbed by other load
@@ -64,53 +61,52 @@ def _tps_entry(kind: str, rs: list[RunResult]) -> dict:
         "e2e_tps_runs": [round(x.e2e_tps, 2) for x in rs],
         "generated_tokens": rs[0].total_tokens,
         "wall_seconds_runs": [round(x.wall_seconds, 3) for x in rs],
+        "step_ms_median": _med(steps) if steps else None,
+        "mean_acceptance_length": accept,
     }
-    if kind == "mtp":
+    k_int = setup.engines[(engine, k)].k if k == "auto" and (engine, k) in setup.engines else k
+    if str(k_int).isdigit():
+        bound = step_bound_seconds(setup.model_cfg, int(k_int), batch, bandwidth=bandwidth) * 1e3
+        e["bound_step_ms"] = round(bound, 5)
+        e["bound_tps"] = round(batch * (accept or 1.0) / bound * 1e3, 1)
+    if engine in OURS:
         s = [x.summary for x in rs]
-        entry.update({
-            "step_time_ms_median": _med([x["step_time_ms"] for x in s]),
-            "executor_time_ms_median": _med([x["executor_time_ms"] for x in s]),
-            "host_fraction_median": round(statistics.median([x["host_fraction"] for x in s]), 4),
-            "mean_acceptance_length": s[0]["mean_acceptance_length"],
-            "num_steps": s[0]["num_steps"],
-            "summaries": s,
-        })  # fmt: skip
-    return entry
+        e.update({"step_time_ms_median": _med([x["step_time_ms"] for x in s]),
+                  "executor_time_ms_median": _med([x["executor_time_ms"] for x in s]),
+                  "host_fraction_median": round(statistics.median([x["host_fraction"] for x in s]), 4),
+                  "num_steps": s[0]["num_steps"], "summaries": s})  # fmt: skip
+    elif rs[0].summary:
+        e["summary"] = rs[0].summary
+    return e
 
 
-def tokens_per_second(meas: Measurements) -> dict:
-    """{"mtp": {batch: {K: entry}}, "hf": {batch: entry}}, each MTP entry with its speed-ups vs K=0 and HF."""
-    tps: dict = {"mtp": {}, "hf": {}}
-    for (kind, k, b), rs in meas.runs.items():
-        if kind == "mtp":
-            tps["mtp"].setdefault(str(b), {})[str(k)] = _tps_entry(kind, rs)
-        else:
-            tps["hf"][str(b)] = _tps_entry(kind, rs)
-    for b, row in tps["mtp"].items():
-        base = row["0"]["decode_tps_median"]
-        hf_base = tps["hf"].get(b, {}).get("decode_tps_median")
-        for entry in row.values():
-            entry["speedup_vs_k0"] = round(entry["decode_tps_median"] / base, 3) if base else None
-            entry["speedup_vs_hf"] = round(entry["decode_tps_median"] / hf_base, 3) if hf_base else None
-            entry["e2e_speedup_vs_k0"] = round(entry["e2e_tps_median"] / row["0"]["e2e_tps_median"], 3)
+def tokens_per_second(runs: Runs, setup: BenchSetup, bandwidth: float) -> dict:
+    """{engine: {batch: {K: entry}}}; each entry with its speed-up vs the engine's K=0 and vs HF (same batch)."""
+    tps: dict = {}
+    for (engine, k, b), rs in runs.items():
+        tps.setdefault(engine, {}).setdefault(str(b), {})[k] = _entry(engine, k, b, rs, setup, bandwidth)
+    for by_batch in tps.values():
+        for b, row in by_batch.items():
+            base = row.get("0", {}).get("decode_tps_median")
+            hf = tps.get("hf", {}).get(b, {}).get("0", {}).get("decode_tps_median")
+            for e in row.values():
+                e["speedup_vs_k0"] = round(e["decode_tps_median"] / base, 3) if base else None
+                e["speedup_vs_hf"] = round(e["decode_tps_median"] / hf, 3) if hf else None
     return tps
 
 
-def acceptance_table(meas: Measurements, ks: list[int], max_b: int, ablation_k: int | None) -> dict:
-    """Per-position acceptance for each K > 0 (first round at the largest batch), plus the no-commit ablation."""
-    acceptance = {}
-    for k in ks:
-        if k:
-            summ = meas.runs[("mtp", k, max_b)][0].summary
-            acceptance[f"K={k}"] = {key: summ[key] for key in ACCEPTANCE_KEYS}
-    if meas.ablation is not None:
-        name = f"K={ablation_k} no commit pass"
-        acceptance[name] = {key: meas.ablation.summary[key] for key in ACCEPTANCE_KEYS}
-        acceptance[name]["decode_tps"] = round(meas.ablation.decode_tps, 2)
-    return acceptance
-
-
-# ----------------------------------------------------------------------------------------------- losslessness
+def acceptance_table(runs: Runs, ablation: RunResult | None, setup: BenchSetup) -> dict:
+    """Per-position acceptance of every K > 0 run (first round, largest batch that engine ran), plus the ablation."""
+    acc: dict = {}
+    for (engine, k, b), rs in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][2])):
+        summ = rs[0].summary
+        if k != "0" and all(key in summ for key in ACCEPTANCE_KEYS):
+            acc[f"{engine} K={k}"] = {key: summ[key] for key in ACCEPTANCE_KEYS} | {"batch": b}
+    if ablation is not None and setup.ablation is not None:
+        acc[f"{setup.ablation.engine} K={setup.ablation.k}"] = {key: ablation.summary[key] for key in ACCEPTANCE_KEYS}
+        acc[f"{setup.ablation.engine} K={setup.ablation.k}"] |= {"batch": setup.ablation.batch,
+                                                                "decode_tps": round(ablation.decode_tps, 2)}  # fmt: skip
+    return acc
 
 
 def first_mismatch(got: list[list[int]], ref: list[list[int]]) -> list[dict]:
@@ -122,59 +118,72 @@ def first_mismatch(got: list[list[int]], ref: list[list[int]]) -> list[dict]:
     return bad
 
 
-def lossless_checks(meas: Measurements, batches: list[int], ablation_k: int | None) -> tuple[dict, list[str]]:
-    """Every MTP round (and the ablation) against K=0 at the same batch; a K>0 mismatch is a warning."""
+def lossless_checks(runs: Runs, ablation: RunResult | None, setup: BenchSetup) -> tuple[dict, list[str]]:
+    """Every round of ours (and the ablation) against our K=0 of the same executor and batch; mismatch = warning."""
     checks, warnings = {}, []
-    for b in batches:
-        ref = meas.runs[("mtp", 0, b)][0].outputs
-        for (kind, k, bb), rs in meas.runs.items():
-            if kind != "mtp" or bb != b:
-                continue
-            for r, res in enumerate(rs):
-                bad = first_mismatch(res.outputs, ref)
-                checks[f"K={k} batch {b} round {r + 1} == K=0 batch {b}"] = bad if bad else "ok"
-                if bad and k:
-                    warnings.append(f"K={k} batch {b} round {r + 1}: {len(bad)}/{len(ref)} outputs differ from K=0 "
-                                    f"(first at prompt {bad[0]['prompt']}, token {bad[0]['first_diff_at']})")  # fmt: skip
-    if meas.ablation is not None:
-        max_b = max(batches)
-        bad = first_mismatch(meas.ablation.outputs, meas.runs[("mtp", 0, max_b)][0].outputs)
-        checks[f"K={ablation_k} no commit pass batch {max_b} == K=0"] = bad if bad else "ok"
+    for (engine, k, b), rs in runs.items():
+        if engine not in OURS:
+            continue
+        ref = runs[(engine, "0", b)][0].outputs
+        for r, res in enumerate(rs):
+            bad = first_mismatch(res.outputs, ref)
+            checks[f"{engine} K={k} batch {b} round {r + 1} == K=0"] = bad or "ok"
+            if bad and k != "0":
+                warnings.append(f"{engine} K={k} batch {b} round {r + 1}: {len(bad)}/{len(ref)} outputs differ from "
+                                f"K=0 (first at prompt {bad[0]['prompt']}, token {bad[0]['first_diff_at']})")  # fmt: skip
+    if ablation is not None and setup.ablation is not None:
+        a = setup.ablation
+        bad = first_mismatch(ablation.outputs, runs[(a.engine, "0", a.batch)][0].outputs)
+        checks[f"{a.engine} K={a.k} batch {a.batch} == K=0"] = bad or "ok"
         if bad:
-            warnings.append(f"K={ablation_k} without commit pass: {len(bad)} outputs differ from K=0")
+            warnings.append(f"{a.engine} K={a.k}: {len(bad)} outputs differ from K=0")
     return checks, warnings
 
 
-def reference_checks(meas: Measurements, batches: list[int], has_hf: bool) -> dict:
-    """Informational only (never a warning): batching and HF's float32 path may legitimately flip a near-tie."""
-    info_checks = {}
-    max_b = max(batches)
-    if len(batches) > 1:
-        bad = first_mismatch(meas.runs[("mtp", 0, max_b)][0].outputs, meas.runs[("mtp", 0, min(batches))][0].outputs)
-        info_checks[f"K=0 batch {max_b} == K=0 batch {min(batches)}"] = bad if bad else "ok"
-    if has_hf:
-        for b in batches:
-            ref = meas.runs[("mtp", 0, 1 if 1 in batches else b)][0].outputs
-            bad = first_mismatch(meas.runs[("hf", 0, b)][0].outputs, ref)
-            info_checks[f"HF batch {b} == K=0"] = bad if bad else "ok"
-    return info_checks
+def reference_checks(runs: Runs, setup: BenchSetup) -> dict:
+    """Informational (never a warning): batching, another executor, HF's float32 path or llama.cpp's kernels
+    may legitimately flip a near-tie."""
+    info: dict = {}
+    ex0 = next(iter(setup.engines))[0]
+    batches = sorted({b for (e, _, b) in runs if e == ex0})
+    ref = runs[(ex0, "0", batches[0])][0].outputs
+    for (engine, k, b), rs in runs.items():
+        if engine == "llama.cpp" or (engine in OURS and k != "0") or (engine, k, b) == (ex0, "0", batches[0]):
+            continue  # llama.cpp is compared as text below; our K > 0 runs are lossless_checks'
+        bad = first_mismatch(rs[0].outputs, ref)
+        info[f"{engine} K={k} batch {b} == {ex0} K=0 batch {batches[0]}"] = bad or "ok"
+    tok = next(iter(setup.engines.values())).tokenizer
+    ref1 = runs.get((ex0, "0", 1))
+    for (engine, k, _b), rs in runs.items():
+        if engine != "llama.cpp" or tok is None or ref1 is None:
+            continue
+        ours = [tok.decode(ids) for ids in ref1[0].outputs]
+        texts = rs[0].texts or []
+        # draft-mtp may run a few tokens past max_tokens (runtime/bench/llama_cpp.py): ours must be its prefix
+        bad_text = [{"prompt": i, "first_diff_char": next((j for j, (x, y) in enumerate(zip(a, t, strict=False))
+                                                           if x != y), min(len(a), len(t)))}
+                    for i, (a, t) in enumerate(zip(texts, ours, strict=True))
+                    if not (a == t or (k != "0" and a.startswith(t)))]  # fmt: skip
+        n_ours = [len(p) for p in setup.workload.prompts]
+        bad_prompt = [i for i, n in enumerate(rs[0].summary.get("prompt_tokens", [])) if n != n_ours[i]]
+        info[f"llama.cpp K={k} text == {ex0} K=0 text" + (" (prefix)" if k != "0" else "")] = bad_text or "ok"
+        info[f"llama.cpp K={k} prompt token counts == ours"] = "ok" if not bad_prompt else {"prompts": bad_prompt}
+    return info
 
 
-# ----------------------------------------------------------------------------------------------- results dict
-
-
-def machine_info() -> dict:
+def machine_info(threads: int) -> dict:
     import torch
 
     info = {
         "nproc": os.cpu_count(),
         "sched_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "threads_per_engine": threads,
         "torch_version": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
         "numpy": np.__version__,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
     try:
         import onnxruntime
@@ -192,46 +201,43 @@ def machine_info() -> dict:
     return info
 
 
-def _num_params(engine: LLMEngine) -> int | None:
-    model = getattr(engine.executor, "model", None)
-    return sum(p.numel() for p in model.parameters()) if model is not None else None
-
-
-def _describe_setup(args, setup: BenchSetup) -> dict:
+def _describe(args, setup: BenchSetup) -> dict:
     """The "settings", "model" and "workload" sections: what was run, on which checkpoint and prompts."""
-    work, model_cfg, hf = setup.workload, setup.engines[0].model_cfg, setup.hf
+    work, cfg, hf = setup.workload, setup.model_cfg, setup.hf
+    model = getattr(next(iter(setup.engines.values())).executor, "model", None)
     return {
         "settings": {
             "checkpoint": "random (models.testing.tiny_config, seed 0)" if setup.is_random else str(args.checkpoint),
-            "executor": args.executor,
-            "engine_dir": str(args.engine) if args.executor == "onnxruntime" else None,
+            "executors": args.executors, "engine_dir": str(args.engine) if "onnxruntime" in args.executors else None,
             "ks": args.ks, "batches": args.batches, "repeats": args.repeats, "max_tokens": args.max_tokens,
-            "num_prompts": len(work.prompts), "prompt_chars": args.prompt_chars, "greedy": True,
-            "enable_prefix_caching": False, "max_seq_len": setup.max_seq_len,
-            "hf_transformers": hf.version if hf else None,
+            "threads": args.threads, "num_prompts": len(work.prompts), "prompt_chars": args.prompt_chars,
+            "greedy": True, "enable_prefix_caching": False, "max_seq_len": setup.max_seq_len,
+            "hf_transformers": hf.version if hf else None, "llama_cpp": (setup.llama | {"lost_log_retries": setup.llama_runner.retries}) if setup.llama_runner else None,
         },
-        "model": {"vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.hidden_size,
-                  "num_hidden_layers": model_cfg.num_hidden_layers, "num_mtp_modules": model_cfg.num_mtp_modules,
-                  "parameters": _num_params(setup.engines[0])},
+        "model": {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+                  "num_hidden_layers": cfg.num_hidden_layers, "num_mtp_modules": cfg.num_mtp_modules,
+                  "parameters": sum(p.numel() for p in model.parameters()) if model is not None else None},
         "workload": {"files": work.sources, "heldout_from_training": work.heldout, "tokenized_with": work.tokenized_with,
                      "prompt_tokens": [len(p) for p in work.prompts]},
     }  # fmt: skip
 
 
-def build_results(args, argv: list[str], setup: BenchSetup, meas: Measurements) -> dict:
+def build_results(args, argv: list[str], setup: BenchSetup, runs: Runs, ablation: RunResult | None) -> dict:
     """Everything bench.json holds; key order is the file's order."""
-    max_b = max(args.batches)
-    checks, warnings = lossless_checks(meas, args.batches, setup.ablation_k)
+    bandwidth = args.dram_gbps * 1e9
+    checks, warnings = lossless_checks(runs, ablation, setup)
     return {
         "label": setup.label,
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", "runtime.bench", *argv]),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine_info(),
-        **_describe_setup(args, setup),
-        "tokens_per_second": tokens_per_second(meas),
-        "acceptance": acceptance_table(meas, args.ks, max_b, setup.ablation_k),
+        "machine": machine_info(args.threads),
+        **_describe(args, setup),
+        "bound": bound_summary(setup.model_cfg, bandwidth=bandwidth),
+        "tokens_per_second": tokens_per_second(runs, setup, bandwidth),
+        "acceptance": acceptance_table(runs, ablation, setup),
         "lossless_checks": checks,
-        "reference_checks": reference_checks(meas, args.batches, setup.hf is not None),
+        "reference_checks": reference_checks(runs, setup),
+        "notes": setup.notes,
         "warnings": warnings,
         "definitions": DEFINITIONS,
     }
@@ -239,53 +245,29 @@ def build_results(args, argv: list[str], setup: BenchSetup, meas: Measurements) 
 
 def write_json(results: dict, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "bench.json"
-    json_path.write_text(json.dumps(results, indent=2) + "\n")
-    return json_path
+    path = out_dir / "bench.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    return path
 
 
-# ----------------------------------------------------------------------------------------------- console
-
-
-def print_tables(console, results: dict, args) -> None:
-    console.print(_tps_table(results, args))
-    console.print(_acceptance_view(results, args))
-
-
-def _tps_table(results: dict, args):
+def print_tables(console, results: dict) -> None:
+    """The same rows as the README tables (runtime/bench/table.py), as rich tables."""
     from rich.table import Table
 
-    t = Table(title=f"decode tokens/s, median of {args.repeats} ({results['label']}, {args.executor} executor)")
-    for col in ("config", "batch", "decode tok/s", "vs K=0", "vs HF", "e2e tok/s", "accept len", "step ms",
-                "host frac"):  # fmt: skip
-        t.add_column(col, justify="left" if col == "config" else "right")
-    tps = results["tokens_per_second"]
-    for b in map(str, args.batches):
-        if b in tps["hf"]:
-            h = tps["hf"][b]
-            t.add_row("HF generate", b, f"{h['decode_tps_median']:.1f}", "", "1.00x", f"{h['e2e_tps_median']:.1f}",
-                      "", "", "")  # fmt: skip
-        for k, e in tps["mtp"][b].items():
-            vs_hf = f"{e['speedup_vs_hf']:.2f}x" if e["speedup_vs_hf"] else "-"
-            t.add_row(f"MTP K={k}", b, f"{e['decode_tps_median']:.1f}", f"{e['speedup_vs_k0']:.2f}x", vs_hf,
-                      f"{e['e2e_tps_median']:.1f}", f"{e['mean_acceptance_length']:.2f}", f"{e['step_time_ms_median']:.1f}",
-                      f"{e['host_fraction_median']:.2f}", end_section=k == str(args.ks[-1]))  # fmt: skip
-    return t
+    from runtime.bench.table import acceptance_rows, throughput_rows
 
-
-def _acceptance_view(results: dict, args):
-    from rich.table import Table
-
-    a = Table(title="greedy draft acceptance by position (unconditional / conditional)")
-    a.add_column("config")
-    a.add_column("accept len", justify="right")
-    for i in range(max(args.ks)):
-        a.add_column(f"pos {i + 1}", justify="right")
-    for name, v in results["acceptance"].items():
-        cells = [f"{u:.3f} / {c:.3f}" for u, c in zip(v["acceptance_rate_per_position"],
-                                                       v["conditional_acceptance_per_position"], strict=True)]  # fmt: skip
-        a.add_row(name, f"{v['mean_acceptance_length']:.2f}", *cells, *[""] * (max(args.ks) - len(cells)))
-    return a
+    for title, rows in ((f"decode throughput, median of {results['settings']['repeats']} ({results['label']}, "
+                         f"{results['settings']['threads']} thread(s))", throughput_rows(results)),
+                        ("greedy draft acceptance by position (unconditional / conditional)",
+                         acceptance_rows(results))):  # fmt: skip
+        if not rows:
+            continue
+        t = Table(title=title)
+        for col in rows[0]:
+            t.add_column(col, justify="left" if col in ("engine", "config") else "right")
+        for r in rows:
+            t.add_row(*map(str, r.values()))
+        console.print(t)
 
 
 def print_verdict(console, results: dict) -> None:
@@ -293,7 +275,9 @@ def print_verdict(console, results: dict) -> None:
     for w in results["warnings"]:
         console.print(f"[bold red]WARNING: not lossless:[/] {w}")
     if not results["warnings"]:
-        num_checks = len(results["lossless_checks"])
-        console.print(f"[green]lossless:[/] every MTP output equals K=0 ({num_checks} comparisons)")
+        console.print(f"[green]lossless:[/] every MTP output of ours equals K=0 ({len(results['lossless_checks'])} "
+                      "comparisons)")  # fmt: skip
     for name, v in results["reference_checks"].items():
-        console.print(f"[dim]reference check {name}: {'ok' if v == 'ok' else f'{len(v)} prompts differ'}[/]")
+        console.print(f"[dim]reference check {name}: {'ok' if v == 'ok' else v}[/]")
+    for note in results["notes"]:
+        console.print(f"[yellow]note:[/] {note}")

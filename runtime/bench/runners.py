@@ -1,15 +1,15 @@
 """mtp-bench runners: the workload and the code that runs it through an engine or through HF `generate`.
 
 Owns the prompt workload (`Workload`: held-out stdlib files, tokenized), the MTP engine runner (`run_engine`,
-which splits step time into decode-only and prefill-carrying steps) and the Hugging Face baseline (`HFRunner`).
-Each runner returns a `RunResult` (runtime/bench/report.py); runtime/bench/main.py decides what runs when.
+which splits step time into decode-only and prefill-carrying steps), the Hugging Face baseline (`HFRunner`:
+plain `generate` and `generate(use_mtp=True)`) and `RunResult`, what every runner returns (the llama.cpp
+runner too, runtime/bench/llama_cpp.py). runtime/bench/setup.py decides what runs, main.py when.
 """
 
 from __future__ import annotations
 
 import json
 import sysconfig
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +32,8 @@ class RunResult:
     total_tokens: int
     wall_seconds: float
     summary: dict = field(default_factory=dict)  # Metrics.summary() of the run (engine runs only)
+    decode_steps: int = 0  # target-model forwards (verify steps) in the decode-only time
+    texts: list[str] | None = None  # llama.cpp: decoded text instead of ids (outputs is empty then)
 
     @property
     def decode_tps(self) -> float:
@@ -103,7 +105,7 @@ def _drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, 
     ids = [engine.add_request(p, params, req_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
     mine = [engine.requests[i] for i in ids]
     finals: dict[str, list[int]] = {}
-    dec_tokens = total = 0
+    dec_tokens = total = dec_steps = 0
     dec_seconds = 0.0
     while engine.has_unfinished():
         decode_only = all(r.output_ids for r in mine if not r.is_finished)  # nothing left to prefill
@@ -115,12 +117,13 @@ def _drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, 
         if decode_only:
             dec_tokens += n
             dec_seconds += dt
+            dec_steps += 1
         for o in outs:
             if o.finished:
                 finals[o.req_id] = o.output_ids
     for i in ids:  # keep the engine's request table small across repeats
         engine.requests.pop(i, None)
-    return [finals[i] for i in ids], dec_tokens, dec_seconds, total
+    return [finals[i] for i in ids], dec_tokens, dec_seconds, total, dec_steps
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int, tag: str) -> RunResult:
@@ -128,38 +131,101 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], batch: int, max_toke
     engine.metrics = Metrics(engine.k)  # fresh counters per run
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outputs: list[list[int]] = []
-    dec_tokens = total = 0
+    dec_tokens = total = steps = 0
     dec_seconds = 0.0
     t0 = time.perf_counter()
     for lo in range(0, len(prompts), batch):
-        outs, dt, ds, tt = _drive(engine, prompts[lo : lo + batch], params, f"{tag}-{lo}")
+        outs, dt, ds, tt, st = _drive(engine, prompts[lo : lo + batch], params, f"{tag}-{lo}")
         outputs += outs
-        dec_tokens, dec_seconds, total = dec_tokens + dt, dec_seconds + ds, total + tt
+        dec_tokens, dec_seconds, total, steps = dec_tokens + dt, dec_seconds + ds, total + tt, steps + st
     wall = time.perf_counter() - t0
     engine.kv.assert_no_leaks()
-    return RunResult(outputs, dec_tokens, dec_seconds, total, wall, engine.metrics.summary(wall, len(prompts)))
+    summary = engine.metrics.summary(wall, len(prompts))
+    return RunResult(outputs, dec_tokens, dec_seconds, total, wall, summary, decode_steps=steps)
 
 
 # ----------------------------------------------------------------------------------------------- HF runs
 
 
 class HFRunner:
-    """transformers `Glm4MoeForCausalLM.generate`, greedy; batch > 1 uses left padding + attention mask."""
+    """transformers `Glm4MoeForCausalLM.generate`, greedy; batch > 1 uses left padding + attention mask.
+
+    run_mtp: `generate(use_mtp=True)`, transformers' own MTP speculative decoding (batch 1: assisted
+    generation takes one sequence; K = the checkpoint's MTP module count, i.e. 1 for ours).
+    """
 
     def __init__(self, checkpoint: Path, eos: tuple[int, ...]) -> None:
         import torch
         import transformers
 
         transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()  # generate(use_mtp) loads the MTP module per call
         self.torch = torch
         self.model = transformers.Glm4MoeForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+        # transformers finds the MTP weights through this list, whose defaults name only GLM-4.5's layer
+        # counts (46, 92); ours sits right after the main layers (docs/MTP_HIDDEN_STATES.md).
+        n = self.model.config.num_hidden_layers
+        self.model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n}\..*"]
+        self.mtp_k = int(getattr(self.model.config, "num_nextn_predict_layers", 0) or 0)
         self.eos = list(eos)
         self.version = transformers.__version__
+
+    def run_mtp(self, prompts: list[list[int]], max_tokens: int) -> RunResult:
+        """One prompt at a time; decode time from the streamer's per-step stamps, acceptance from the generator."""
+        from transformers.generation.candidate_generator import MTPCandidateGenerator
+        from transformers.generation.streamers import BaseStreamer
+
+        torch = self.torch
+        matches: list[int] = []
+        original = MTPCandidateGenerator.update_candidate_strategy
+
+        def record(gen, input_ids, scores, num_matches):  # instrumentation only: counts, then defers
+            matches.append(int(num_matches))
+            return original(gen, input_ids, scores, num_matches)
+
+        class Stamps(BaseStreamer):  # put() once with the prompt, then once per verify step
+            def __init__(self) -> None:
+                self.at: list[tuple[float, int]] = []
+
+            def put(self, value) -> None:
+                self.at.append((time.perf_counter(), int(value.numel())))
+
+            def end(self) -> None:
+                pass
+
+        outputs: list[list[int]] = []
+        dec_tokens = total = steps_n = 0
+        dec_seconds = 0.0
+        per_step: list[int] = []
+        t_start = time.perf_counter()
+        setattr(MTPCandidateGenerator, "update_candidate_strategy", record)  # noqa: B010 - restored below
+        try:
+            for p in prompts:
+                st, first = Stamps(), len(matches)
+                with torch.no_grad():
+                    out = self.model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                                              use_mtp=True, eos_token_id=self.eos or None, pad_token_id=0,
+                                              streamer=st)  # fmt: skip
+                row = out[0, len(p) :].tolist()
+                cut = next((j + 1 for j, t in enumerate(row) if t in self.eos), len(row))
+                outputs.append(row[:cut])
+                total += len(outputs[-1])
+                steps = st.at[2:]  # [0] is the prompt, [1] the token of the prefill forward
+                if steps:
+                    dec_tokens += sum(n for _, n in steps)
+                    dec_seconds += steps[-1][0] - st.at[1][0]
+                    steps_n += len(steps)
+                per_step += matches[first + 1 :]  # the first call follows the prefill (no draft yet)
+        finally:
+            setattr(MTPCandidateGenerator, "update_candidate_strategy", original)  # noqa: B010
+        wall = time.perf_counter() - t_start
+        summary = acceptance_summary(per_step, max(self.mtp_k, 1))
+        return RunResult(outputs, dec_tokens, dec_seconds, total, wall, summary, decode_steps=steps_n)
 
     def run(self, prompts: list[list[int]], batch: int, max_tokens: int) -> RunResult:
         torch = self.torch
         outputs: list[list[int]] = []
-        dec_tokens = total = 0
+        dec_tokens = total = steps = 0
         dec_seconds = 0.0
         t_start = time.perf_counter()
         for lo in range(0, len(prompts), batch):
@@ -189,21 +255,21 @@ class HFRunner:
             if len(stamps) > 1:  # positions 2..n: pure decode forwards (the first one follows the prefill)
                 dec_tokens += n - len(chunk)
                 dec_seconds += stamps[-1] - stamps[0]
+                steps += len(stamps) - 1
         wall = time.perf_counter() - t_start
-        return RunResult(outputs, dec_tokens, dec_seconds, total, wall)
+        return RunResult(outputs, dec_tokens, dec_seconds, total, wall, decode_steps=steps)
 
 
-@dataclass
-class BenchSetup:
-    label: str  # names the model in titles and bench.json ("RANDOM untrained tiny model" for --random)
-    workload: Workload
-    engines: dict[int, LLMEngine]  # K -> engine with the commit pass; K=0 (plain decoding) is always present
-    ablation: LLMEngine | None  # K=ablation_k without the commit pass; None when the largest K is 0
-    ablation_k: int | None
-    hf: HFRunner | None  # None with --no-hf or when transformers cannot load the checkpoint
-    max_seq_len: int  # the KV table width the engines actually use (the ORT engine dir may override ours)
-    tmp: tempfile.TemporaryDirectory | None  # holds the --random checkpoint until the report is written
+def acceptance_summary(accepted_per_step: list[int], k: int) -> dict:
+    """Metrics.summary()'s acceptance keys from a list of accepted-draft counts per verify step (HF, llama.cpp)."""
+    n = len(accepted_per_step)
+    return rates_summary([sum(a > i for a in accepted_per_step) / n if n else 0.0 for i in range(k)], n)
 
-    @property
-    def is_random(self) -> bool:
-        return self.tmp is not None
+
+def rates_summary(uncond: list[float], steps: int) -> dict:
+    """Acceptance keys from unconditional per-position rates: mean length = 1 + sum of P(accepted >= i)."""
+    prev = [1.0, *uncond[:-1]]
+    cond = [u / p if p else 0.0 for u, p in zip(uncond, prev, strict=True)]
+    return {"mean_acceptance_length": round(1 + sum(uncond), 3),
+            "acceptance_rate_per_position": [round(x, 3) for x in uncond],
+            "conditional_acceptance_per_position": [round(x, 3) for x in cond], "num_steps": steps}  # fmt: skip

@@ -37,7 +37,8 @@ def _set_num_blocks(model: onnx.ModelProto, num_blocks: int) -> None:
 
 
 class OrtExecutor:
-    def __init__(self, engine_dir: str | Path, rank: int = 0, num_blocks: int | None = None) -> None:
+    def __init__(self, engine_dir: str | Path, rank: int = 0, num_blocks: int | None = None,
+                 intra_op_threads: int | None = None) -> None:
         self.config: EngineConfig = load_engine_config(engine_dir)
         cfg = self.config
         if not 0 <= rank < cfg.world_size:
@@ -51,7 +52,9 @@ class OrtExecutor:
         self.pool = allocate_pool(self.geom)  # owned here: the sessions only see its address
         self._ptr = pool_address(self.pool).numpy()
         self.hidden_size, self.vocab_size = cfg.model.hidden_size, cfg.model.vocab_size
-        recorded = cfg.build.get("ort_session_options", SESSION_OPTIONS)
+        recorded = dict(cfg.build.get("ort_session_options", SESSION_OPTIONS))
+        if intra_op_threads is not None:  # a runtime choice (machine and neighbours), not part of the engine
+            recorded["intra_op_num_threads"] = intra_op_threads
         self.sessions: dict[str, ort.InferenceSession] = {}
         for name in cfg.graphs[rank]:
             path = cfg.graph_file(rank, name, "ort_optimized") or cfg.graph_file(rank, name, "onnx")

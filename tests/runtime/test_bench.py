@@ -1,0 +1,125 @@
+"""mtp-bench: the --quick smoke run end to end, the bandwidth bound's parameter count, the GGUF wrapper's
+pre-tokenizer guard, and (when `make bench-peers` has built llama.cpp) llama.cpp's greedy output against ours."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from models.config import ModelConfig
+from runtime.bench.bound import forward_params
+from runtime.bench.gguf import GGUFError, check_gpt2_pretokenizer
+from runtime.bench.llama_cpp import LlamaCppRunner
+from runtime.bench.setup import DEFAULT_LLAMA_BIN, DEFAULT_LLAMA_SRC
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "models" / "tiny"
+LLAMA_BIN, LLAMA_SRC = ROOT / DEFAULT_LLAMA_BIN, ROOT / DEFAULT_LLAMA_SRC
+needs_llama = pytest.mark.skipif(not (LLAMA_BIN / "llama-speculative-simple").is_file(),
+                                 reason="llama.cpp not built (make bench-peers)")  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def test_quick_smoke_run_writes_json_readme_and_plots(tmp_path):
+    """--random --quick: every configuration runs, ours is lossless, K=auto and llama.cpp are skipped with notes."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "runtime.bench", "--random", "--quick", "--executors", "torch", "--ks", "0,1,2,auto",
+           "--batches", "1,2", "--num-prompts", "2", "--max-tokens", "12", "--output-dir", str(out)]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600, check=False)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads((out / "bench.json").read_text())
+    tps = res["tokens_per_second"]
+    assert set(tps["torch"]["1"]) >= {"0", "1", "2"} and set(tps["torch"]["2"]) >= {"0", "1", "2"}
+    assert set(tps["hf"]["1"]) == {"0", "1"}, "HF generate plain and use_mtp=True at batch 1"
+    assert all(v == "ok" for v in res["lossless_checks"].values()) and not res["warnings"]
+    assert len(res["lossless_checks"]) == 2 * 3 * 2 + 1  # 2 batches x 3 Ks x 2 rounds + the ablation
+    assert res["settings"]["threads"] == 1 and res["machine"]["torch_num_threads"] == 1
+    assert any("llama.cpp skipped" in n for n in res["notes"])
+    if "auto" not in tps["torch"]["1"]:
+        assert any(n.startswith("K=auto skipped") for n in res["notes"])
+    entry = tps["torch"]["1"]["0"]
+    assert entry["bound_step_ms"] > 0 and entry["step_ms_median"] > 0
+    readme = (out / "README.md").read_text()
+    assert "| ours (torch) | 0 | 1 |" in readme and "HF generate(use_mtp=True)" in readme and "bound ms/step" in readme
+    for png in ("acceptance_by_position.png", "tokens_per_second_vs_k.png"):
+        assert (out / png).stat().st_size > 1000
+    # the README is a pure function of bench.json: regenerating it gives the same text
+    subprocess.run([sys.executable, "-m", "runtime.bench.table", str(out / "bench.json")], env=_env(), cwd=ROOT,
+                   check=True, capture_output=True)  # fmt: skip
+    assert (out / "README.md").read_text() == readme
+
+
+def test_bad_k_is_a_one_line_error():
+    p = subprocess.run([sys.executable, "-m", "runtime.bench", "--random", "--ks", "0,x"], capture_output=True,
+                       text=True, env=_env(), cwd=ROOT, timeout=120, check=False)  # fmt: skip
+    assert p.returncode == 2 and "K must be an integer >= 0 or 'auto'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bound_counts_the_parameters_one_decode_forward_reads():
+    """Hand count from the checkpoint's tensors: all main-layer weights but the unrouted experts, one embedding row."""
+    cfg = ModelConfig.from_hf_dict(json.loads((TINY / "config.json").read_text()))
+    main = mtp = 0
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    with safe_open(str(TINY / "model.safetensors"), "pt") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            n = f.get_slice(name).get_shape()
+            size = n[0] * (n[1] if len(n) > 1 else 1)
+            if ".mlp.experts." in name or name == "model.embed_tokens.weight":
+                continue  # counted below: k routed experts per MoE layer, one embedding row per token
+            layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+            if layer == cfg.num_hidden_layers:
+                mtp += size
+            else:
+                main += size
+                mtp += size if name == "lm_head.weight" else 0
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    main += cfg.hidden_size + moe_layers * cfg.num_experts_per_tok * expert
+    mtp += cfg.hidden_size + cfg.num_experts_per_tok * expert
+    got = forward_params(cfg, 1)
+    assert got.main == pytest.approx(main) and got.mtp == pytest.approx(mtp)
+    assert forward_params(cfg, 1000).main == pytest.approx(main + 999 * cfg.hidden_size
+                                                           + moe_layers * (cfg.n_routed_experts - 2) * expert, rel=1e-3)
+
+
+def test_gguf_wrapper_refuses_a_pre_tokenizer_that_is_not_gpt2(tmp_path):
+    check_gpt2_pretokenizer(TINY)  # ours: plain ByteLevel BPE
+    tok = json.loads((TINY / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "Metaspace", "replacement": "_"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(GGUFError, match="not plain GPT-2"):
+        check_gpt2_pretokenizer(tmp_path)
+
+
+@needs_llama
+def test_llama_cpp_greedy_output_matches_ours(tmp_path):
+    """The GGUF (converted by our wrapper) decodes the same text as our engine at K=0, plain and draft-mtp."""
+    from runtime.bench.runners import make_workload, run_engine
+    from runtime.factory import create_engine, load_tokenizer
+
+    gguf = tmp_path / "tiny.gguf"
+    subprocess.run([sys.executable, "-m", "runtime.bench.gguf", "--checkpoint", str(TINY), "--llama-src",
+                    str(LLAMA_SRC), "--outfile", str(gguf)], env=_env(), cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    tok = load_tokenizer(TINY)
+    work = make_workload(TINY, 2, 200, 2048, tok)
+    eng = create_engine(None, TINY, "torch", num_draft_tokens=0, max_seq_len=400, enable_prefix_caching=False)
+    ours = [tok.decode(ids) for ids in run_engine(eng, work.prompts, 1, 40, "t").outputs]
+    runner = LlamaCppRunner(LLAMA_BIN, gguf, threads=1, ctx=512)
+    for k in (0, 2):
+        res, outs = runner.run(work.texts, k, 40)
+        texts = res.texts or []
+        if k == 0:
+            assert texts == ours
+        else:  # draft-mtp may run a verify step past max_tokens
+            assert all(t.startswith(o) and len(t) < len(o) + 40 for t, o in zip(texts, ours, strict=True)), texts
+        assert [o.prompt_tokens for o in outs] == [len(p) for p in work.prompts]
+        if k:
+            assert 1.0 < res.summary["mean_acceptance_length"] <= 3.0
