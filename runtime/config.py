@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.config import ConfigError  # one error type for every bad configuration
+from runtime.kv_manager import cdiv
 
-class ConfigError(ValueError):
-    pass
+__all__ = ["ConfigError", "RuntimeConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,4 +44,4 @@ class RuntimeConfig:
     @property
     def max_blocks_per_request(self) -> int:
         """Block-table width: max_seq_len plus the draft lookahead (2k positions)."""
-        return -(-(self.max_seq_len + 2 * self.num_draft_tokens) // self.block_size)
+        return cdiv(self.max_seq_len + 2 * self.num_draft_tokens, self.block_size)

@@ -1,4 +1,4 @@
-"""Run metrics (design section 10): acceptance by draft position, tokens/s, executor vs host time, KV use."""
+"""Run metrics (docs/ARCHITECTURE.md): acceptance by draft position, tokens/s, executor vs host time, KV use."""
 
 from __future__ import annotations
 
