@@ -3,9 +3,11 @@
 One `step()` is plan, then apply; the phases run in this order and no other:
   1. schedule   which requests forward how many tokens (runtime/scheduler.py)
   2. verify     one main forward over the packed batch (plan_main); main KV appended inside
-  3. accept     greedy / exact-match / rejection sampling -> a_r accepted drafts + one main token
+  3. accept     greedy / exact-match / rejection sampling -> a_r accepted drafts + one main token;
+                then this step's draft length k (fixed K, or `auto`: runtime/draft_length.py, same on all ranks)
   4. plan       plan_step (runtime/mtp_plan.py, pure): commit input, chunk carries, rewinds (bases),
                 emitted tokens and draft rows, all from the verify results before any state changes
+                (with k = 0 the commit also writes depth 0's entry at base-1, so it is never missing)
   5. commit     one packed varlen write of the MTP plane from main hiddens (the plan's commit input)
   6. apply      per request: rewind num_computed to base (bookkeeping only; lookahead blocks stay owned),
                 set or clear the chunk carry, drop the verified drafts, emit tokens, stop conditions
@@ -29,6 +31,7 @@ import numpy as np
 from models.config import ModelConfig
 from runtime.block_pool import NULL_BLOCK_ID
 from runtime.config import ConfigError, RuntimeConfig
+from runtime.draft_length import DraftLengthController, StepSample, combine
 from runtime.executors.base import DraftInput, Executor, MainInput
 from runtime.kv_manager import KVCacheManager
 from runtime.metrics import Metrics
@@ -71,6 +74,16 @@ class LLMEngine:
         # (1 main + k drafts), so an idle rank runs dummy forwards that touch only the null block (invariant 9).
         self.lockstep = lockstep
         self._exec_seconds = 0.0  # executor time within the current step
+        # --num-draft-tokens auto: self.k is the maximum, the controller picks each step's k (draft_length.py)
+        self.draft_length = DraftLengthController(self.k) if cfg.auto_draft_tokens and self.k else None
+        self._gather = None  # multi-rank: every rank's StepSample, so all ranks decide from the same numbers
+        if self.draft_length is not None and lockstep:
+            from runtime.parallel import mpi_world  # lazy: parallel imports this module
+
+            comm, _, size = mpi_world()
+            self._gather = comm.allgather if comm is not None and size > 1 else None
+        self._last_draft = (0.0, 0, 0)  # the previous step's draft loop: (wall seconds, rows, depths)
+        self._last_host = 0.0  # the previous step's time outside the main forward and the draft loop
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, req_id: str | None = None) -> str:
@@ -131,24 +144,64 @@ class LLMEngine:
             self.kv.complete_copies()
         if not sched.scheduled:
             if self.lockstep:
-                self._dummy_forwards(main=True)
+                self.executor.run_main(self._dummy_main_input())
+                self._dummy_drafts(self._choose_draft_length(StepSample()))
             return []
         scheduled = sched.scheduled
         tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
         main_plan = plan_main(scheduled, tables)
+        t_main = time.perf_counter()
         main = self._timed(self.executor.run_main, main_plan.inp)  # 2. verify (main KV appended inside)
+        t_main = time.perf_counter() - t_main
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
-        plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors,
-                         mtp=self.k > 0, refresh_drafts=self.cfg.commit_pass)  # 4. plan  # fmt: skip
+        num_drafting = sum(1 for s, e in zip(scheduled, errors, strict=True) if s.reaches_end and e is None)
+        k = self._choose_draft_length(self._sample(scheduled, accepted, errors, t_main, num_drafting))
+        plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
+                         draft_depths=k, refresh_drafts=self.cfg.commit_pass)  # 4. plan  # fmt: skip
         if plan.commit is not None:  # 5. commit (no collective inside, so skipping an empty write keeps lockstep)
             self._timed(self.executor.run_commit, plan.commit)
         outputs, drafting = self._apply(scheduled, plan)  # 6. apply
+        t_draft = time.perf_counter()
         if self.k:  # 7. draft
-            self._draft_loop([scheduled[i].req for i in drafting], [plan.updates[i] for i in drafting],
-                             main.hidden, tables[drafting], outputs)  # fmt: skip
+            if drafting and k:
+                self._draft_loop([scheduled[i].req for i in drafting], [plan.updates[i] for i in drafting],
+                                 main.hidden, tables[drafting], outputs, k)  # fmt: skip
+            elif self.lockstep:
+                self._dummy_drafts(k)
+            self._last_draft = (time.perf_counter() - t_draft, len(drafting), k if drafting else 0)
+            if drafting:
+                self.metrics.record_draft_length(k)
         self._publish(scheduled)  # 8. publish
-        self._update_metrics(time.perf_counter() - t_start, self._exec_seconds)
+        step_seconds = time.perf_counter() - t_start
+        self._last_host = step_seconds - t_main - (self._last_draft[0] if self.k else 0.0)
+        self._update_metrics(step_seconds, self._exec_seconds)
         return outputs
+
+    def _sample(self, scheduled: list[ScheduledRequest], accepted: list[int], errors: list[str | None],
+                main_seconds: float, num_drafting: int) -> StepSample:  # fmt: skip
+        """This step's measurements for the draft-length controller (with K=0 chosen it still measures)."""
+        if self.draft_length is None:
+            return StepSample()
+        trials, successes = [0.0] * self.k, [0.0] * self.k
+        for s, a, err in zip(scheduled, accepted, errors, strict=True):
+            if err is None:
+                for j in range(min(s.num_drafts, self.k)):  # depth j is reached when 0..j-1 were accepted
+                    trials[j] += a >= j
+                    successes[j] += a > j
+        draft_seconds, draft_rows, draft_depths = self._last_draft
+        return StepSample(main_seconds, float(sum(s.num_rows for s in scheduled)),
+                          draft_seconds, draft_rows, draft_depths, self._last_host, num_drafting,
+                          float(sum(s.num_new_tokens for s in scheduled)), trials, successes)  # fmt: skip
+
+    def _choose_draft_length(self, sample: StepSample) -> int:
+        """Fixed K, or the controller's pick; under MPI from every rank's sample, so every rank picks the same."""
+        ctl = self.draft_length
+        if ctl is None:
+            return self.k
+        if self._gather is not None:
+            sample = combine(self._gather(sample.to_array(self.k)), self.k)
+        ctl.observe(sample)
+        return ctl.choose(sample.num_drafting, sample.base_rows)
 
     def _timed(self, fn, *args):
         """Call an executor method, adding its time to this step's executor time."""
@@ -219,25 +272,28 @@ class LLMEngine:
                 final = s.req.num_computed - (1 if s.req.spec.carry is not None else 0)
                 self.kv.publish_full_blocks(s.req.req_id, s.req.token_ids, final)
 
-    def _dummy_forwards(self, main: bool) -> None:
-        """One padded row (count 0, null block): joins the MoE exchange, reads and writes no KV."""
+    # Dummy forwards of an idle rank: one padded row (count 0, null block) joins the MoE exchange and reads
+    # and writes no KV, so every rank issues the same collective-bearing forwards (invariant 9).
+    def _null_table(self) -> np.ndarray:
         table = np.full((1, self.width), -1, dtype=np.int32)
         table[0, 0] = NULL_BLOCK_ID
+        return table
+
+    def _dummy_main_input(self) -> MainInput:
         zero_i32, zero_i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
-        if main:
-            self.executor.run_main(MainInput(zero_i64, zero_i64, zero_i32, zero_i32, table, np.zeros(0, np.int64)))
+        return MainInput(zero_i64, zero_i64, zero_i32, zero_i32, self._null_table(), np.zeros(0, np.int64))
+
+    def _dummy_drafts(self, k: int) -> None:
+        zero_i32, zero_i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
         hidden = np.zeros((1, self.executor.hidden_size), np.float32)
-        for _ in range(self.k):
-            self.executor.run_draft(DraftInput(hidden, zero_i64, zero_i64, zero_i32, table))
+        for _ in range(k):
+            self.executor.run_draft(DraftInput(hidden, zero_i64, zero_i64, zero_i32, self._null_table()))
 
     def _draft_loop(self, reqs: list[Request], updates: list[RequestUpdate], main_hidden: np.ndarray,
-                    tables: np.ndarray, outputs: list[RequestOutput]) -> None:  # fmt: skip
+                    tables: np.ndarray, outputs: list[RequestOutput], k: int) -> None:  # fmt: skip
         """k serial depths; depth d writes base-1+d. A request failing here is aborted after the loop (its
-        row keeps its place in every depth, so the batch shape and the lockstep call count never change)."""
-        if not reqs:
-            if self.lockstep:
-                self._dummy_forwards(main=False)
-            return
+        row keeps its place in every depth, so the batch shape and the lockstep call count never change).
+        k may differ from the previous step's: the next verify checks exactly the drafts made here."""
         bases = [u.num_computed for u in updates]
         failed: dict[int, str] = {}
         for j, (r, b) in enumerate(zip(reqs, bases, strict=True)):
@@ -246,7 +302,7 @@ class LLMEngine:
         hidden = main_hidden[[u.draft_row for u in updates]]
         tokens = [r.token_ids[-1] for r in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
-        for depth in range(self.k):
+        for depth in range(k):
             out = self._timed(self.executor.run_draft, plan_draft(hidden, tokens, bases, depth, tables))
             for j, r in enumerate(reqs):
                 try:

@@ -41,11 +41,15 @@ def create_engine(
         checkpoint: a Hugging Face checkpoint directory (torch executor only, no build step).
         executor: onnxruntime | torch | tensorrt.
         device, cuda_graphs: torch executor only ("cuda" + cuda_graphs=True replays captured graphs).
-        overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...).
+        overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...); num_draft_tokens="auto"
+            picks the draft length per step, up to the engine's built K (runtime/draft_length.py).
     """
     if executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    if overrides.get("num_draft_tokens") == "auto":  # K_max = what the engine was built for (or the default)
+        del overrides["num_draft_tokens"]
+        overrides["auto_draft_tokens"] = True
     if engine_dir is not None:
         from builder.engine_dir import load_engine_config
 

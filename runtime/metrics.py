@@ -21,10 +21,12 @@ class Metrics:
     kv_blocks_used: int = 0  # at the last step
     kv_blocks_free: int = 0
     kv_blocks_used_peak: int = 0
+    draft_length_counts: list[int] = field(default_factory=list)  # steps that drafted, by draft length 0..K
 
     def __post_init__(self) -> None:
         self.proposed_per_position = [0] * self.num_draft_tokens
         self.accepted_per_position = [0] * self.num_draft_tokens
+        self.draft_length_counts = [0] * (self.num_draft_tokens + 1)
 
     def merge(self, other: Metrics) -> None:
         """Add another rank's counts (times: the slowest rank's, since ranks step in lockstep)."""
@@ -36,6 +38,9 @@ class Metrics:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("num_steps", "executor_seconds", "step_seconds"):
             setattr(self, name, max(getattr(self, name), getattr(other, name)))
+        # the draft length is decided identically on every rank (lockstep), so ranks agree step by step
+        self.draft_length_counts = [max(a, b) for a, b in zip(self.draft_length_counts, other.draft_length_counts,
+                                                               strict=True)]  # fmt: skip
 
     def record_verify(self, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
         self.num_verify_steps += 1
@@ -43,6 +48,9 @@ class Metrics:
         for i in range(num_proposed):
             self.proposed_per_position[i] += 1
             self.accepted_per_position[i] += int(i < num_accepted)
+
+    def record_draft_length(self, k: int) -> None:
+        self.draft_length_counts[k] += 1
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -84,4 +92,6 @@ class Metrics:
             "kv_blocks_used": self.kv_blocks_used,
             "kv_blocks_used_peak": self.kv_blocks_used_peak,
             "kv_blocks_free": self.kv_blocks_free,
+            # how many steps drafted k tokens (with --num-draft-tokens auto, the controller's choices)
+            "draft_length_histogram": {str(k): n for k, n in enumerate(self.draft_length_counts) if n},
         }

@@ -113,6 +113,7 @@ def plan_step(
     *,
     errors: list[str | None] | None = None,  # per request: why accept failed (that request is aborted)
     mtp: bool,  # MTP on: plan the commit pass, chunk carries and draft rows
+    draft_depths: int = 1,  # k of this step's draft loop; 0 (auto chose no drafts) folds depth 0 into the commit
     refresh_drafts: bool = True,  # False = --no-commit-pass ablation (decode refresh skipped)
 ) -> StepPlan:
     """All the hidden-row arithmetic of a step after verify lives here (module docstring has the layout)."""
@@ -133,8 +134,13 @@ def plan_step(
             upd.carry = ChunkCarry(s.start + n - 1, hidden[off + n - 1].copy())
         else:
             upd.draft_row = off + n - 1 + a
+        # Without a draft loop nobody writes p = base-1, which the next step treats as committed: the commit
+        # pass writes depth 0's entry (h_{base-1}, base token) instead (the same write, so invariant 2 holds).
+        fold = nxt if draft_depths == 0 and s.reaches_end else None
+        if fold is not None:
+            upd.draft_row = -1
         try:
-            segments.append(commit_segment(s, a, hidden, off, refresh_drafts))
+            segments.append(commit_segment(s, a, hidden, off, refresh_drafts, fold))
         except ValueError as e:  # this request's state is inconsistent: it alone is aborted, unwritten
             upd.error, upd.draft_row, upd.carry = str(e), -1, None
             segments.append(CommitSegment(s.start, hidden[:0], []))
@@ -145,22 +151,30 @@ def plan_step(
 
 
 def commit_segment(s: ScheduledRequest, num_accepted: int, main_hidden: np.ndarray, row_offset: int,
-                   refresh_drafts: bool = True) -> CommitSegment:  # fmt: skip
-    """Rows (h_p, t_{p+1}) for p in first_p..last_p, from this step's rows plus the carried seam row."""
+                   refresh_drafts: bool = True, base_token: int | None = None) -> CommitSegment:  # fmt: skip
+    """Rows (h_p, t_{p+1}) for p in first_p..last_p, from this step's rows plus the carried seam row; with
+    base_token, one more row p = base-1 paired with it (depth 0's write, when no draft loop runs)."""
     req, carry = s.req, s.req.spec.carry
     if carry is not None and carry.position != s.start - 1:
         raise ValueError(f"chunk carry of {req.req_id} is for position {carry.position}, "
                          f"but the next chunk starts at {s.start}")  # fmt: skip
     if s.num_drafts and not refresh_drafts:
-        return CommitSegment(s.start, main_hidden[:0], [])
+        if base_token is None:
+            return CommitSegment(s.start, main_hidden[:0], [])
+        base = s.start + s.num_new_tokens + num_accepted
+        row = row_offset + s.num_new_tokens - 1 + num_accepted
+        return CommitSegment(base - 1, main_hidden[row : row + 1], [base_token])
     first_p = s.start - (1 if carry is not None else 0)
     last_p = s.start + s.num_new_tokens - 2 + num_accepted
-    hidden = main_hidden[row_offset : row_offset + max(0, s.num_new_tokens - 1 + num_accepted)]
+    num_rows = max(0, s.num_new_tokens - 1 + num_accepted) + (base_token is not None)
+    hidden = main_hidden[row_offset : row_offset + num_rows]
     if carry is not None:
         hidden = np.concatenate([carry.hidden[None], hidden])
     # t_{p+1} for every row: committed tokens, then (decode) the accepted drafts; no full-list copy
     end = last_p + 2
     tokens = req.token_ids[first_p + 1 : end] + req.spec.drafts[: max(0, end - req.num_tokens)]
+    if base_token is not None:
+        tokens.append(base_token)
     if len(tokens) != hidden.shape[0]:
         raise ValueError(f"commit plan mismatch for {req.req_id}: {hidden.shape[0]} hiddens vs {len(tokens)} tokens")
     return CommitSegment(first_p, hidden, tokens)
