@@ -22,6 +22,7 @@ picks the same k and issues the same number of draft forwards.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,15 +31,16 @@ AUTO = "auto"
 
 
 def parse_num_draft_tokens(text: str) -> int | str:
-    """argparse `type=` for --num-draft-tokens: a non-negative int or "auto"."""
+    """argparse `type=` for --num-draft-tokens: a non-negative int or "auto" (ArgumentTypeError: argparse
+    prints the message as the one-line error)."""
     if text == AUTO:
         return AUTO
     try:
         k = int(text)
     except ValueError:
-        raise ValueError(f"--num-draft-tokens {text!r}: give an int >= 0 (0 disables MTP) or 'auto'") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: give an int >= 0 (0 disables MTP) or 'auto'") from None
     if k < 0:
-        raise ValueError(f"--num-draft-tokens {k}: must be >= 0 (0 disables MTP) or 'auto'")
+        raise argparse.ArgumentTypeError(f"{k}: must be >= 0 (0 disables MTP) or 'auto'")
     return k
 
 

@@ -3,6 +3,7 @@ engine with auto (lossless vs K=0, the chosen-k histogram in the summary)."""
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
 
 import numpy as np
@@ -85,11 +86,15 @@ def test_combine_takes_the_slowest_rank_and_sums_counts():
     assert c.trials == [4, 2, 0] and c.successes == [2, 1, 0]
 
 
-def test_parse_num_draft_tokens():
+def test_parse_num_draft_tokens(capsys):
     assert parse_num_draft_tokens("auto") == "auto" and parse_num_draft_tokens("2") == 2
+    p = argparse.ArgumentParser(prog="mtp-run")
+    p.add_argument("--num-draft-tokens", type=parse_num_draft_tokens)
     for bad in ("-1", "three"):
-        with pytest.raises(ValueError, match="--num-draft-tokens"):
-            parse_num_draft_tokens(bad)
+        with pytest.raises(SystemExit):
+            p.parse_args(["--num-draft-tokens", bad])
+        assert "argument --num-draft-tokens: " in capsys.readouterr().err  # one line naming the fix
+    assert p.parse_args(["--num-draft-tokens", "auto"]).num_draft_tokens == "auto"
 
 
 @pytest.mark.parametrize("chunk", [64, 3])
