@@ -7,7 +7,7 @@ One `step()` is plan, then apply; the phases run in this order and no other:
                 then this step's draft length k (fixed K, or `auto`: runtime/draft_length.py, same on all ranks)
   4. plan       plan_step (runtime/mtp_plan.py, pure): commit input, chunk carries, rewinds (bases),
                 emitted tokens and draft rows, all from the verify results before any state changes
-                (with k = 0 the commit also writes depth 0's entry at base-1, so it is never missing)
+                (with k = 0 depth 0's entry at base-1 is carried, then written by a later commit)
   5. commit     one packed varlen write of the MTP plane from main hiddens (the plan's commit input)
   6. apply      per request: rewind num_computed to base (bookkeeping only; lookahead blocks stay owned),
                 set or clear the chunk carry, drop the verified drafts, emit tokens, stop conditions
@@ -157,7 +157,8 @@ class LLMEngine:
         num_drafting = sum(1 for s, e in zip(scheduled, errors, strict=True) if s.reaches_end and e is None)
         k = self._choose_draft_length(self._sample(scheduled, accepted, errors, t_main, num_drafting))
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
-                         draft_depths=k, refresh_drafts=self.cfg.commit_pass)  # 4. plan  # fmt: skip
+                         draft_depths=k, refresh_drafts=self.cfg.commit_pass,
+                         max_carry_rows=self.cfg.block_size)  # 4. plan  # fmt: skip
         if plan.commit is not None:  # 5. commit (no collective inside, so skipping an empty write keeps lockstep)
             self._timed(self.executor.run_commit, plan.commit)
         outputs, drafting = self._apply(scheduled, plan)  # 6. apply
@@ -269,7 +270,8 @@ class LLMEngine:
         """Publish blocks whose main and MTP entries are final (a carried position is not final yet)."""
         for s in scheduled:
             if not s.req.is_finished:
-                final = s.req.num_computed - (1 if s.req.spec.carry is not None else 0)
+                carry = s.req.spec.carry
+                final = s.req.num_computed if carry is None else carry.position
                 self.kv.publish_full_blocks(s.req.req_id, s.req.token_ids, final)
 
     # Dummy forwards of an idle rank: one padded row (count 0, null block) joins the MoE exchange and reads

@@ -34,6 +34,7 @@ def create_engine(
     world_size: int = 1,
     device: str = "cpu",
     cuda_graphs: bool = False,
+    seed: int = 0,
     **overrides,
 ) -> LLMEngine:
     """Args:
@@ -41,6 +42,7 @@ def create_engine(
         checkpoint: a Hugging Face checkpoint directory (torch executor only, no build step).
         executor: onnxruntime | torch | tensorrt.
         device, cuda_graphs: torch executor only ("cuda" + cuda_graphs=True replays captured graphs).
+        seed: engine seed; an unseeded request samples from a generator derived from (seed, request id).
         overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...); num_draft_tokens="auto"
             picks the draft length per step, up to the engine's built K (runtime/draft_length.py).
     """
@@ -94,7 +96,7 @@ def create_engine(
         tokenizer = load_tokenizer(Path(checkpoint))
     if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:
         cfg = replace(cfg, num_draft_tokens=0)  # the checkpoint has no MTP module: plain decoding
-    return LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1)
+    return LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1, seed=seed)
 
 
 def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, ep_size: int, device: str, cuda_graphs: bool):

@@ -113,71 +113,88 @@ def plan_step(
     *,
     errors: list[str | None] | None = None,  # per request: why accept failed (that request is aborted)
     mtp: bool,  # MTP on: plan the commit pass, chunk carries and draft rows
-    draft_depths: int = 1,  # k of this step's draft loop; 0 (auto chose no drafts) folds depth 0 into the commit
+    draft_depths: int = 1,  # k of this step's draft loop (0: `auto` chose not to draft)
     refresh_drafts: bool = True,  # False = --no-commit-pass ablation (decode refresh skipped)
+    max_carry_rows: int = 16,  # with k = 0: rows a request may hold back before every carry is written
 ) -> StepPlan:
-    """All the hidden-row arithmetic of a step after verify lives here (module docstring has the layout)."""
+    """All the hidden-row arithmetic of a step after verify lives here (module docstring has the layout).
+
+    With k = 0 nobody runs depth 0, so row p = base-1 (h_{base-1}, base token) is written by the commit pass
+    instead. To keep K=0-like steps free of a commit call, such rows are carried (like a chunk seam) while
+    no request has other rows to write and no carry is full; the next commit then writes them all.
+    """
+    errors = errors if errors is not None else [None] * len(scheduled)
+    defer = mtp and draft_depths == 0 and all(
+        err is not None or (s.num_new_tokens - 1 + a == 0 and _carried(s) < max_carry_rows)
+        for s, a, err in zip(scheduled, accepted, errors, strict=True))  # fmt: skip
     updates, segments = [], []
     for i, s in enumerate(scheduled):
-        a, off, n = accepted[i], main.row_offsets[i], s.num_new_tokens
-        base = s.start + n + a
-        nxt = next_tokens[i]
+        a, nxt = accepted[i], next_tokens[i]
         emit = [] if nxt is None else s.req.spec.drafts[:a] + [nxt]
-        upd = RequestUpdate(base, emit, a, None, -1, None if errors is None else errors[i])
+        upd = RequestUpdate(s.start + s.num_new_tokens + a, emit, a, None, -1, errors[i])
         updates.append(upd)
-        if upd.error is not None:  # nothing is written for an aborted request, but its segment keeps its place
-            segments.append(CommitSegment(s.start, hidden[:0], []))
-            continue
         if not mtp:
             continue
-        if not s.reaches_end:
-            upd.carry = ChunkCarry(s.start + n - 1, hidden[off + n - 1].copy())
-        else:
-            upd.draft_row = off + n - 1 + a
-        # Without a draft loop nobody writes p = base-1, which the next step treats as committed: the commit
-        # pass writes depth 0's entry (h_{base-1}, base token) instead (the same write, so invariant 2 holds).
-        fold = nxt if draft_depths == 0 and s.reaches_end else None
-        if fold is not None:
-            upd.draft_row = -1
-        try:
-            segments.append(commit_segment(s, a, hidden, off, refresh_drafts, fold))
-        except ValueError as e:  # this request's state is inconsistent: it alone is aborted, unwritten
-            upd.error, upd.draft_row, upd.carry = str(e), -1, None
+        seg = None
+        if upd.error is None:
+            try:
+                seg, upd.carry = _plan_rows(s, a, nxt, hidden, main.row_offsets[i], draft_depths, defer,
+                                            refresh_drafts)  # fmt: skip
+            except ValueError as e:  # this request's state is inconsistent: it alone is aborted, unwritten
+                upd.error = str(e)
+        if seg is None:  # nothing is written for an aborted request, but its segment keeps its place
             segments.append(CommitSegment(s.start, hidden[:0], []))
+            continue
+        segments.append(seg)
+        if s.reaches_end and draft_depths > 0:
+            upd.draft_row = main.row_offsets[i] + s.num_new_tokens - 1 + a
     commit = None
     if mtp and any(seg.token_ids for seg in segments):
         commit = pack_commit(segments, main.inp.block_tables, hidden.shape[1])
     return StepPlan(updates, commit)
 
 
-def commit_segment(s: ScheduledRequest, num_accepted: int, main_hidden: np.ndarray, row_offset: int,
-                   refresh_drafts: bool = True, base_token: int | None = None) -> CommitSegment:  # fmt: skip
-    """Rows (h_p, t_{p+1}) for p in first_p..last_p, from this step's rows plus the carried seam row; with
-    base_token, one more row p = base-1 paired with it (depth 0's write, when no draft loop runs)."""
-    req, carry = s.req, s.req.spec.carry
-    if carry is not None and carry.position != s.start - 1:
-        raise ValueError(f"chunk carry of {req.req_id} is for position {carry.position}, "
+def _carried(s: ScheduledRequest) -> int:
+    carry = s.req.spec.carry
+    return 0 if carry is None else len(carry.hidden)
+
+
+def _plan_rows(s: ScheduledRequest, a: int, next_token: int | None, main_hidden: np.ndarray, off: int,
+               draft_depths: int, defer: bool, refresh_drafts: bool) -> tuple[CommitSegment, ChunkCarry | None]:  # fmt: skip
+    """One request's commit segment and the carry it leaves. Rows (h_p, t_{p+1}) run from the carried rows
+    (or start) through start + n - 2 + a, plus the tail p = base-1 when no depth 0 writes it this step."""
+    req, carry, n = s.req, s.req.spec.carry, s.num_new_tokens
+    if carry is not None and carry.end != s.start:
+        raise ValueError(f"chunk carry of {req.req_id} is for positions {carry.position}..{carry.end - 1}, "
                          f"but the next chunk starts at {s.start}")  # fmt: skip
-    if s.num_drafts and not refresh_drafts:
-        if base_token is None:
-            return CommitSegment(s.start, main_hidden[:0], [])
-        base = s.start + s.num_new_tokens + num_accepted
-        row = row_offset + s.num_new_tokens - 1 + num_accepted
-        return CommitSegment(base - 1, main_hidden[row : row + 1], [base_token])
-    first_p = s.start - (1 if carry is not None else 0)
-    last_p = s.start + s.num_new_tokens - 2 + num_accepted
-    num_rows = max(0, s.num_new_tokens - 1 + num_accepted) + (base_token is not None)
-    hidden = main_hidden[row_offset : row_offset + num_rows]
-    if carry is not None:
-        hidden = np.concatenate([carry.hidden[None], hidden])
+    base = s.start + n + a
+    tail = main_hidden[off + n - 1 + a : off + n + a]  # h_{base-1}
+    if defer:  # this step has no other row (n - 1 + a == 0): hold h_{base-1} with the earlier carried rows
+        rows = tail.copy() if carry is None else np.concatenate([carry.hidden, tail])
+        return CommitSegment(s.start, main_hidden[:0], []), ChunkCarry(base - len(rows), rows)
+    fold = s.reaches_end and draft_depths == 0  # write the tail now, paired with the new base token
+    if not s.reaches_end:
+        new_carry: ChunkCarry | None = ChunkCarry(base - 1, tail.copy())  # the seam row of the next chunk
+    else:
+        new_carry = None
+    if s.num_drafts and not refresh_drafts:  # ablation: no refresh of the accepted drafts' entries
+        if not fold:
+            return CommitSegment(s.start, main_hidden[:0], []), new_carry
+        assert next_token is not None
+        return CommitSegment(base - 1, tail, [next_token]), new_carry
+    first_p = s.start if carry is None else carry.position
+    num_regular = n - 1 + a  # p = start .. start + n - 2 + a
+    parts = ([] if carry is None else [carry.hidden]) + [main_hidden[off : off + num_regular]] + ([tail] if fold else [])
+    hidden = np.concatenate(parts) if len(parts) > 1 else parts[0]
     # t_{p+1} for every row: committed tokens, then (decode) the accepted drafts; no full-list copy
-    end = last_p + 2
+    end = s.start + num_regular + 1
     tokens = req.token_ids[first_p + 1 : end] + req.spec.drafts[: max(0, end - req.num_tokens)]
-    if base_token is not None:
-        tokens.append(base_token)
+    if fold:
+        assert next_token is not None
+        tokens.append(next_token)
     if len(tokens) != hidden.shape[0]:
         raise ValueError(f"commit plan mismatch for {req.req_id}: {hidden.shape[0]} hiddens vs {len(tokens)} tokens")
-    return CommitSegment(first_p, hidden, tokens)
+    return CommitSegment(first_p, hidden, tokens), new_carry
 
 
 def pack_commit(segments: list[CommitSegment], block_tables: np.ndarray, hidden_size: int) -> CommitInput:

@@ -27,10 +27,18 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass(slots=True)
 class ChunkCarry:
-    """The last hidden of a non-final prefill chunk, consumed by the next chunk's seam row (invariant 7)."""
+    """Main hiddens whose MTP entries are not written yet (invariant 7): positions position..end-1.
 
-    position: int  # position p of the hidden; the next chunk must start at p + 1
-    hidden: np.ndarray  # float32 [H] main hidden h_p
+    A non-final prefill chunk carries its last row (the next chunk's seam row); with `auto` at k = 0 a
+    decode step carries h_{base-1} too, until a step writes them all. The next forward starts at `end`.
+    """
+
+    position: int  # first carried position p
+    hidden: np.ndarray  # float32 [m, H] main hiddens h_p .. h_{end-1}
+
+    @property
+    def end(self) -> int:
+        return self.position + len(self.hidden)
 
 
 @dataclass(slots=True)

@@ -138,7 +138,7 @@ def test_auto_with_forced_length_changes_keeps_the_invariants():
         last = last_mtp_writes(rec.writes)
         for req in engine.scheduler.running:
             table, bs = engine.kv.block_table(req.req_id), engine.cfg.block_size
-            for p in range(req.num_computed - (1 if req.spec.carry is not None else 0)):
+            for p in range(req.num_computed if req.spec.carry is None else req.spec.carry.position):
                 w = last.get((table[p // bs], p % bs))
                 assert w is not None and w.hidden_source == "main" and w.token == req.token_ids[p + 1]
     assert [finals[i] for i in ids] == reference
