@@ -2,14 +2,17 @@
 
 The engine is built for K_max drafts; drafting is a loop of depth calls, so any k <= K_max works per step.
 Each step the controller predicts, for every k, the tokens the next verify emits per drafting request and
-what the step costs, and picks the k with the most tokens per second:
+what that costs, and picks the k with the most tokens per second:
 
-    tokens(k) = 1 + c_0 + c_0 c_1 + ... + c_0 .. c_{k-1}          c_j: acceptance at depth j given 0..j-1
-    cost(k)   = host + main(base_rows + R k) + k draft(R)         R: requests that draft this step
+    tokens(k) = 1 + c_0 + c_0 c_1 + ... + c_0 .. c_{k-1}      c_j: acceptance at depth j given 0..j-1
+    cost(k)   = b . [1, rows, k R, k == 1, .., k == K_max]      rows = base_rows + R k, R: requests drafting
 
-`main` (seconds vs packed rows) and `draft` (seconds per depth vs rows) are least-squares lines over
-exponentially decayed sums, `host` is the decayed mean of everything else in a step, c_j are decayed
-success / trial counts. A k > 0 must beat k = 0 by `margin`, so noise never makes MTP slower than K=0.
+cost(k) is the measured *cycle* of a draft length: the draft loop that made k drafts plus the whole next
+step that verified them (verify, accept, commit, emit, host work), fitted by ridge least squares over
+exponentially decayed sums (recent steps weigh most), slow outliers clipped. Each k > 0 has its own intercept (learned from
+that k's cycles only, so the chosen k's many samples never decide what another k costs); rows and k R
+are shared slopes (prefill rows, batch size). c_j are decayed success / trial counts. A k > 0 must beat
+k = 0 by `margin`, so noise does not make MTP slower than K=0.
 
 Acceptance at depth j is only seen when k > j, so the controller explores: a warm-up that tries every k,
 then the neighbours of the best k every `interval` steps; the interval doubles while exploring does not
@@ -44,71 +47,80 @@ def parse_num_draft_tokens(text: str) -> int | str:
     return k
 
 
+ROW_SCALE, DRAFT_SCALE = 100.0, 10.0  # keep the features of similar size, so the ridge treats them alike
+
+
+def features(k: int, num_drafting: float, rows: float, k_max: int) -> np.ndarray:
+    x = np.zeros(3 + k_max)
+    x[:3] = 1.0, rows / ROW_SCALE, k * num_drafting / DRAFT_SCALE
+    if k > 0:
+        x[2 + k] = 1.0
+    return x
+
+
 @dataclass(slots=True)
-class DecayedLine:
-    """y ~ a + b x by least squares over exponentially decayed sums (recent steps weigh most)."""
+class DecayedRidge:
+    """y ~ b . x by ridge least squares over exponentially decayed sums (recent observations weigh most).
 
-    decay: float = 0.95
-    sw: float = 0.0
-    sx: float = 0.0
-    sxx: float = 0.0
-    sy: float = 0.0
-    sxy: float = 0.0
+    The ridge (relative to the total weight) also forgets: a feature that stops being observed decays
+    until the ridge pulls its coefficient to 0, which makes that k look cheaper and gets it explored again.
+    """
 
-    def observe(self, x: float, y: float) -> None:
-        d = self.decay
-        self.sw, self.sx, self.sxx = d * self.sw + 1, d * self.sx + x, d * self.sxx + x * x
-        self.sy, self.sxy = d * self.sy + y, d * self.sxy + x * y
+    num_features: int
+    decay: float = 0.98
+    ridge: float = 1e-3
+    xx: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    xy: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    weight: float = 0.0
 
-    @property
-    def ready(self) -> bool:
-        return self.sw > 0
+    def __post_init__(self) -> None:
+        self.xx, self.xy = np.zeros((self.num_features, self.num_features)), np.zeros(self.num_features)
 
-    def predict(self, x: float) -> float:
-        if not self.sw:
-            return 0.0
-        mx, my = self.sx / self.sw, self.sy / self.sw
-        var = self.sxx / self.sw - mx * mx
-        # no spread in x yet: a flat line (the warm-up and exploration provide the spread)
-        b = (self.sxy / self.sw - mx * my) / var if var > 1e-9 * max(1.0, mx * mx) else 0.0
-        b = max(b, 0.0)  # more rows never cost less; guards the fit against timing noise
-        return max(my + b * (x - mx), 0.0)
+    def observe(self, x: np.ndarray, y: float) -> None:
+        self.xx = self.decay * self.xx + np.outer(x, x)
+        self.xy = self.decay * self.xy + x * y
+        self.weight = self.decay * self.weight + 1.0
+
+    def coefficients(self) -> np.ndarray:
+        lam = self.ridge * max(self.weight, 1e-12)
+        return np.linalg.solve(self.xx + lam * np.eye(self.num_features), self.xy)
+
+    def predict(self, x: np.ndarray) -> float:
+        return float(x @ self.coefficients()) if self.weight else 0.0
 
 
 @dataclass(slots=True)
 class StepSample:
     """One step's measurements on one rank (or combined over ranks)."""
 
-    main_seconds: float = 0.0  # the verify forward
-    main_rows: float = 0.0  # its packed rows
-    draft_seconds: float = 0.0  # the whole draft loop (forwards + per-depth host work), 0 without drafts
-    draft_rows: float = 0.0  # requests that drafted
-    draft_depths: float = 0.0  # depths the loop ran
-    host_seconds: float = 0.0  # the rest of the previous step (schedule, accept, commit, emit, publish)
+    cycle_seconds: float = 0.0  # a finished cycle: draft loop of step t-1 + all of step t but its draft loop
+    cycle_depths: float = 0.0  # k of that draft loop
+    cycle_drafting: float = 0.0  # requests that drafted in it
+    cycle_rows: float = 0.0  # packed rows of step t's verify
     num_drafting: float = 0.0  # requests that draft now (the decision's R)
-    base_rows: float = 0.0  # rows of this step without the drafts it verified (next step's rows at k = 0)
+    base_rows: float = 0.0  # rows of this step without the drafts it verified (next verify's rows at k = 0)
     trials: list[float] = field(default_factory=list)  # per depth j: verifies that reached depth j
     successes: list[float] = field(default_factory=list)  # ... and accepted it
 
     def to_array(self, k_max: int) -> np.ndarray:
-        head = [self.main_seconds, self.main_rows, self.draft_seconds, self.draft_rows, self.draft_depths,
-                self.host_seconds, self.num_drafting, self.base_rows]  # fmt: skip
+        head = [self.cycle_seconds, self.cycle_depths, self.cycle_drafting, self.cycle_rows, self.num_drafting,
+                self.base_rows]  # fmt: skip
         pad = [0.0] * k_max
         return np.array(head + (list(self.trials) or pad) + (list(self.successes) or pad), dtype=np.float64)
 
     @classmethod
     def from_array(cls, a: np.ndarray, k_max: int) -> StepSample:
-        h = [float(x) for x in a[:8]]
-        return cls(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], trials=a[8 : 8 + k_max].tolist(),
-                   successes=a[8 + k_max : 8 + 2 * k_max].tolist())  # fmt: skip
+        h = [float(x) for x in a[:6]]
+        return cls(h[0], h[1], h[2], h[3], h[4], h[5], trials=a[6 : 6 + k_max].tolist(),
+                   successes=a[6 + k_max : 6 + 2 * k_max].tolist())  # fmt: skip
 
 
 def combine(arrays: list[np.ndarray], k_max: int) -> StepSample:
     """Ranks step in lockstep, so a step lasts as long as its slowest rank: times and rows combine by max;
     acceptance counts add up. Every rank computes this from the same allgather, in the same order."""
     stacked = np.stack(arrays)
-    out = stacked[:, :8].max(axis=0)
-    counts = stacked[:, 8:].sum(axis=0)
+    out = stacked[:, :6].max(axis=0)
+    counts = stacked[:, 6:].sum(axis=0)
     return StepSample.from_array(np.concatenate([out, counts]), k_max)
 
 
@@ -116,14 +128,13 @@ def combine(arrays: list[np.ndarray], k_max: int) -> StepSample:
 class DraftLengthController:
     k_max: int
     margin: float = 0.02  # a k > 0 must promise this much more throughput than k = 0
-    decay: float = 0.95  # per step, for costs and acceptance counts (half-life ~14 steps)
+    decay: float = 0.98  # per step, for the cost fit (half-life ~35 steps)
+    acceptance_decay: float = 0.98  # per measured step, for the acceptance counts (half-life ~35)
     min_interval: int = 8  # steps between explorations, doubling up to max_interval while nothing changes
     max_interval: int = 256
     prior_trials: float = 2.0  # acceptance prior: c_j = 0.5 with the weight of 2 observations
-    main: DecayedLine = field(default_factory=DecayedLine)
-    draft: DecayedLine = field(default_factory=DecayedLine)  # seconds per depth vs drafting rows
-    host: float = 0.0
-    host_weight: float = 0.0
+    outlier: float = 1.5  # a cycle slower than this times its prediction counts as this (noise is one-sided)
+    cost: DecayedRidge = field(default_factory=lambda: DecayedRidge(3))
     succ: list[float] = field(default_factory=list)
     trials: list[float] = field(default_factory=list)
     best: int = 0
@@ -134,23 +145,24 @@ class DraftLengthController:
 
     def __post_init__(self) -> None:
         self.succ, self.trials = [0.0] * self.k_max, [0.0] * self.k_max
-        self.main, self.draft = DecayedLine(self.decay), DecayedLine(self.decay)
+        self.cost = DecayedRidge(3 + self.k_max, decay=self.decay)
         self.interval = self.min_interval
 
     # ------------------------------------------------------------------ learning
     def observe(self, s: StepSample) -> None:
-        if s.main_rows > 0:
-            self.main.observe(s.main_rows, s.main_seconds)
-        if s.draft_depths > 0 and s.draft_rows > 0:
-            self.draft.observe(s.draft_rows, s.draft_seconds / s.draft_depths)
-        if s.host_seconds > 0:
-            self.host = self.decay * self.host + s.host_seconds
-            self.host_weight = self.decay * self.host_weight + 1
+        if s.cycle_seconds > 0:
+            k = int(s.cycle_depths) if s.cycle_drafting > 0 else 0
+            x = features(k, s.cycle_drafting, s.cycle_rows, self.k_max)
+            y = s.cycle_seconds
+            if self.cost.weight > 2 * len(x):  # warmed up: clip outliers (a preempted process, a GC pause)
+                y = min(y, self.outlier * max(self.cost.predict(x), 1e-6))
+            self.cost.observe(x, y)
+        d = self.acceptance_decay
         for j in range(self.k_max):
             t = s.trials[j] if j < len(s.trials) else 0.0
             if t:  # decay only what was measured again, so rarely explored depths keep their last estimate
-                self.trials[j] = self.decay * self.trials[j] + t
-                self.succ[j] = self.decay * self.succ[j] + s.successes[j]
+                self.trials[j] = d * self.trials[j] + t
+                self.succ[j] = d * self.succ[j] + s.successes[j]
 
     def acceptance(self) -> list[float]:
         """c_j: conditional acceptance per depth (prior 0.5)."""
@@ -165,22 +177,20 @@ class DraftLengthController:
             total += run
         return total
 
-    def cost(self, k: int, num_drafting: float, base_rows: float) -> float:
-        host = self.host / self.host_weight if self.host_weight else 0.0
-        return host + self.main.predict(base_rows + num_drafting * k) + k * self.draft.predict(num_drafting)
+    def predicted_cost(self, k: int, num_drafting: float, base_rows: float) -> float:
+        """Seconds of the cycle: k draft depths now, then the step that verifies them."""
+        return self.cost.predict(features(k, num_drafting, base_rows + num_drafting * k, self.k_max))
 
     def rates(self, num_drafting: float, base_rows: float) -> list[float]:
-        """Predicted tokens per second for k = 0..k_max (draft-independent rows of other requests ignored:
-        they add the same tokens at every k)."""
+        """Predicted tokens per second of the drafting requests for k = 0..k_max (rows of other requests
+        add the same tokens at every k)."""
         out = []
         for k in range(self.k_max + 1):
-            c = self.cost(k, num_drafting, base_rows)
-            out.append(self.expected_tokens(k) / c if c > 0 else 0.0)
+            c = self.predicted_cost(k, num_drafting, base_rows)
+            out.append(num_drafting * self.expected_tokens(k) / c if c > 0 else 0.0)
         return out
 
     def best_k(self, num_drafting: float, base_rows: float) -> int:
-        if not (self.main.ready and self.draft.ready):
-            return self.k_max  # nothing to compare yet
         r = self.rates(num_drafting, base_rows)
         best = max(range(1, self.k_max + 1), key=lambda k: r[k], default=0)
         return best if r[best] > r[0] * (1 + self.margin) else 0

@@ -82,8 +82,9 @@ class LLMEngine:
 
             comm, _, size = mpi_world()
             self._gather = comm.allgather if comm is not None and size > 1 else None
-        self._last_draft = (0.0, 0, 0)  # the previous step's draft loop: (wall seconds, rows, depths)
-        self._last_host = 0.0  # the previous step's time outside the main forward and the draft loop
+        # auto's cost of a draft length k is a cycle: the draft loop that made k drafts plus the next step
+        self._prev_draft = (0.0, 0.0, 0.0)  # the previous step's draft loop: (wall seconds, depths, requests)
+        self._cycle = (0.0, 0.0, 0.0, 0.0)  # the last finished cycle: (seconds, depths, requests, verify rows)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, req_id: str | None = None) -> str:
@@ -150,12 +151,10 @@ class LLMEngine:
         scheduled = sched.scheduled
         tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
         main_plan = plan_main(scheduled, tables)
-        t_main = time.perf_counter()
         main = self._timed(self.executor.run_main, main_plan.inp)  # 2. verify (main KV appended inside)
-        t_main = time.perf_counter() - t_main
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
         num_drafting = sum(1 for s, e in zip(scheduled, errors, strict=True) if s.reaches_end and e is None)
-        k = self._choose_draft_length(self._sample(scheduled, accepted, errors, t_main, num_drafting))
+        k = self._choose_draft_length(self._sample(scheduled, accepted, errors, num_drafting))
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
                          draft_depths=k, refresh_drafts=self.cfg.commit_pass,
                          max_carry_rows=self.cfg.block_size)  # 4. plan  # fmt: skip
@@ -169,17 +168,20 @@ class LLMEngine:
                                  main.hidden, tables[drafting], outputs, k)  # fmt: skip
             elif self.lockstep:
                 self._dummy_drafts(k)
-            self._last_draft = (time.perf_counter() - t_draft, len(drafting), k if drafting else 0)
             if drafting:
                 self.metrics.record_draft_length(k)
+        t_draft = time.perf_counter() - t_draft
         self._publish(scheduled)  # 8. publish
         step_seconds = time.perf_counter() - t_start
-        self._last_host = step_seconds - t_main - (self._last_draft[0] if self.k else 0.0)
+        if self.draft_length is not None:
+            prev_seconds, prev_k, prev_r = self._prev_draft
+            self._cycle = (prev_seconds + step_seconds - t_draft, prev_k, prev_r, float(len(main_plan.inp.input_ids)))
+            self._prev_draft = (t_draft, float(k), float(len(drafting)))
         self._update_metrics(step_seconds, self._exec_seconds)
         return outputs
 
     def _sample(self, scheduled: list[ScheduledRequest], accepted: list[int], errors: list[str | None],
-                main_seconds: float, num_drafting: int) -> StepSample:  # fmt: skip
+                num_drafting: int) -> StepSample:  # fmt: skip
         """This step's measurements for the draft-length controller (with K=0 chosen it still measures)."""
         if self.draft_length is None:
             return StepSample()
@@ -189,10 +191,8 @@ class LLMEngine:
                 for j in range(min(s.num_drafts, self.k)):  # depth j is reached when 0..j-1 were accepted
                     trials[j] += a >= j
                     successes[j] += a > j
-        draft_seconds, draft_rows, draft_depths = self._last_draft
-        return StepSample(main_seconds, float(sum(s.num_rows for s in scheduled)),
-                          draft_seconds, draft_rows, draft_depths, self._last_host, num_drafting,
-                          float(sum(s.num_new_tokens for s in scheduled)), trials, successes)  # fmt: skip
+        cycle, self._cycle = self._cycle, (0.0, 0.0, 0.0, 0.0)  # each finished cycle is reported once
+        return StepSample(*cycle, num_drafting, float(sum(s.num_new_tokens for s in scheduled)), trials, successes)
 
     def _choose_draft_length(self, sample: StepSample) -> int:
         """Fixed K, or the controller's pick; under MPI from every rank's sample, so every rank picks the same."""

@@ -17,27 +17,29 @@ K_MAX = 3
 R = 4  # drafting requests
 
 
-def simulate(main_per_row, main_fixed, draft_per_depth, acceptance, steps=400, ctl=None):
-    """A synthetic system: seconds = fixed + per_row * rows for the main forward, a fixed cost per draft
-    depth, and expected acceptance counts; returns the controller's choices."""
+def simulate(main_per_row, main_fixed, draft_per_depth, acceptance, steps=400, ctl=None, commit=0.0):
+    """A synthetic system: a cycle (k draft depths, then the step verifying them) costs host + main_fixed +
+    main_per_row * rows + k * draft_per_depth (+ commit when k > 0); acceptance counts are expected values.
+    Returns the controller's choices."""
     ctl = ctl or DraftLengthController(K_MAX)
-    k_prev, chosen = 0, []
+    k_prev, chosen, cycle = 0, [], (0.0, 0.0, 0.0, 0.0)
     for _ in range(steps):
         reach = np.cumprod([1.0] + list(acceptance[: K_MAX - 1]))  # P(depth j is reached)
         trials = [R * reach[j] if j < k_prev else 0.0 for j in range(K_MAX)]
         successes = [t * acceptance[j] for j, t in enumerate(trials)]
-        rows = R * (1 + k_prev)
-        ctl.observe(StepSample(main_fixed + main_per_row * rows, rows, k_prev * draft_per_depth, R, k_prev,
-                               0.001, R, R, trials, successes))  # fmt: skip
-        k_prev = ctl.choose(R, R)
-        chosen.append(k_prev)
+        ctl.observe(StepSample(*cycle, R, R, trials, successes))
+        k = ctl.choose(R, R)
+        rows = R * (1 + k)  # the verify of these drafts, next step
+        cycle = (0.001 + main_fixed + main_per_row * rows + k * draft_per_depth + commit * (k > 0), k, R, rows)
+        k_prev = k
+        chosen.append(k)
     return chosen
 
 
-def true_best(main_per_row, main_fixed, draft_per_depth, acceptance):
+def true_best(main_per_row, main_fixed, draft_per_depth, acceptance, commit=0.0):
     def rate(k):
         tokens = 1 + sum(np.prod(acceptance[:i]) for i in range(1, k + 1))
-        return tokens / (0.001 + main_fixed + main_per_row * R * (1 + k) + k * draft_per_depth)
+        return tokens / (0.001 + main_fixed + main_per_row * R * (1 + k) + k * draft_per_depth + commit * (k > 0))
 
     return max(range(K_MAX + 1), key=rate)
 
@@ -58,11 +60,13 @@ def test_picks_k_max_when_drafts_are_cheap_and_accepted():
     assert k == K_MAX and n >= 0.95 * len(chosen) // 2
 
 
-@pytest.mark.parametrize("acceptance,draft", [([0.9, 0.4, 0.1], 0.002), ([0.6, 0.6, 0.6], 0.004),
-                                              ([0.95, 0.9, 0.2], 0.001)])  # fmt: skip
-def test_settles_on_the_best_fixed_k(acceptance, draft):
-    chosen = simulate(1e-4, 0.01, draft, acceptance)
-    assert settled(chosen)[0] == true_best(1e-4, 0.01, draft, acceptance)
+@pytest.mark.parametrize("acceptance,draft,commit", [([0.9, 0.4, 0.1], 0.002, 0.0), ([0.6, 0.6, 0.6], 0.004, 0.0),
+                                                     ([0.95, 0.9, 0.2], 0.001, 0.0), ([0.8, 0.6, 0.5], 0.0015, 0.004),
+                                                     ([0.6, 0.5, 0.5], 0.001, 0.008)])  # fmt: skip
+def test_settles_on_the_best_fixed_k(acceptance, draft, commit):
+    """`commit`: the fixed cost of the commit call that only steps after drafting pay."""
+    chosen = simulate(1e-4, 0.01, draft, acceptance, commit=commit)
+    assert settled(chosen)[0] == true_best(1e-4, 0.01, draft, acceptance, commit)
 
 
 def test_follows_a_change_in_acceptance():
@@ -79,10 +83,11 @@ def test_identical_inputs_give_identical_choices():
 
 
 def test_combine_takes_the_slowest_rank_and_sums_counts():
-    a = StepSample(0.01, 8, 0.02, 4, 2, 0.001, 4, 4, [4, 2, 0], [2, 1, 0]).to_array(K_MAX)
-    b = StepSample(0.03, 2, 0.0, 0, 0, 0.002, 0, 2).to_array(K_MAX)  # an idle-ish rank
+    a = StepSample(0.01, 2, 4, 12, 4, 4, [4, 2, 0], [2, 1, 0]).to_array(K_MAX)
+    b = StepSample(0.03, 2, 0, 1, 0, 2).to_array(K_MAX)  # an idle-ish rank
     c = combine([a, b], K_MAX)
-    assert (c.main_seconds, c.main_rows, c.num_drafting, c.host_seconds) == (0.03, 8, 4, 0.002)
+    assert (c.cycle_seconds, c.cycle_depths, c.cycle_drafting, c.cycle_rows, c.num_drafting, c.base_rows) == (
+        0.03, 2, 4, 12, 4, 4)
     assert c.trials == [4, 2, 0] and c.successes == [2, 1, 0]
 
 
@@ -143,3 +148,18 @@ def test_auto_with_forced_length_changes_keeps_the_invariants():
                 assert w is not None and w.hidden_source == "main" and w.token == req.token_ids[p + 1]
     assert [finals[i] for i in ids] == reference
     assert sum(1 for n in engine.metrics.draft_length_counts if n) >= 3
+
+
+def test_conditional_acceptance_counts_only_steps_that_reached_the_depth():
+    from runtime.metrics import Metrics
+
+    m = Metrics(3)
+    m.record_verify(3, 2, 3)  # depths 0, 1 accepted, 2 rejected
+    m.record_verify(1, 1, 2)  # k = 1 this step: depth 1 was never proposed
+    m.record_verify(2, 0, 1)
+    assert m.conditional_acceptance_per_position == [2 / 3, 1.0, 0.0]
+    assert m.acceptance_rate_per_position == [2 / 3, 1 / 2, 0.0]
+    fixed = Metrics(2)
+    for a in (0, 1, 2, 2):
+        fixed.record_verify(2, a, a + 1)
+    assert fixed.conditional_acceptance_per_position == [3 / 4, 2 / 3]  # = accepted[i] / accepted[i-1]
