@@ -72,6 +72,7 @@ class DecayedRidge:
     xx: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     xy: np.ndarray = field(default_factory=lambda: np.zeros(0))
     weight: float = 0.0
+    _coef: np.ndarray | None = None  # solved lazily, once per observation
 
     def __post_init__(self) -> None:
         self.xx, self.xy = np.zeros((self.num_features, self.num_features)), np.zeros(self.num_features)
@@ -80,10 +81,13 @@ class DecayedRidge:
         self.xx = self.decay * self.xx + np.outer(x, x)
         self.xy = self.decay * self.xy + x * y
         self.weight = self.decay * self.weight + 1.0
+        self._coef = None
 
     def coefficients(self) -> np.ndarray:
-        lam = self.ridge * max(self.weight, 1e-12)
-        return np.linalg.solve(self.xx + lam * np.eye(self.num_features), self.xy)
+        if self._coef is None:
+            lam = self.ridge * max(self.weight, 1e-12)
+            self._coef = np.linalg.solve(self.xx + lam * np.eye(self.num_features), self.xy)
+        return self._coef
 
     def predict(self, x: np.ndarray) -> float:
         return float(x @ self.coefficients()) if self.weight else 0.0
@@ -169,31 +173,35 @@ class DraftLengthController:
         p = self.prior_trials
         return [(self.succ[j] + p / 2) / (self.trials[j] + p) for j in range(self.k_max)]
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, acceptance: list[float] | None = None) -> float:
         """E[accepted + 1] per drafting request at draft length k."""
         total, run = 1.0, 1.0
-        for c in self.acceptance()[:k]:
+        for c in (acceptance or self.acceptance())[:k]:
             run *= c
             total += run
         return total
 
-    def predicted_cost(self, k: int, num_drafting: float, base_rows: float) -> float:
-        """Seconds of the cycle: k draft depths now, then the step that verifies them."""
-        return self.cost.predict(features(k, num_drafting, base_rows + num_drafting * k, self.k_max))
+    def predicted_costs(self, num_drafting: float, base_rows: float) -> np.ndarray:
+        """Seconds of the cycle for k = 0..k_max: k draft depths now, then the step that verifies them."""
+        x = np.stack([features(k, num_drafting, base_rows + num_drafting * k, self.k_max)
+                      for k in range(self.k_max + 1)])  # fmt: skip
+        return x @ self.cost.coefficients() if self.cost.weight else np.zeros(self.k_max + 1)
 
     def rates(self, num_drafting: float, base_rows: float) -> list[float]:
         """Predicted tokens per second of the drafting requests for k = 0..k_max (rows of other requests
         add the same tokens at every k)."""
-        out = []
-        for k in range(self.k_max + 1):
-            c = self.predicted_cost(k, num_drafting, base_rows)
-            out.append(num_drafting * self.expected_tokens(k) / c if c > 0 else 0.0)
-        return out
+        costs, acc = self.predicted_costs(num_drafting, base_rows).tolist(), self.acceptance()
+        return [num_drafting * self.expected_tokens(k, acc) / c if c > 0 else 0.0 for k, c in enumerate(costs)]
 
     def best_k(self, num_drafting: float, base_rows: float) -> int:
+        """The best k; k > 0 must beat k = 0, and a new best the current one, by `margin` (no flapping
+        between two lengths that the noise cannot tell apart)."""
         r = self.rates(num_drafting, base_rows)
-        best = max(range(1, self.k_max + 1), key=lambda k: r[k], default=0)
-        return best if r[best] > r[0] * (1 + self.margin) else 0
+        score = [r[0]] + [x / (1 + self.margin) for x in r[1:]]
+        best = max(range(self.k_max + 1), key=lambda k: score[k])
+        if best != self.best and score[best] <= score[self.best] * (1 + self.margin):
+            return self.best
+        return best
 
     # ------------------------------------------------------------------ deciding
     def choose(self, num_drafting: float, base_rows: float) -> int:

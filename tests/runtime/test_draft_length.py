@@ -36,12 +36,12 @@ def simulate(main_per_row, main_fixed, draft_per_depth, acceptance, steps=400, c
     return chosen
 
 
-def true_best(main_per_row, main_fixed, draft_per_depth, acceptance, commit=0.0):
+def true_rates(main_per_row, main_fixed, draft_per_depth, acceptance, commit=0.0):
     def rate(k):
         tokens = 1 + sum(np.prod(acceptance[:i]) for i in range(1, k + 1))
         return tokens / (0.001 + main_fixed + main_per_row * R * (1 + k) + k * draft_per_depth + commit * (k > 0))
 
-    return max(range(K_MAX + 1), key=rate)
+    return [rate(k) for k in range(K_MAX + 1)]
 
 
 def settled(chosen):
@@ -64,9 +64,12 @@ def test_picks_k_max_when_drafts_are_cheap_and_accepted():
                                                      ([0.95, 0.9, 0.2], 0.001, 0.0), ([0.8, 0.6, 0.5], 0.0015, 0.004),
                                                      ([0.6, 0.5, 0.5], 0.001, 0.008)])  # fmt: skip
 def test_settles_on_the_best_fixed_k(acceptance, draft, commit):
-    """`commit`: the fixed cost of the commit call that only steps after drafting pay."""
-    chosen = simulate(1e-4, 0.01, draft, acceptance, commit=commit)
-    assert settled(chosen)[0] == true_best(1e-4, 0.01, draft, acceptance, commit)
+    """`commit`: the fixed cost of the commit call that only steps after drafting pay. The settled k is the
+    best one, or one the hysteresis margin cannot tell from it."""
+    rates = true_rates(1e-4, 0.01, draft, acceptance, commit)
+    k = settled(simulate(1e-4, 0.01, draft, acceptance, commit=commit))[0]
+    assert rates[k] >= max(rates) / 1.02**2, (k, rates)
+    assert (k == 0) == (int(np.argmax(rates)) == 0)  # never drafts when K=0 is best, never stops when it is not
 
 
 def test_follows_a_change_in_acceptance():
