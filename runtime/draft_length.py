@@ -12,11 +12,12 @@ step that verified them (verify, accept, commit, emit, host work), fitted by rid
 exponentially decayed sums (recent steps weigh most), slow outliers clipped. Each k > 0 has its own intercept (learned from
 that k's cycles only, so the chosen k's many samples never decide what another k costs); rows and k R
 are shared slopes (prefill rows, batch size). c_j are decayed success / trial counts. A k > 0 must beat
-k = 0 by `margin`, so noise does not make MTP slower than K=0.
+k = 0 by `zero_margin` (10%): the estimates carry errors of that size (noise; costs that a cycle cannot
+see, such as exploration), and the promise is that MTP is never slower than K=0.
 
 Acceptance at depth j is only seen when k > j, so the controller explores: a warm-up that tries every k,
-then the neighbours of the best k every `interval` steps; the interval doubles while exploring does not
-change the choice (its cost vanishes on a model where drafting never pays) and resets when it does.
+then the neighbours of the best k every `interval` steps; the interval doubles with every exploration
+(its cost vanishes on a model where drafting never pays) and halves when the best k changes.
 
 Lockstep: the controller is deterministic (no random numbers). Under MPI every rank feeds it the same
 combined measurements (`combine` over an allgather of each rank's `StepSample.to_array()`), so every rank
@@ -78,8 +79,10 @@ class DecayedRidge:
         self.xx, self.xy = np.zeros((self.num_features, self.num_features)), np.zeros(self.num_features)
 
     def observe(self, x: np.ndarray, y: float) -> None:
-        self.xx = self.decay * self.xx + np.outer(x, x)
-        self.xy = self.decay * self.xy + x * y
+        self.xx *= self.decay
+        self.xx += np.outer(x, x)
+        self.xy *= self.decay
+        self.xy += x * y
         self.weight = self.decay * self.weight + 1.0
         self._coef = None
 
@@ -131,10 +134,11 @@ def combine(arrays: list[np.ndarray], k_max: int) -> StepSample:
 @dataclass(slots=True)
 class DraftLengthController:
     k_max: int
-    margin: float = 0.02  # a k > 0 must promise this much more throughput than k = 0
+    zero_margin: float = 0.10  # a k > 0 must promise this much more throughput than k = 0
+    margin: float = 0.02  # a new best k must promise this much more than the current one
     decay: float = 0.98  # per step, for the cost fit (half-life ~35 steps)
     acceptance_decay: float = 0.98  # per measured step, for the acceptance counts (half-life ~35)
-    min_interval: int = 8  # steps between explorations, doubling up to max_interval while nothing changes
+    min_interval: int = 16  # steps between explorations, doubling up to max_interval while nothing changes
     max_interval: int = 256
     prior_trials: float = 2.0  # acceptance prior: c_j = 0.5 with the weight of 2 observations
     outlier: float = 1.5  # a cycle slower than this times its prediction counts as this (noise is one-sided)
@@ -181,23 +185,26 @@ class DraftLengthController:
             total += run
         return total
 
-    def predicted_costs(self, num_drafting: float, base_rows: float) -> np.ndarray:
-        """Seconds of the cycle for k = 0..k_max: k draft depths now, then the step that verifies them."""
-        x = np.stack([features(k, num_drafting, base_rows + num_drafting * k, self.k_max)
-                      for k in range(self.k_max + 1)])  # fmt: skip
-        return x @ self.cost.coefficients() if self.cost.weight else np.zeros(self.k_max + 1)
+    def predicted_costs(self, num_drafting: float, base_rows: float) -> list[float]:
+        """Seconds of the cycle for k = 0..k_max: k draft depths now, then the step that verifies them.
+        (The features dotted with the coefficients, in plain floats: this runs every step.)"""
+        if not self.cost.weight:
+            return [0.0] * (self.k_max + 1)
+        c = self.cost.coefficients().tolist()
+        return [c[0] + c[1] * (base_rows + num_drafting * k) / ROW_SCALE + c[2] * k * num_drafting / DRAFT_SCALE
+                + (c[2 + k] if k else 0.0) for k in range(self.k_max + 1)]  # fmt: skip
 
     def rates(self, num_drafting: float, base_rows: float) -> list[float]:
         """Predicted tokens per second of the drafting requests for k = 0..k_max (rows of other requests
         add the same tokens at every k)."""
-        costs, acc = self.predicted_costs(num_drafting, base_rows).tolist(), self.acceptance()
+        costs, acc = self.predicted_costs(num_drafting, base_rows), self.acceptance()
         return [num_drafting * self.expected_tokens(k, acc) / c if c > 0 else 0.0 for k, c in enumerate(costs)]
 
     def best_k(self, num_drafting: float, base_rows: float) -> int:
-        """The best k; k > 0 must beat k = 0, and a new best the current one, by `margin` (no flapping
-        between two lengths that the noise cannot tell apart)."""
+        """The best k; k > 0 must beat k = 0 by `zero_margin`, and a new best the current one by `margin` (no
+        flapping between two lengths that the noise cannot tell apart)."""
         r = self.rates(num_drafting, base_rows)
-        score = [r[0]] + [x / (1 + self.margin) for x in r[1:]]
+        score = [r[0]] + [x / (1 + self.zero_margin) for x in r[1:]]
         best = max(range(self.k_max + 1), key=lambda k: score[k])
         if best != self.best and score[best] <= score[self.best] * (1 + self.margin):
             return self.best
@@ -214,8 +221,8 @@ class DraftLengthController:
         if n < len(warmup):
             return warmup[n]
         best = self.best_k(num_drafting, base_rows)
-        if best != self.best:
-            self.best, self.interval, self.since_explore = best, self.min_interval, 0
+        if best != self.best:  # explore sooner after a change, but not from scratch: noise flips it too
+            self.best, self.interval = best, max(self.min_interval, self.interval // 2)
         self.since_explore += 1
         if self.since_explore < self.interval:
             return best
