@@ -85,8 +85,8 @@ class LLMEngine:
         # auto's cost of a draft length k is a cycle: the draft loop that made k drafts plus the next step
         self._prev_draft = (0.0, 0.0, 0.0)  # the previous step's draft loop: (wall seconds, depths, requests)
         self._cycle = (0.0, 0.0, 0.0, 0.0)  # the last finished cycle: (seconds, depths, requests, verify rows)
-        # What auto optimizes: wall time. (time.process_time measures this process's CPU work only, a
-        # stand-in for a dedicated machine when CPU executors share cores with other jobs.)
+        # auto's clock: wall time (the objective) by default; create_engine picks time.process_time for CPU
+        # executors, whose wall time on shared cores mostly measures the other jobs.
         self.draft_clock = time.perf_counter
 
     # ------------------------------------------------------------------ requests
