@@ -156,8 +156,7 @@ class LLMEngine:
         main_plan = plan_main(scheduled, tables)
         main = self._timed(self.executor.run_main, main_plan.inp)  # 2. verify (main KV appended inside)
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
-        num_drafting = sum(1 for s, e in zip(scheduled, errors, strict=True) if s.reaches_end and e is None)
-        k = self._choose_draft_length(self._sample(scheduled, accepted, errors, num_drafting))
+        k = self._choose_draft_length(self._sample(scheduled, accepted, errors))
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
                          draft_depths=k, refresh_drafts=self.cfg.commit_pass,
                          max_carry_rows=4 * self.cfg.block_size)  # 4. plan  # fmt: skip
@@ -184,19 +183,26 @@ class LLMEngine:
         self._update_metrics(step_seconds, self._exec_seconds)
         return outputs
 
-    def _sample(self, scheduled: list[ScheduledRequest], accepted: list[int], errors: list[str | None],
-                num_drafting: int) -> StepSample:  # fmt: skip
-        """This step's measurements for the draft-length controller (with K=0 chosen it still measures)."""
+    def _sample(self, scheduled: list[ScheduledRequest], accepted: list[int], errors: list[str | None]) -> StepSample:
+        """This step's measurements and decision inputs for the draft-length controller (with K=0 chosen it
+        still measures)."""
         if self.draft_length is None:
             return StepSample()
-        trials, successes = [0.0] * self.k, [0.0] * self.k
+        k_max = self.k
+        trials, successes, remaining = [0.0] * k_max, [0.0] * k_max, [0.0] * (k_max + 1)
         for s, a, err in zip(scheduled, accepted, errors, strict=True):
-            if err is None:
-                for j in range(min(s.num_drafts, self.k)):  # depth j is reached when 0..j-1 were accepted
-                    trials[j] += a >= j
-                    successes[j] += a > j
+            if err is not None or not s.reaches_end:
+                continue
+            for j in range(min(s.num_drafts, k_max)):  # depth j is reached when 0..j-1 were accepted
+                trials[j] += a >= j
+                successes[j] += a > j
+            req = s.req  # tokens it may emit after this step's a + 1 (0: it finishes now and drafts nothing)
+            left = min(req.params.max_tokens - req.num_output_tokens, self.cfg.max_seq_len - req.num_tokens) - a - 1
+            if left > 0:
+                remaining[min(left, k_max + 1) - 1] += 1
         cycle, self._cycle = self._cycle, (0.0, 0.0, 0.0, 0.0)  # each finished cycle is reported once
-        return StepSample(*cycle, num_drafting, float(sum(s.num_new_tokens for s in scheduled)), trials, successes)
+        return StepSample(*cycle, sum(remaining), float(sum(s.num_new_tokens for s in scheduled)), trials,
+                          successes, remaining)  # fmt: skip
 
     def _choose_draft_length(self, sample: StepSample) -> int:
         """Fixed K, or the controller's pick; under MPI from every rank's sample, so every rank picks the same."""
@@ -206,7 +212,7 @@ class LLMEngine:
         if self._gather is not None:
             sample = combine(self._gather(sample.to_array(self.k)), self.k)
         ctl.observe(sample)
-        return ctl.choose(sample.num_drafting, sample.base_rows)
+        return ctl.choose(sample.num_drafting, sample.base_rows, sample.remaining)
 
     def _timed(self, fn, *args):
         """Call an executor method, adding its time to this step's executor time."""

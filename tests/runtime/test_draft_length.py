@@ -132,7 +132,7 @@ def test_auto_with_forced_length_changes_keeps_the_invariants():
     lengths = iter([3, 0, 1, 3, 2, 0, 3, 1] * 50)
 
     class Scripted(DraftLengthController):
-        def choose(self, num_drafting, base_rows):
+        def choose(self, num_drafting, base_rows, remaining=None):
             return next(lengths) if num_drafting else 0
 
     engine.draft_length = Scripted(3)
@@ -168,3 +168,14 @@ def test_conditional_acceptance_counts_only_steps_that_reached_the_depth():
     for a in (0, 1, 2, 2):
         fixed.record_verify(2, a, a + 1)
     assert fixed.conditional_acceptance_per_position == [3 / 4, 2 / 3]  # = accepted[i] / accepted[i-1]
+
+
+def test_requests_near_their_end_draft_less():
+    """A request that may emit only m more tokens uses at most m - 1 drafts: deeper ones only cost."""
+    ctl = DraftLengthController(K_MAX)
+    assert settled(simulate(1e-4, 0.01, 0.001, [0.9, 0.9, 0.9], ctl=ctl))[0] == K_MAX
+    far = [0.0, 0.0, 0.0, R]  # every request may emit K_MAX + 1 or more tokens
+    assert ctl.best_k(R, R, far) == K_MAX
+    ctl.best = 0  # no hysteresis in the way
+    assert ctl.best_k(R, R, [0.0, R, 0.0, 0.0]) == 1  # 2 tokens left each: one draft is all that can land
+    assert ctl.best_k(R, R, [R, 0.0, 0.0, 0.0]) == 0  # 1 token left: drafting is pure cost
