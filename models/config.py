@@ -15,7 +15,7 @@ SUPPORTED_MODEL_TYPES = ("glm4_moe",)
 
 
 class ConfigError(ValueError):
-    """A config.json that cannot describe a supported model."""
+    """A configuration that cannot work (config.json, runtime limits, flags); the message names the fix."""
 
 
 @dataclass(frozen=True, slots=True)

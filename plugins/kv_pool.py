@@ -24,7 +24,6 @@ import torch
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 CODE_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
-NULL_BLOCK = 0
 
 
 @dataclass(frozen=True, slots=True)

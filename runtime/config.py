@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.config import ConfigError  # one error type for every bad configuration
 from plugins.engine_format.layout import table_width
 
-
-class ConfigError(ValueError):
-    pass
+__all__ = ["ConfigError", "RuntimeConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +17,8 @@ class RuntimeConfig:
     max_seq_len: int = 512  # prompt + output tokens per request
     block_size: int = 16  # KV block size in tokens
     num_blocks: int = 256  # KV pool blocks, block 0 reserved
-    num_draft_tokens: int = 3  # k MTP draft depths; 0 disables MTP
+    num_draft_tokens: int = 3  # k MTP draft depths; 0 disables MTP (with auto_draft_tokens: the maximum)
+    auto_draft_tokens: bool = False  # --num-draft-tokens auto: pick k <= num_draft_tokens per step (draft_length.py)
     max_prefill_chunk: int = 256  # longest prefill chunk per step (chunked prefill)
     enable_prefix_caching: bool = True
     # Prefix hit under MTP: False = give up the last matched block (the anchors' rule); True = keep it and

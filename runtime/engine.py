@@ -1,14 +1,22 @@
 """LLMEngine: continuous batching + the exact MTP speculative step, over any executor.
 
-One `step()` (design section 4):
-  1. schedule      which requests forward how many tokens (runtime/scheduler.py)
-  2. verify        one main forward over the packed batch; main KV appended inside
-  3. accept        greedy / exact-match / rejection sampling -> a_r accepted drafts + one new token
-  4. rewind        bookkeeping only: num_computed = base; lookahead blocks stay owned
-  5. commit pass   one packed varlen K/V write of the MTP plane from main hiddens (runtime/mtp_plan.py)
-  6. draft loop    k serial MTP depths from (h_{base-1}, base token); drafts verified next step
-  7. emit          stream new tokens, stop conditions, free finished requests, publish full blocks
+One `step()` is plan, then apply; the phases run in this order and no other:
+  1. schedule   which requests forward how many tokens (runtime/scheduler.py)
+  2. verify     one main forward over the packed batch (plan_main); main KV appended inside
+  3. accept     greedy / exact-match / rejection sampling -> a_r accepted drafts + one main token;
+                then this step's draft length k (fixed K, or `auto`: runtime/draft_length.py, same on all ranks)
+  4. plan       plan_step (runtime/mtp_plan.py, pure): commit input, chunk carries, rewinds (bases),
+                emitted tokens and draft rows, all from the verify results before any state changes
+                (with k = 0 depth 0's entry at base-1 is carried, then written by a later commit)
+  5. commit     one packed varlen write of the MTP plane from main hiddens (the plan's commit input)
+  6. apply      per request: rewind num_computed to base (bookkeeping only; lookahead blocks stay owned),
+                set or clear the chunk carry, drop the verified drafts, emit tokens, stop conditions
+  7. draft      k serial MTP depths for the requests still running, from (h_{base-1}, base token)
+  8. publish    full verified blocks into the prefix cache; metrics
+Commit (5) reads only the plan, so its order against apply (6) does not matter; draft (7) needs both.
 
+A failure traceable to one request (its logits, its sampling, its stop strings, an inconsistent state)
+aborts that request alone with finish_reason "error"; only executor failures abort the step.
 The engine knows nothing about torch or ONNX Runtime: executors take and return numpy arrays.
 """
 
@@ -17,18 +25,19 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from models.config import ModelConfig
 from runtime.admission import RequestError, validate_params, validate_prompt, validate_request_id
+from runtime.block_pool import NULL_BLOCK_ID
 from runtime.config import ConfigError, RuntimeConfig
+from runtime.draft_length import DraftLengthController, StepSample, combine
 from runtime.executors.base import DraftInput, Executor, MainInput
 from runtime.kv_manager import KVCacheManager
 from runtime.metrics import Metrics
-from runtime.mtp_plan import commit_segment, pack_commit, plan_draft, plan_main, table_array
-from runtime.request import ChunkCarry, Request, RequestStatus
+from runtime.mtp_plan import MainPlan, RequestUpdate, StepPlan, plan_draft, plan_main, plan_step, table_array
+from runtime.request import Request, RequestOutput, RequestStatus, request_rng
 from runtime.sampling import (
     SamplingParams,
     accept_exact_match,
@@ -39,38 +48,43 @@ from runtime.sampling import (
 )
 from runtime.scheduler import ScheduledRequest, Scheduler
 
-
-@dataclass(slots=True)
-class RequestOutput:
-    req_id: str
-    new_token_ids: list[int]  # emitted this step (stream these)
-    output_ids: list[int]  # all generated ids so far
-    text: str  # detokenized output so far ("" without a tokenizer)
-    finished: bool
-    finish_reason: str | None
-    num_steps: int
-    accepted_per_step: list[int] = field(default_factory=list)
+__all__ = ["LLMEngine", "RequestError", "RequestOutput"]
 
 
 class LLMEngine:
     def __init__(self, executor: Executor, model_cfg: ModelConfig, cfg: RuntimeConfig, tokenizer=None,
-                 lockstep: bool = False) -> None:  # fmt: skip
+                 lockstep: bool = False, seed: int = 0) -> None:  # fmt: skip
+        """seed: engine seed; an unseeded request samples from a generator derived from (seed, request id)."""
         if cfg.num_draft_tokens > 0 and model_cfg.num_mtp_modules == 0:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
         self.executor, self.model_cfg, self.cfg, self.tokenizer = executor, model_cfg, cfg, tokenizer
         self.k = cfg.num_draft_tokens
+        self.seed = seed
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                  mtp_cow=cfg.prefix_cache_cow, draft_kv=self.k > 0)  # fmt: skip
         self.scheduler = Scheduler(cfg, self.kv)
         self.metrics = Metrics(self.k)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # unfinished requests only: a finished one leaves with its output
         self._arrivals = itertools.count()
-        self._rng = np.random.default_rng(0)
         self.width = cfg.max_blocks_per_request
         # Multi-rank expert parallelism: every rank must issue the same collective-bearing forwards each step
         # (1 main + k drafts), so an idle rank runs dummy forwards that touch only the null block (invariant 9).
         self.lockstep = lockstep
         self._exec_seconds = 0.0  # executor time within the current step
+        # --num-draft-tokens auto: self.k is the maximum, the controller picks each step's k (draft_length.py)
+        self.draft_length = DraftLengthController(self.k) if cfg.auto_draft_tokens and self.k else None
+        self._gather = None  # multi-rank: every rank's StepSample, so all ranks decide from the same numbers
+        if self.draft_length is not None and lockstep:
+            from runtime.parallel import mpi_world  # lazy: parallel imports this module
+
+            comm, _, size = mpi_world()
+            self._gather = comm.allgather if comm is not None and size > 1 else None
+        # auto's cost of a draft length k is a cycle: the draft loop that made k drafts plus the next step
+        self._prev_draft = (0.0, 0.0, 0.0)  # the previous step's draft loop: (wall seconds, depths, requests)
+        self._cycle = (0.0, 0.0, 0.0, 0.0)  # the last finished cycle: (seconds, depths, requests, verify rows)
+        # auto's clock: wall time (the objective) by default; create_engine picks time.process_time for CPU
+        # executors, whose wall time on shared cores mostly measures the other jobs.
+        self.draft_clock = time.perf_counter
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, req_id: str | None = None) -> str:
@@ -81,18 +95,17 @@ class LLMEngine:
         if req_id in self.requests:
             raise RequestError(f"request id {req_id!r} is already in use; pick a unique id")
         ids = validate_prompt(prompt, self.tokenizer, self.model_cfg.vocab_size, self.cfg.max_seq_len)
-        worst_blocks = self.width
-        if worst_blocks > self.cfg.num_blocks - 1:
-            raise RequestError(f"a request may need {worst_blocks} KV blocks but the pool has {self.cfg.num_blocks - 1}")
-        req = Request(req_id, ids, params, next(self._arrivals))
-        req.rng = np.random.default_rng(params.seed) if params.seed is not None else self._rng
+        if self.width > self.cfg.num_blocks - 1:
+            raise RequestError(f"a request may need {self.width} KV blocks but the pool has {self.cfg.num_blocks - 1}")
+        req = Request(req_id, ids, params, next(self._arrivals), request_rng(self.seed, req_id, params.seed))
         self.requests[req_id] = req
         self.scheduler.add(req)
         return req_id
 
     def abort(self, req_id: str) -> None:
+        """Stop a request now (no further output for it); unknown or finished ids are ignored."""
         req = self.requests.get(req_id)
-        if req is not None and not req.is_finished:
+        if req is not None:
             self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
@@ -100,32 +113,80 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        t_start = time.perf_counter()
+        t_start, c_start = time.perf_counter(), self.draft_clock()
         self._exec_seconds = 0.0
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule()  # 1. schedule
         self.metrics.num_preemptions += len(sched.preempted)
         if sched.block_copies:  # prefix-cache copy-on-write, before anything reads the copies
             self.executor.copy_blocks(sched.block_copies)
             self.kv.complete_copies()
         if not sched.scheduled:
             if self.lockstep:
-                self._dummy_forwards(main=True)
+                self.executor.run_main(self._dummy_main_input())
+                self._dummy_drafts(self._choose_draft_length(StepSample()))
             return []
         scheduled = sched.scheduled
         tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
-        plan = plan_main(scheduled, tables)
-        main = self._timed(self.executor.run_main, plan.inp)  # 1. verify (main KV appended inside)
-        accepted, emitted = self._accept_all(scheduled, plan, main.logits)  # 2. accept
-        if self.k:
-            self._commit_pass(scheduled, accepted, main.hidden, plan.row_offsets, tables)  # 4. commit pass
-        outputs, drafting = self._advance(scheduled, plan, main.hidden, accepted, emitted)  # 3. rewind, 6. emit
-        if self.k:  # 5. serial draft loop from h_{base-1} and the new base token
-            rows = [row for _, row in drafting]
-            self._draft_loop([scheduled[i].req for i, _ in drafting], main.hidden[rows],
-                             tables[[i for i, _ in drafting]])  # fmt: skip
-        self._publish(scheduled)
-        self._update_metrics(time.perf_counter() - t_start, self._exec_seconds)
+        main_plan = plan_main(scheduled, tables)
+        main = self._timed(self.executor.run_main, main_plan.inp)  # 2. verify (main KV appended inside)
+        accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
+        k = self._choose_draft_length(self._sample(scheduled, accepted, errors))
+        plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
+                         draft_depths=k, refresh_drafts=self.cfg.commit_pass,
+                         max_carry_rows=4 * self.cfg.block_size)  # 4. plan  # fmt: skip
+        if plan.commit is not None:  # 5. commit (no collective inside, so skipping an empty write keeps lockstep)
+            self._timed(self.executor.run_commit, plan.commit)
+        outputs, drafting = self._apply(scheduled, plan)  # 6. apply
+        c_draft = self.draft_clock()
+        if self.k:  # 7. draft
+            if drafting and k:
+                self._draft_loop([scheduled[i].req for i in drafting], [plan.updates[i] for i in drafting],
+                                 main.hidden, tables[drafting], outputs, k)  # fmt: skip
+            elif self.lockstep:
+                self._dummy_drafts(k)
+            if drafting:
+                self.metrics.record_draft_length(k)
+        c_draft = self.draft_clock() - c_draft
+        self._publish(scheduled)  # 8. publish
+        step_seconds = time.perf_counter() - t_start
+        if self.draft_length is not None:
+            prev_seconds, prev_k, prev_r = self._prev_draft
+            c_step = self.draft_clock() - c_start
+            self._cycle = (prev_seconds + c_step - c_draft, prev_k, prev_r, float(len(main_plan.inp.input_ids)))
+            self._prev_draft = (c_draft, float(k), float(len(drafting)))
+        self._update_metrics(step_seconds, self._exec_seconds)
         return outputs
+
+    def _sample(self, scheduled: list[ScheduledRequest], accepted: list[int], errors: list[str | None]) -> StepSample:
+        """This step's measurements and decision inputs for the draft-length controller (with K=0 chosen it
+        still measures)."""
+        if self.draft_length is None:
+            return StepSample()
+        k_max = self.k
+        trials, successes, remaining = [0.0] * k_max, [0.0] * k_max, [0.0] * (k_max + 1)
+        for s, a, err in zip(scheduled, accepted, errors, strict=True):
+            if err is not None or not s.reaches_end:
+                continue
+            for j in range(min(s.num_drafts, k_max)):  # depth j is reached when 0..j-1 were accepted
+                trials[j] += a >= j
+                successes[j] += a > j
+            req = s.req  # tokens it may emit after this step's a + 1 (0: it finishes now and drafts nothing)
+            left = min(req.params.max_tokens - req.num_output_tokens, self.cfg.max_seq_len - req.num_tokens) - a - 1
+            if left > 0:
+                remaining[min(left, k_max + 1) - 1] += 1
+        cycle, self._cycle = self._cycle, (0.0, 0.0, 0.0, 0.0)  # each finished cycle is reported once
+        return StepSample(*cycle, sum(remaining), float(sum(s.num_new_tokens for s in scheduled)), trials,
+                          successes, remaining)  # fmt: skip
+
+    def _choose_draft_length(self, sample: StepSample) -> int:
+        """Fixed K, or the controller's pick; under MPI from every rank's sample, so every rank picks the same."""
+        ctl = self.draft_length
+        if ctl is None:
+            return self.k
+        if self._gather is not None:
+            sample = combine(self._gather(sample.to_array(self.k)), self.k)
+        ctl.observe(sample)
+        return ctl.choose(sample.num_drafting, sample.base_rows, sample.remaining)
 
     def _timed(self, fn, *args):
         """Call an executor method, adding its time to this step's executor time."""
@@ -134,111 +195,122 @@ class LLMEngine:
         self._exec_seconds += time.perf_counter() - t0
         return out
 
-    def _accept_all(self, scheduled: list[ScheduledRequest], plan, logits: np.ndarray):
-        """Per request: accepted draft count a_r and the tokens to emit (accepted drafts + one main token)."""
+    def _accept_all(self, scheduled: list[ScheduledRequest], plan: MainPlan, logits: np.ndarray):
+        """Per request: accepted draft count a_r, the main model's next token (None: a non-final chunk
+        samples nothing), and the error that aborts the request alone (None: fine)."""
         accepted: list[int] = []
-        emitted: list[list[int]] = []
+        next_tokens: list[int | None] = []
+        errors: list[str | None] = []
         for i, s in enumerate(scheduled):
-            if not s.reaches_end:  # a non-final prefill chunk samples nothing
-                accepted.append(0)
-                emitted.append([])
-                continue
-            lo = plan.logit_offsets[i]
-            a, nxt = self._accept(s.req, logits[lo : lo + 1 + s.num_drafts])
+            a, nxt, err = 0, None, None
+            if s.reaches_end:
+                lo = plan.logit_offsets[i]
+                try:
+                    a, nxt = self._accept(s.req, logits[lo : lo + 1 + s.num_drafts])
+                except Exception as e:  # noqa: BLE001 - one request's failure must not fail the batch
+                    err = f"sampling failed: {type(e).__name__}: {e}"
             accepted.append(a)
-            emitted.append(s.req.drafts[:a] + [nxt])
-        return accepted, emitted
+            next_tokens.append(nxt)
+            errors.append(err)
+        return accepted, next_tokens, errors
 
-    def _advance(self, scheduled: list[ScheduledRequest], plan, hidden: np.ndarray, accepted: list[int],
-                 emitted: list[list[int]]) -> tuple[list[RequestOutput], list[tuple[int, int]]]:  # fmt: skip
-        """Rewind (bookkeeping only), carry chunk seams, emit tokens. Returns outputs and the requests that
-        draft next, as (index in scheduled, main row of h_{base-1})."""
+    def _accept(self, req: Request, rows: np.ndarray) -> tuple[int, int]:
+        """rows [1+k, V]: logits of the last real token and of each draft."""
+        if not np.isfinite(rows).all():
+            raise FloatingPointError("the main model returned non-finite logits for this request")
+        p, spec = req.params, req.spec
+        if p.is_greedy:
+            return accept_greedy(spec.drafts, rows.argmax(-1).tolist())
+        probs = probs_from_logits(rows, p)
+        if p.acceptance == "rejection" and spec.drafts and spec.draft_probs is not None:
+            return accept_rejection(spec.drafts, spec.draft_probs, probs, req.rng)
+        return accept_exact_match(spec.drafts, sample(probs, req.rng).tolist())
+
+    def _apply(self, scheduled: list[ScheduledRequest], plan: StepPlan) -> tuple[list[RequestOutput], list[int]]:
+        """Apply the plan to request state and emit. Returns the outputs and the indices (into scheduled)
+        of the requests that draft next."""
         outputs, drafting = [], []
-        for i, s in enumerate(scheduled):
+        for i, (s, upd) in enumerate(zip(scheduled, plan.updates, strict=True)):
             req = s.req
-            req.num_computed = s.start + s.num_new_tokens + accepted[i]  # lookahead blocks stay owned
-            req.drafts, req.draft_probs = [], None
-            if not s.reaches_end:
-                last = plan.row_offsets[i] + s.num_new_tokens - 1
-                req.carry = ChunkCarry(s.start + s.num_new_tokens - 1, hidden[last].copy()) if self.k else None
+            if upd.error is not None:
+                outputs.append(self._fail(req, upd.error))
                 continue
-            req.carry = None
-            self._record_verify(s, accepted[i])
-            new = self._emit(req, emitted[i])
-            outputs.append(self._output(req, new))
-            if not req.is_finished and self.k:
-                drafting.append((i, plan.row_offsets[i] + s.num_new_tokens - 1 + accepted[i]))
+            req.num_computed = upd.num_computed
+            req.spec.carry, req.spec.drafts, req.spec.draft_probs = upd.carry, [], None
+            if not upd.emit:  # a non-final prefill chunk
+                continue
+            self._record_verify(s, upd.num_accepted)
+            try:
+                new = self._emit(req, upd.emit)
+            except Exception as e:  # noqa: BLE001 - e.g. the tokenizer failing on this request's stop strings
+                outputs.append(self._fail(req, f"emission failed: {type(e).__name__}: {e}"))
+                continue
+            outputs.append(RequestOutput.snapshot(req, new))
+            if not req.is_finished:  # verified and still running: drafts next (k = 0 included: counted, not run)
+                drafting.append(i)
         return outputs, drafting
 
     def _publish(self, scheduled: list[ScheduledRequest]) -> None:
         """Publish blocks whose main and MTP entries are final (a carried position is not final yet)."""
         for s in scheduled:
             if not s.req.is_finished:
-                final = s.req.num_computed - (1 if s.req.carry is not None else 0)
+                carry = s.req.spec.carry
+                final = s.req.num_computed if carry is None else carry.position
                 self.kv.publish_full_blocks(s.req.req_id, s.req.token_ids, final)
 
-    def _accept(self, req: Request, rows: np.ndarray) -> tuple[int, int]:
-        """rows [1+k, V]: logits of the last real token and of each draft."""
-        p = req.params
-        if p.is_greedy:
-            return accept_greedy(req.drafts, rows.argmax(-1).tolist())
-        probs = probs_from_logits(rows, p)
-        if p.acceptance == "rejection" and req.drafts and req.draft_probs is not None:
-            return accept_rejection(req.drafts, req.draft_probs, probs, req.rng)
-        return accept_exact_match(req.drafts, sample(probs, req.rng).tolist())
-
-    def _commit_pass(self, scheduled: list[ScheduledRequest], accepted: list[int], hidden: np.ndarray,
-                     row_offsets: list[int], tables: np.ndarray) -> None:  # fmt: skip
-        segments = []
-        for i, s in enumerate(scheduled):
-            carry = s.req.carry
-            if carry is not None and carry.position != s.start - 1:
-                raise RuntimeError(f"chunk carry of {s.req.req_id} is for position {carry.position}, "
-                                   f"but the next chunk starts at {s.start}")  # fmt: skip
-            committed = s.req.token_ids + s.req.drafts[: accepted[i]]
-            segments.append(commit_segment(s, accepted[i], committed, hidden, row_offsets[i],
-                                           None if carry is None else carry.hidden, self.cfg.commit_pass))  # fmt: skip
-        inp = pack_commit(segments, tables, self.executor.hidden_size)
-        if len(inp.token_ids):  # no collective inside, so skipping an empty write keeps lockstep
-            self._timed(self.executor.run_commit, inp)
-
-    def _dummy_forwards(self, main: bool) -> None:
-        """One padded row (count 0, null block): joins the MoE exchange, reads and writes no KV."""
+    # Dummy forwards of an idle rank: one padded row (count 0, null block) joins the MoE exchange and reads
+    # and writes no KV, so every rank issues the same collective-bearing forwards (invariant 9).
+    def _null_table(self) -> np.ndarray:
         table = np.full((1, self.width), -1, dtype=np.int32)
-        table[0, 0] = 0
-        zero_i32, zero_i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
-        if main:
-            self.executor.run_main(MainInput(zero_i64, zero_i64, zero_i32, zero_i32, table, np.zeros(0, np.int64)))
-        hidden = np.zeros((1, self.executor.hidden_size), np.float32)
-        for _ in range(self.k):
-            self.executor.run_draft(DraftInput(hidden, zero_i64, zero_i64, zero_i32, table))
+        table[0, 0] = NULL_BLOCK_ID
+        return table
 
-    def _draft_loop(self, reqs: list[Request], hidden: np.ndarray, tables: np.ndarray) -> None:
-        if not reqs:
-            if self.lockstep:
-                self._dummy_forwards(main=False)
-            return
-        bases = [r.num_computed for r in reqs]
-        for r, b in zip(reqs, bases, strict=True):
-            if r.num_tokens - 1 != b:
-                raise RuntimeError(f"{r.req_id}: base position {b} is not the last token's ({r.num_tokens - 1})")
+    def _dummy_main_input(self) -> MainInput:
+        zero_i32, zero_i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
+        return MainInput(zero_i64, zero_i64, zero_i32, zero_i32, self._null_table(), np.zeros(0, np.int64))
+
+    def _dummy_drafts(self, k: int) -> None:
+        zero_i32, zero_i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
+        hidden = np.zeros((1, self.executor.hidden_size), np.float32)
+        for _ in range(k):
+            self.executor.run_draft(DraftInput(hidden, zero_i64, zero_i64, zero_i32, self._null_table()))
+
+    def _draft_loop(self, reqs: list[Request], updates: list[RequestUpdate], main_hidden: np.ndarray,
+                    tables: np.ndarray, outputs: list[RequestOutput], k: int) -> None:  # fmt: skip
+        """k serial depths; depth d writes base-1+d. A request failing here is aborted after the loop (its
+        row keeps its place in every depth, so the batch shape and the lockstep call count never change).
+        k may differ from the previous step's: the next verify checks exactly the drafts made here."""
+        bases = [u.num_computed for u in updates]
+        failed: dict[int, str] = {}
+        for j, (r, b) in enumerate(zip(reqs, bases, strict=True)):
+            if r.num_tokens - 1 != b:  # invariant 3: the draft start is derived from base, never tracked
+                failed[j] = f"base position {b} is not the last token's ({r.num_tokens - 1})"
+        hidden = main_hidden[[u.draft_row for u in updates]]
         tokens = [r.token_ids[-1] for r in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
-        for depth in range(self.k):
+        for depth in range(k):
             out = self._timed(self.executor.run_draft, plan_draft(hidden, tokens, bases, depth, tables))
-            tokens = []
             for j, r in enumerate(reqs):
-                if r.params.acceptance == "rejection" and not r.params.is_greedy:
-                    q = probs_from_logits(out.logits[j : j + 1], r.params)
-                    probs[j].append(q[0])
-                    tokens.append(int(sample(q, r.rng)[0]))
-                else:
-                    tokens.append(int(out.logits[j].argmax()))
-                r.drafts.append(tokens[-1])
+                try:
+                    tokens[j] = self._draft_token(r, out.logits[j : j + 1], probs[j])
+                except Exception as e:  # noqa: BLE001 - one request's failure must not fail the batch
+                    failed.setdefault(j, f"drafting failed: {type(e).__name__}: {e}")
+                r.spec.drafts.append(tokens[j])
             hidden = out.hidden_out
         for j, r in enumerate(reqs):
-            if probs[j]:
-                r.draft_probs = np.stack(probs[j])
+            if j in failed:
+                outputs.append(self._fail(r, failed[j]))
+            elif probs[j]:
+                r.spec.draft_probs = np.stack(probs[j])
+
+    @staticmethod
+    def _draft_token(r: Request, logits: np.ndarray, probs: list[np.ndarray]) -> int:
+        """Sampled drafts (rejection acceptance) keep their distribution; otherwise the argmax."""
+        if r.params.acceptance == "rejection" and not r.params.is_greedy:
+            q = probs_from_logits(logits, r.params)
+            probs.append(q[0])
+            return int(sample(q, r.rng)[0])
+        return int(logits[0].argmax())
 
     # ------------------------------------------------------------------ emission and bookkeeping
     def _emit(self, req: Request, tokens: list[int]) -> list[int]:
@@ -246,7 +318,7 @@ class LLMEngine:
         stop_ids = {p.end_id} if p.end_id is not None else set(self.model_cfg.eos_token_id)
         new = []
         for t in tokens:
-            req.output_ids.append(t)
+            req.token_ids.append(t)
             new.append(t)
             self.metrics.num_generated_tokens += 1
             if self.tokenizer is not None and p.stop:  # stop strings are checked token by token
@@ -257,7 +329,7 @@ class LLMEngine:
                 cut = min(req.text.find(s) for s in p.stop if s in req.text)
                 req.text = req.text[:cut]
                 self._finish(req, "stop")
-            elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_seq_len:
+            elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.cfg.max_seq_len:
                 self._finish(req, "length")
             if req.is_finished:
                 break
@@ -269,17 +341,22 @@ class LLMEngine:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.scheduler.finish(req)
+        self.requests.pop(req.req_id, None)  # a finished request lives on only in its last output
+
+    def _fail(self, req: Request, error: str) -> RequestOutput:
+        """Abort one request for a failure of its own; its final output carries the error."""
+        req.error = error
+        if not req.is_finished:
+            self._finish(req, "error")
+        return RequestOutput.snapshot(req, [])
 
     def _record_verify(self, s: ScheduledRequest, a: int) -> None:
-        is_decode = s.num_drafts > 0 or (self.k == 0 and s.num_new_tokens == 1 and bool(s.req.output_ids))
-        if is_decode:
+        """A decode verify step: drafts were verified, or (no drafts) one base token after an output."""
+        if s.num_drafts > 0 or (s.num_new_tokens == 1 and s.req.num_output_tokens > 0):
             s.req.num_steps += 1
+            s.req.num_proposed += s.num_drafts
             s.req.accepted_per_step.append(a)
             self.metrics.record_verify(s.num_drafts, a, a + 1)
-
-    def _output(self, req: Request, new: list[int]) -> RequestOutput:
-        return RequestOutput(req.req_id, new, list(req.output_ids), req.text, req.is_finished, req.finish_reason,
-                             req.num_steps, list(req.accepted_per_step))  # fmt: skip
 
     def _update_metrics(self, step_seconds: float, exec_seconds: float) -> None:
         m = self.metrics

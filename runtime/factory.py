@@ -6,6 +6,7 @@ and the benchmarks all call `create_engine`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def create_engine(
     device: str = "cpu",
     cuda_graphs: bool = False,
     threads: int | None = None,
+    seed: int = 0,
     **overrides,
 ) -> LLMEngine:
     """Args:
@@ -44,11 +46,16 @@ def create_engine(
         executor: onnxruntime | torch | tensorrt.
         device, cuda_graphs: torch executor only ("cuda" + cuda_graphs=True replays captured graphs).
         threads: onnxruntime intra-op threads (default: what the engine recorded); torch uses torch.set_num_threads.
-        overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...).
+        seed: engine seed; an unseeded request samples from a generator derived from (seed, request id).
+        overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...); num_draft_tokens="auto"
+            picks the draft length per step, up to the engine's built K (runtime/draft_length.py).
     """
     if executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    if overrides.get("num_draft_tokens") == "auto":  # K_max = what the engine was built for (or the default)
+        del overrides["num_draft_tokens"]
+        overrides["auto_draft_tokens"] = True
     if engine_dir is not None:
         ecfg = load_engine_config(engine_dir)
         if ecfg.world_size != world_size:
@@ -80,7 +87,10 @@ def create_engine(
         tokenizer = load_tokenizer(Path(checkpoint))
     if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:
         cfg = replace(cfg, num_draft_tokens=0)  # the checkpoint has no MTP module: plain decoding
-    return LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1)
+    engine = LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1, seed=seed)
+    if executor == "onnxruntime" or (executor == "torch" and device == "cpu"):
+        engine.draft_clock = time.process_time  # CPU executors: auto's costs in CPU work, immune to other jobs
+    return engine
 
 
 def engine_defaults(ecfg: EngineConfig) -> RuntimeConfig:

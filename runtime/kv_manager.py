@@ -10,14 +10,15 @@ Token/block layout of a request (block_size B = 4, `|` = block boundary)::
     prefix hit  [shared] [ shared ][ given up ]            (3 blocks matched, the last is recomputed)
     committed   ........................ P0-1 | b d_0 .. d_{k-1} | lookahead for next step's drafts
 
-MTP prefix rule (DESIGN.md invariant 6): the MTP (draft) KV entry at a block's last position p pairs
+MTP prefix rule (invariant 6, docs/RUNTIME.md): the MTP (draft) KV entry at a block's last position p pairs
 `h_p` with token `t_{p+1}`, the *next* block's first token. Each published block therefore records that
 token (`next_token_id`), and a matched block is reused as-is only when the prompt continues with the same
 token. The first matched block that fails this (for a plain prompt repeat: the last matched block) is
 given up: `num_cached_tokens = (m-1)*B`. With `mtp_cow=True` that block is kept and only its last
 position is recomputed (`num_cached_tokens = m*B - 1`): it is copied into a private block (the executor
-performs `pending_copies()` before the step) and the request's table points at the copy. A request
-holding a chunk carry gets no hit at all. The whole prompt never matches: one position is always computed.
+performs `pending_copies()` before the step) and the request's table points at the copy. The whole
+prompt never matches: one position is always computed. (Only waiting requests look up, and a waiting
+request never holds a chunk carry: preemption drops it.)
 
 NOTE: the plain "give up the last matched block" rule is not enough on its own. Two requests may publish
 the same content twice (the second copy stays private), so block j of a hit chain can come from a request
@@ -25,7 +26,7 @@ that continued differently from the one that published block j+1; checking `next
 covers that case, and also lets a follow-up turn reuse its last block when the continuation matches.
 
 Only verified tokens reach the cache: `publish_full_blocks` hashes blocks fully covered by committed
-positions. A shared or published block is never written (`writable` lets the runtime check every write).
+positions. A shared or published block is never written (tests/runtime/test_kv_manager.py checks each write).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from plugins.engine_format.layout import cdiv
 from runtime.block_pool import BlockPool
 
 ROOT_HASH = 0  # parent hash of block 0 (not hash(None): that differs between processes on Python 3.11)
@@ -41,10 +43,6 @@ ROOT_HASH = 0  # parent hash of block 0 (not hash(None): that differs between pr
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
     """Chained content hash of one full block. Collisions are guarded by comparing stored tokens."""
     return hash((parent_hash, tuple(token_ids)))
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(slots=True)
@@ -66,7 +64,7 @@ class PrefixHit:
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counters since start-up; the runtime reports them per run (DESIGN.md section 10)."""
+    """Counters since start-up; the runtime reports them per run (docs/ARCHITECTURE.md)."""
 
     num_requests: int = 0  # requests whose first allocation went through this manager
     num_queried_tokens: int = 0  # prompt tokens looked up via find_prefix and then allocated
@@ -109,12 +107,11 @@ class KVCacheManager:
         self._pending: list[_PendingCopy] = []  # mtp_cow copies not yet performed by the executor
 
     # ------------------------------------------------------------------ prefix lookup
-    def find_prefix(self, token_ids: Sequence[int], *, hold_carry: bool = False) -> PrefixHit:
+    def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
         """Longest cached prefix of full blocks usable by a new request; side-effect free.
 
         Args:
             token_ids: the prompt (or the full token list of a resumed request).
-            hold_carry: the request holds a chunk carry, so it must recompute everything.
         Returns:
             A `PrefixHit`; at least one position is always left to compute.
         """
@@ -132,13 +129,13 @@ class KVCacheManager:
                 parent = block_hash
         # A matched block is reusable as-is only if its last draft entry was paired with our next token.
         num_full = 0
-        while (not hold_carry and num_full < len(matched) and (num_full + 1) * B < len(token_ids)
+        while (num_full < len(matched) and (num_full + 1) * B < len(token_ids)
                and (not self.draft_kv or matched[num_full][2] == token_ids[(num_full + 1) * B])):
             num_full += 1
         hit = PrefixHit(block_ids=[m[0] for m in matched[:num_full]], block_hashes=[m[1] for m in matched[:num_full]],
                         num_cached_tokens=num_full * B, num_prompt_tokens=len(token_ids),
                         num_matched_blocks=len(matched))
-        if self.mtp_cow and self.draft_kv and num_full < len(matched) and not hold_carry:  # main KV of the block fits, its last draft entry does not
+        if self.mtp_cow and self.draft_kv and num_full < len(matched):  # main KV of the block fits, its last draft entry does not
             hit.cow_block_id, hit.cow_block_hash = matched[num_full][:2]
             hit.num_cached_tokens += B - 1
         return hit
@@ -267,19 +264,6 @@ class KVCacheManager:
     def has_request(self, req_id: str) -> bool:
         return req_id in self._tables
 
-    def slot_mapping(self, req_id: str, positions: Sequence[int]) -> list[int]:
-        """Flat KV slot (block_id * B + offset) of each position; raises if a position is not covered."""
-        table, B = self._tables[req_id], self.block_size
-        return [table[p // B] * B + p % B for p in positions]
-
-    def writable(self, req_id: str, position: int) -> bool:
-        """True when `position` lies in a block `req_id` owns exclusively and that is not frozen by publication."""
-        table = self._tables.get(req_id)
-        if table is None or not 0 <= position < len(table) * self.block_size:
-            return False
-        block_id = table[position // self.block_size]
-        return not self.pool.is_shared(block_id) and not self.pool.is_published(block_id)
-
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
@@ -288,11 +272,6 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         """Blocks held by requests or pinned as copy sources (the null block excluded)."""
         return self.pool.num_used_blocks
-
-    @property
-    def num_active_blocks(self) -> int:
-        """Distinct blocks referenced by some block table."""
-        return len({b for table in self._tables.values() for b in table})
 
     def assert_no_leaks(self) -> None:
         """Raise RuntimeError unless every reference count equals the holders the manager knows about."""

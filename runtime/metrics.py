@@ -1,4 +1,4 @@
-"""Run metrics (design section 10): acceptance by draft position, tokens/s, executor vs host time, KV use."""
+"""Run metrics (docs/ARCHITECTURE.md): acceptance by draft position, tokens/s, executor vs host time, KV use."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ class Metrics:
     num_draft_tokens: int
     proposed_per_position: list[int] = field(default_factory=list)  # verify steps that proposed position i
     accepted_per_position: list[int] = field(default_factory=list)  # ... and accepted it
+    reached_per_position: list[int] = field(default_factory=list)  # ... proposed it with 0..i-1 accepted
     num_verify_steps: int = 0  # decode verify steps over all requests (one per request per step)
     num_emitted_tokens: int = 0  # tokens emitted by decode verify steps (bonus included)
     num_generated_tokens: int = 0  # all output tokens (incl. the first token after prefill)
@@ -21,21 +22,28 @@ class Metrics:
     kv_blocks_used: int = 0  # at the last step
     kv_blocks_free: int = 0
     kv_blocks_used_peak: int = 0
+    draft_length_counts: list[int] = field(default_factory=list)  # steps that drafted, by draft length 0..K
 
     def __post_init__(self) -> None:
         self.proposed_per_position = [0] * self.num_draft_tokens
         self.accepted_per_position = [0] * self.num_draft_tokens
+        self.reached_per_position = [0] * self.num_draft_tokens
+        self.draft_length_counts = [0] * (self.num_draft_tokens + 1)
 
     def merge(self, other: Metrics) -> None:
         """Add another rank's counts (times: the slowest rank's, since ranks step in lockstep)."""
         for i in range(self.num_draft_tokens):
             self.proposed_per_position[i] += other.proposed_per_position[i]
             self.accepted_per_position[i] += other.accepted_per_position[i]
+            self.reached_per_position[i] += other.reached_per_position[i]
         for name in ("num_verify_steps", "num_emitted_tokens", "num_generated_tokens", "prefix_hit_tokens",
                      "num_preemptions", "kv_blocks_used", "kv_blocks_used_peak", "kv_blocks_free"):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("num_steps", "executor_seconds", "step_seconds"):
             setattr(self, name, max(getattr(self, name), getattr(other, name)))
+        # the draft length is decided identically on every rank (lockstep), so ranks agree step by step
+        self.draft_length_counts = [max(a, b) for a, b in zip(self.draft_length_counts, other.draft_length_counts,
+                                                               strict=True)]  # fmt: skip
 
     def record_verify(self, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
         self.num_verify_steps += 1
@@ -43,6 +51,10 @@ class Metrics:
         for i in range(num_proposed):
             self.proposed_per_position[i] += 1
             self.accepted_per_position[i] += int(i < num_accepted)
+            self.reached_per_position[i] += int(i <= num_accepted)
+
+    def record_draft_length(self, k: int) -> None:
+        self.draft_length_counts[k] += 1
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -56,12 +68,9 @@ class Metrics:
 
     @property
     def conditional_acceptance_per_position(self) -> list[float]:
-        """P(accept i | accepted 0..i-1) = accepted[i] / accepted[i-1] (position 0: / proposed)."""
-        out = []
-        for i, a in enumerate(self.accepted_per_position):
-            prev = self.proposed_per_position[0] if i == 0 else self.accepted_per_position[i - 1]
-            out.append(a / prev if prev else 0.0)
-        return out
+        """P(accept i | accepted 0..i-1) = accepted[i] / reached[i]; with a fixed k, reached[i] is accepted[i-1]
+        (position 0: proposed), but a step of `auto` that proposed fewer drafts never reached the deeper ones."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_per_position, self.reached_per_position, strict=True)]
 
     @property
     def host_fraction(self) -> float:
@@ -84,4 +93,6 @@ class Metrics:
             "kv_blocks_used": self.kv_blocks_used,
             "kv_blocks_used_peak": self.kv_blocks_used_peak,
             "kv_blocks_free": self.kv_blocks_free,
+            # how many steps drafted k tokens (with --num-draft-tokens auto, the controller's choices)
+            "draft_length_histogram": {str(k): n for k, n in enumerate(self.draft_length_counts) if n},
         }

@@ -1,7 +1,11 @@
 """Pure planning for one engine step: which rows the main forward, the commit pass and the draft depths
 get. No executor, no state changes: inputs are the scheduled requests and numbers, outputs are arrays.
 
-Notation (design section 4): a request forwards positions start..start+n-1 (n real tokens) plus its
+Two plans per step (runtime/engine.py applies them): `plan_main` before verify, and `plan_step` after
+accept, which derives everything the rest of the step needs (commit input, chunk carries, rewinds, draft
+rows and bases) from the verify results before any request state changes; `plan_draft` shapes one depth.
+
+Notation (docs/RUNTIME.md): a request forwards positions start..start+n-1 (n real tokens) plus its
 drafts. After acceptance of `a` drafts, positions 0..base-1 are committed with base = start + n + a
 (for a decode step start = P0 and n = 1, so base = P0 + 1 + a).
 
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.executors.base import CommitInput, DraftInput, MainInput
+from runtime.request import ChunkCarry
 from runtime.scheduler import ScheduledRequest
 
 
@@ -50,7 +55,7 @@ def plan_main(scheduled: list[ScheduledRequest], block_tables: np.ndarray) -> Ma
     row_offsets, logit_offsets = [], []
     for s in scheduled:
         row_offsets.append(len(ids))
-        tokens = s.req.token_ids[s.start : s.start + s.num_new_tokens] + s.req.drafts[: s.num_drafts]
+        tokens = s.req.token_ids[s.start : s.start + s.num_new_tokens] + s.req.spec.drafts[: s.num_drafts]
         ids += tokens
         positions += range(s.start, s.start + len(tokens))
         if s.reaches_end:  # rows of the last real token and every draft: sampling + verification
@@ -79,26 +84,117 @@ class CommitSegment:
     token_ids: list[int]  # t_{p+1} per row
 
 
-def commit_segment(
-    s: ScheduledRequest,
-    num_accepted: int,
-    committed_ids: list[int],  # the request's tokens after appending this step's accepted drafts
-    main_hidden: np.ndarray,  # [T, H] this step's main hidden rows
-    row_offset: int,
-    carry_hidden: np.ndarray | None,  # [H] h_{start-1} from the previous chunk, or None
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one scheduled request becomes after this step; applied by the engine, computed before it mutates."""
+
+    num_computed: int  # base: committed positions (the rewind; lookahead blocks stay owned)
+    emit: list[int]  # accepted drafts + the main token; [] for a non-final chunk
+    num_accepted: int
+    carry: ChunkCarry | None  # the next chunk's seam (MTP on, non-final chunk only)
+    draft_row: int  # main row of h_{base-1}, depth 0's input; -1 = does not draft
+    error: str | None = None  # a per-request inconsistency: the engine aborts this request alone
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The whole post-verify plan of one step, built from the verify results before anything mutates."""
+
+    updates: list[RequestUpdate]  # one per scheduled request, in order
+    commit: CommitInput | None  # None: MTP off, or no row to write (no collective inside, so lockstep holds)
+
+
+def plan_step(
+    scheduled: list[ScheduledRequest],
+    main: MainPlan,
+    hidden: np.ndarray,  # [T, H] this step's main hidden rows
+    accepted: list[int],  # a_r per scheduled request (0 for a non-final chunk)
+    next_tokens: list[int | None],  # the main model's token per request (None for a non-final chunk)
+    *,
+    errors: list[str | None] | None = None,  # per request: why accept failed (that request is aborted)
+    mtp: bool,  # MTP on: plan the commit pass, chunk carries and draft rows
+    draft_depths: int = 1,  # k of this step's draft loop (0: `auto` chose not to draft)
     refresh_drafts: bool = True,  # False = --no-commit-pass ablation (decode refresh skipped)
-) -> CommitSegment:
-    if s.num_drafts and not refresh_drafts:
-        return CommitSegment(s.start, main_hidden[:0], [])
-    first_p = s.start - (1 if carry_hidden is not None else 0)
-    last_p = s.start + s.num_new_tokens - 2 + num_accepted
-    hidden = main_hidden[row_offset : row_offset + max(0, s.num_new_tokens - 1 + num_accepted)]
-    if carry_hidden is not None:
-        hidden = np.concatenate([carry_hidden[None], hidden])
-    tokens = committed_ids[first_p + 1 : last_p + 2]
+    max_carry_rows: int = 16,  # with k = 0: rows a request may hold back before every carry is written
+) -> StepPlan:
+    """All the hidden-row arithmetic of a step after verify lives here (module docstring has the layout).
+
+    With k = 0 nobody runs depth 0, so row p = base-1 (h_{base-1}, base token) is written by the commit pass
+    instead. To keep K=0-like steps free of a commit call, such rows are carried (like a chunk seam) while
+    no request has other rows to write and no carry is full; the next commit then writes them all.
+    """
+    errors = errors if errors is not None else [None] * len(scheduled)
+    defer = mtp and draft_depths == 0 and all(
+        err is not None or (s.num_new_tokens - 1 + a == 0 and _carried(s) < max_carry_rows)
+        for s, a, err in zip(scheduled, accepted, errors, strict=True))  # fmt: skip
+    updates, segments = [], []
+    for i, s in enumerate(scheduled):
+        a, nxt = accepted[i], next_tokens[i]
+        emit = [] if nxt is None else s.req.spec.drafts[:a] + [nxt]
+        upd = RequestUpdate(s.start + s.num_new_tokens + a, emit, a, None, -1, errors[i])
+        updates.append(upd)
+        if not mtp:
+            continue
+        seg = None
+        if upd.error is None:
+            try:
+                seg, upd.carry = _plan_rows(s, a, nxt, hidden, main.row_offsets[i], draft_depths, defer,
+                                            refresh_drafts)  # fmt: skip
+            except ValueError as e:  # this request's state is inconsistent: it alone is aborted, unwritten
+                upd.error = str(e)
+        if seg is None:  # nothing is written for an aborted request, but its segment keeps its place
+            segments.append(CommitSegment(s.start, hidden[:0], []))
+            continue
+        segments.append(seg)
+        if s.reaches_end and draft_depths > 0:
+            upd.draft_row = main.row_offsets[i] + s.num_new_tokens - 1 + a
+    commit = None
+    if mtp and any(seg.token_ids for seg in segments):
+        commit = pack_commit(segments, main.inp.block_tables, hidden.shape[1])
+    return StepPlan(updates, commit)
+
+
+def _carried(s: ScheduledRequest) -> int:
+    carry = s.req.spec.carry
+    return 0 if carry is None else len(carry.hidden)
+
+
+def _plan_rows(s: ScheduledRequest, a: int, next_token: int | None, main_hidden: np.ndarray, off: int,
+               draft_depths: int, defer: bool, refresh_drafts: bool) -> tuple[CommitSegment, ChunkCarry | None]:  # fmt: skip
+    """One request's commit segment and the carry it leaves. Rows (h_p, t_{p+1}) run from the carried rows
+    (or start) through start + n - 2 + a, plus the tail p = base-1 when no depth 0 writes it this step."""
+    req, carry, n = s.req, s.req.spec.carry, s.num_new_tokens
+    if carry is not None and carry.end != s.start:
+        raise ValueError(f"chunk carry of {req.req_id} is for positions {carry.position}..{carry.end - 1}, "
+                         f"but the next chunk starts at {s.start}")  # fmt: skip
+    base = s.start + n + a
+    tail = main_hidden[off + n - 1 + a : off + n + a]  # h_{base-1}
+    if defer:  # this step has no other row (n - 1 + a == 0): hold h_{base-1} with the earlier carried rows
+        rows = tail.copy() if carry is None else np.concatenate([carry.hidden, tail])
+        return CommitSegment(s.start, main_hidden[:0], []), ChunkCarry(base - len(rows), rows)
+    fold = s.reaches_end and draft_depths == 0  # write the tail now, paired with the new base token
+    if not s.reaches_end:
+        new_carry: ChunkCarry | None = ChunkCarry(base - 1, tail.copy())  # the seam row of the next chunk
+    else:
+        new_carry = None
+    if s.num_drafts and not refresh_drafts:  # ablation: no refresh of the accepted drafts' entries
+        if not fold:
+            return CommitSegment(s.start, main_hidden[:0], []), new_carry
+        assert next_token is not None
+        return CommitSegment(base - 1, tail, [next_token]), new_carry
+    first_p = s.start if carry is None else carry.position
+    num_regular = n - 1 + a  # p = start .. start + n - 2 + a
+    parts = ([] if carry is None else [carry.hidden]) + [main_hidden[off : off + num_regular]] + ([tail] if fold else [])
+    hidden = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    # t_{p+1} for every row: committed tokens, then (decode) the accepted drafts; no full-list copy
+    end = s.start + num_regular + 1
+    tokens = req.token_ids[first_p + 1 : end] + req.spec.drafts[: max(0, end - req.num_tokens)]
+    if fold:
+        assert next_token is not None
+        tokens.append(next_token)
     if len(tokens) != hidden.shape[0]:
-        raise RuntimeError(f"commit plan mismatch: {hidden.shape[0]} hiddens vs {len(tokens)} tokens")
-    return CommitSegment(first_p, hidden, tokens)
+        raise ValueError(f"commit plan mismatch for {req.req_id}: {hidden.shape[0]} hiddens vs {len(tokens)} tokens")
+    return CommitSegment(first_p, hidden, tokens), new_carry
 
 
 def pack_commit(segments: list[CommitSegment], block_tables: np.ndarray, hidden_size: int) -> CommitInput:

@@ -1,15 +1,17 @@
-"""Per-request state: tokens, how many are committed, drafts in flight, the chunk carry, stats.
+"""Per-request state, split by concern: tokens and progress (`Request`), speculative state (`SpecState`),
+and the random generator each request samples with.
 
-Token-count view (vLLM style): `token_ids` = prompt + emitted outputs; positions
-`0..num_computed-1` hold committed main KV. Each step a request forwards `token_ids[num_computed:]`
-(capped by the chunk budget) plus its drafts when the chunk reaches the end. When the last token of
-`token_ids` is the un-forwarded *base* token, that is a decode step; otherwise a prefill chunk. The
-draft start is never stored: it is derived from `num_computed` (invariant 3).
+Token-count view (vLLM style): `token_ids` is one append-only list, prompt first, then every emitted
+token; positions `0..num_computed-1` hold committed main KV. Each step a request forwards
+`token_ids[num_computed:]` (capped by the chunk budget) plus its drafts when the chunk reaches the end.
+When the last token of `token_ids` is the un-forwarded *base* token, that is a decode step; otherwise a
+prefill chunk. The draft start is never stored: it is derived from `num_computed` (invariant 3).
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,39 +27,77 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass(slots=True)
 class ChunkCarry:
-    """The last hidden of a non-final prefill chunk, consumed by the next chunk's seam row (invariant 7)."""
+    """Main hiddens whose MTP entries are not written yet (invariant 7): positions position..end-1.
 
-    position: int  # position p of the hidden; the next chunk must start at p + 1
-    hidden: np.ndarray  # float32 [H] main hidden h_p
+    A non-final prefill chunk carries its last row (the next chunk's seam row); with `auto` at k = 0 a
+    decode step carries h_{base-1} too, until a step writes them all. The next forward starts at `end`.
+    """
+
+    position: int  # first carried position p
+    hidden: np.ndarray  # float32 [m, H] main hiddens h_p .. h_{end-1}
+
+    @property
+    def end(self) -> int:
+        return self.position + len(self.hidden)
+
+
+@dataclass(slots=True)
+class SpecState:
+    """What the speculative step carries from one step to the next; KV-derived, so preemption drops it."""
+
+    drafts: list[int] = field(default_factory=list)  # d_0..d_{k-1} proposed last step, verified this step
+    draft_probs: np.ndarray | None = None  # float32 [k, V] (rejection sampling only)
+    carry: ChunkCarry | None = None  # set between the chunks of a chunked prefill, never with drafts
+
+
+def request_rng(engine_seed: int, req_id: str, seed: int | None) -> np.random.Generator:
+    """The request's own generator: from its explicit seed, else from (engine seed, request id).
+
+    Per request rather than one engine generator, so a request's samples never depend on which other
+    requests share its batches (or its rank). blake2b, not hash(): str hashes differ between processes.
+    """
+    if seed is not None:
+        return np.random.default_rng(seed)
+    digest = int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little")
+    return np.random.default_rng([engine_seed, digest])
 
 
 @dataclass(slots=True)
 class Request:
     req_id: str
-    prompt_ids: list[int]
+    token_ids: list[int]  # append-only: the prompt, then every emitted token
     params: SamplingParams
     arrival: int  # admission order (preemption picks the newest)
-    output_ids: list[int] = field(default_factory=list)
+    rng: np.random.Generator
+    num_prompt_tokens: int = -1  # set from token_ids on creation
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0  # committed main-KV positions
-    drafts: list[int] = field(default_factory=list)  # d_0..d_{k-1} proposed last step, verified this step
-    draft_probs: np.ndarray | None = None  # float32 [k, V] (rejection sampling only)
-    carry: ChunkCarry | None = None
+    spec: SpecState = field(default_factory=SpecState)
     finish_reason: str | None = None
-    rng: np.random.Generator = field(default_factory=np.random.default_rng)  # set from params.seed by the engine
+    error: str | None = None  # why the engine aborted the request (finish_reason "error")
     # stats
     num_steps: int = 0  # verify steps that emitted tokens
-    accepted_per_step: list[int] = field(default_factory=list)
+    num_proposed: int = 0  # drafts verified over all steps (k may change per step)
+    accepted_per_step: list[int] = field(default_factory=list)  # append-only
     num_cached_tokens: int = 0  # prefix-cache hit tokens at admission
     text: str = ""
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)  # owned: the caller's list is never appended to
+        self.num_prompt_tokens = len(self.token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        """A copy of the generated ids (O(output)); per-step code uses num_output_tokens instead."""
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:
@@ -67,6 +107,42 @@ class Request:
         """Preemption: drop KV-derived state; the request is re-prefilled from its tokens later."""
         self.status = RequestStatus.WAITING
         self.num_computed = 0
-        self.drafts = []
-        self.draft_probs = None
-        self.carry = None
+        self.spec = SpecState()
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One step's news for one request: a delta plus O(1) snapshots of the append-only state.
+
+    `output_ids` / `accepted_per_step` slice the request's lists at this step's lengths on access, so a
+    step never copies a full output, and an output kept from an earlier step still reads as of that step.
+    """
+
+    req_id: str
+    new_token_ids: list[int]  # emitted this step (stream these)
+    text: str  # detokenized output so far ("" without a tokenizer)
+    finished: bool
+    finish_reason: str | None
+    num_steps: int
+    num_output_tokens: int
+    num_proposed: int = 0  # drafts verified so far (acceptance rate = sum(accepted_per_step) / this)
+    error: str | None = None  # set when the engine aborted the request (finish_reason "error")
+    _tokens: list[int] = field(default_factory=list, repr=False)
+    _num_prompt_tokens: int = 0
+    _accepted: list[int] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def snapshot(cls, req: Request, new_token_ids: list[int]) -> RequestOutput:
+        return cls(req.req_id, new_token_ids, req.text, req.is_finished, req.finish_reason, req.num_steps,
+                   req.num_output_tokens, req.num_proposed, req.error, req.token_ids, req.num_prompt_tokens,
+                   req.accepted_per_step)  # fmt: skip
+
+    @property
+    def output_ids(self) -> list[int]:
+        """All generated ids up to this step."""
+        return self._tokens[self._num_prompt_tokens : self._num_prompt_tokens + self.num_output_tokens]
+
+    @property
+    def accepted_per_step(self) -> list[int]:
+        """Accepted drafts of every verify step up to this one."""
+        return self._accepted[: self.num_steps]

@@ -43,10 +43,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_rows for s in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, cfg: RuntimeConfig, kv: KVCacheManager) -> None:
@@ -65,7 +61,8 @@ class Scheduler:
         """Positions the request must own for this step: its forward, then the k draft depths.
 
         Depth d writes MTP KV at base-1+d with base <= num_tokens + n_drafts, so the last draft write is
-        below num_tokens + n_drafts + k - 1.
+        below num_tokens + n_drafts + k - 1. k is the configured (maximum) draft length: a step that drafts
+        fewer (`--num-draft-tokens auto`) writes a subset of these positions.
         """
         if start + n_new < req.num_tokens:
             return start + n_new
@@ -88,7 +85,7 @@ class Scheduler:
 
     def _schedule_running(self, req: Request, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
         remaining = req.num_tokens - req.num_computed
-        n_drafts = len(req.drafts)
+        n_drafts = len(req.spec.drafts)
         if n_drafts == 0:  # a chunking prefill (or a K=0 decode row) continues with what fits
             n_new = min(remaining, budget, self.cfg.max_prefill_chunk)
         elif remaining + n_drafts <= budget:

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from plugins.kv_pool import KVPoolGeometry
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division (the one copy: block counts everywhere)."""
+    return -(-a // b)
+
+
 def table_width(max_seq_len: int, num_draft_tokens: int, block_size: int) -> int:
     """Blocks a request may own: max_seq_len positions plus the MTP lookahead.
 
@@ -20,7 +25,7 @@ def table_width(max_seq_len: int, num_draft_tokens: int, block_size: int) -> int
     max_seq_len - 1 + k and MTP KV up to k - 1 positions further (runtime/scheduler.py
     `lookahead_tokens`), so 2k positions past max_seq_len bound every write.
     """
-    return -(-(max_seq_len + 2 * num_draft_tokens) // block_size)
+    return cdiv(max_seq_len + 2 * num_draft_tokens, block_size)
 
 
 def default_num_blocks(max_batch: int, width: int) -> int:

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from plugins.engine_format.layout import cdiv
 from runtime.bench.llama_cpp import LlamaCppError, LlamaCppRunner
 from runtime.bench.runners import HFRunner, RunResult, Workload, make_workload, run_engine
-from runtime.config import ConfigError
+from runtime.config import ConfigError, RuntimeConfig
 from runtime.engine import LLMEngine
 from runtime.factory import create_engine, load_tokenizer
 
@@ -111,9 +112,9 @@ def ensure_engine_dir(args, max_k: int, max_batch: int, console) -> None:
 def _engine_factory(args, work: Workload) -> Callable[..., LLMEngine]:
     """engine_for(executor, k, commit_pass=True), sized for the largest K and batch, prefix caching off."""
     max_k, max_b = max(args.int_ks), max(args.batches)
-    block = 16  # RuntimeConfig's default block size; the table width is what the paged attention scans
+    block = RuntimeConfig().block_size  # the torch engine's block size; the table width is what attention scans
     longest = max(map(len, work.prompts)) + args.max_tokens + 2 * max_k + 1
-    max_seq_len = args.max_seq_len or -(-longest // block) * block
+    max_seq_len = args.max_seq_len or cdiv(longest, block) * block
 
     def engine_for(executor: str, k: str, commit_pass: bool = True) -> LLMEngine:
         num_draft = k if k == "auto" else int(k)

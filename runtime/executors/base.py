@@ -1,4 +1,4 @@
-"""The executor contract: three calls on per-step arrays (design section 7).
+"""The executor contract: three calls on per-step arrays (docs/ARCHITECTURE.md).
 
 The runtime's scheduling and MTP logic never knows which executor runs: it hands over numpy arrays
 in these dataclasses and gets numpy arrays back. Executors own the KV pool (allocated once, at a

@@ -113,10 +113,11 @@ def test_abort_frees_blocks():
     b = engine.add_request(random_prompts((5,), seed=2)[0], SamplingParams(max_tokens=5))
     engine.step()
     engine.step()
+    req = engine.requests[a]
     engine.abort(a)
     finished = [o for o in engine.stream() if o.finished]
     assert [o.req_id for o in finished] == [b]
-    assert engine.requests[a].finish_reason == "abort"
+    assert req.finish_reason == "abort" and a not in engine.requests
     assert engine.kv.num_free_blocks == engine.cfg.num_blocks - 1
 
 

@@ -37,14 +37,14 @@ def run_and_check(k, chunk, lengths, seed, commit_pass=True, max_batch=3, budget
         last = last_mtp_writes(rec.writes)
         for req in engine.scheduler.running:
             table, bs = engine.kv.block_table(req.req_id), engine.cfg.block_size
-            base = req.num_computed - (1 if req.carry is not None else 0)  # a carried position is not final yet
+            base = req.num_computed - (1 if req.spec.carry is not None else 0)  # a carried position is not final yet
             for p in range(base):
                 w = last.get((table[p // bs], p % bs))
                 if w is None or w.hidden_source != "main" or w.token != req.token_ids[p + 1]:
                     violations.append((req.req_id, p, None if w is None else (w.kind, w.hidden_source)))
             # invariant 7: a still-chunking request never drafts
-            if req.carry is not None:
-                assert not req.drafts
+            if req.spec.carry is not None:
+                assert not req.spec.drafts
     engine.kv.assert_no_leaks()
     return violations, rec.writes
 

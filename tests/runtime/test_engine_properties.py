@@ -75,7 +75,7 @@ def test_random_schedules_are_lossless_and_keep_the_invariants(w):
             if not k:
                 continue
             table, bs = engine.kv.block_table(req.req_id), engine.cfg.block_size
-            final = req.num_computed - (1 if req.carry is not None else 0)
+            final = req.num_computed - (1 if req.spec.carry is not None else 0)
             for p in range(final):
                 entry = last.get((table[p // bs], p % bs))
                 assert entry is not None and entry.hidden_source == "main" and entry.token == req.token_ids[p + 1], (

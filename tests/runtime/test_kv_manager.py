@@ -19,6 +19,29 @@ def make_manager(num_blocks: int = 16, *, prefix_caching: bool = True, mtp_cow: 
 GEN = 999  # the token sampled after a served prompt
 
 
+# Test-only views of a manager (the runtime never needs them: executors get whole block tables).
+def slot_mapping(mgr: KVCacheManager, req_id: str, positions: list[int]) -> list[int]:
+    """Flat KV slot (block_id * B + offset) of each position."""
+    table = mgr.block_table(req_id)
+    return [table[p // B] * B + p % B for p in positions]
+
+
+def writable(mgr: KVCacheManager, req_id: str, position: int) -> bool:
+    """True when `position` lies in a block `req_id` owns exclusively and that is not frozen by publication."""
+    if not mgr.has_request(req_id):
+        return False
+    table = mgr.block_table(req_id)
+    if not 0 <= position < len(table) * B:
+        return False
+    block_id = table[position // B]
+    return not mgr.pool.is_shared(block_id) and not mgr.pool.is_published(block_id)
+
+
+def num_active_blocks(mgr: KVCacheManager, req_ids) -> int:
+    """Distinct blocks referenced by the block tables of req_ids."""
+    return len({b for r in req_ids if mgr.has_request(r) for b in mgr.block_table(r)})
+
+
 def serve_prompt(mgr: KVCacheManager, req_id: str, prompt: list[int], gen: int = GEN) -> list[int]:
     """Allocate a request without a hit, commit the whole prompt (+ sampled base), publish, free it."""
     assert mgr.allocate(req_id, len(prompt) + 1)
@@ -40,8 +63,8 @@ def test_allocate_grow_free_exact_ids():
     assert mgr.allocate("a", 9 + 4)  # lookahead for drafts: positions up to 12 -> 4 blocks
     assert mgr.block_table("a") == [1, 2, 3, 4]
     assert mgr.allocate("b", 1) and mgr.block_table("b") == [5]
-    assert mgr.num_used_blocks == 5 and mgr.num_active_blocks == 5 and mgr.num_free_blocks == 2
-    assert mgr.slot_mapping("a", [0, 5, 12]) == [4, 9, 16]
+    assert mgr.num_used_blocks == 5 and num_active_blocks(mgr, "ab") == 5 and mgr.num_free_blocks == 2
+    assert slot_mapping(mgr, "a", [0, 5, 12]) == [4, 9, 16]
     mgr.free("a")
     mgr.assert_no_leaks()
     assert mgr.allocate("c", 16) and mgr.block_table("c") == [6, 7, 4, 3]  # uncached, freed tail first
@@ -116,17 +139,13 @@ def test_prefix_hit_gives_up_last_matched_block(prompt, num_cached_tokens, num_s
     assert all(mgr.pool.ref_count(b) == 1 for b in hit.block_ids)
     assert mgr.stats.num_hit_tokens == num_cached_tokens
     # every position the request computes lands in a block it owns exclusively; reused ones are read-only
-    assert all(mgr.writable("b", p) for p in range(num_cached_tokens, len(prompt) + 1))
-    assert not any(mgr.writable("b", p) for p in range(num_cached_tokens))
+    assert all(writable(mgr, "b", p) for p in range(num_cached_tokens, len(prompt) + 1))
+    assert not any(writable(mgr, "b", p) for p in range(num_cached_tokens))
     mgr.free("b")
     mgr.assert_no_leaks()
 
 
-def test_hold_carry_and_disabled_cache_get_no_hit():
-    mgr = make_manager()
-    serve_prompt(mgr, "a", PROMPT)
-    assert mgr.find_prefix(PROMPT, hold_carry=True).num_cached_tokens == 0
-    assert mgr.find_prefix(PROMPT, hold_carry=True).num_matched_blocks == 3
+def test_disabled_cache_gets_no_hit():
     off = make_manager(prefix_caching=False)
     serve_prompt(off, "a", PROMPT)
     assert off.find_prefix(PROMPT).num_matched_blocks == 0
@@ -176,7 +195,7 @@ def test_cow_keeps_all_matched_blocks_and_copies_the_last():
     assert table_b[:2] == table_a[:2] and table_b[2] not in table_a
     assert mgr.pending_copies() == [(table_a[2], table_b[2])]
     assert mgr.pool.ref_count(table_a[2]) == 1  # pinned until the executor copied it
-    assert mgr.writable("b", 11) and not mgr.writable("b", 10 - B)
+    assert writable(mgr, "b", 11) and not writable(mgr, "b", 10 - B)
     assert mgr.stats.num_given_up_tokens == 1 and mgr.stats.num_cow_copies == 1
     mgr.assert_no_leaks()
     mgr.complete_copies()
@@ -222,8 +241,8 @@ class FakeKV:
         self.draft: dict[int, tuple[int, int]] = {}
 
     def write(self, mgr: KVCacheManager, req: str, p: int, tokens: list[int], plane: str) -> None:
-        assert mgr.writable(req, p), f"write of {plane} KV at position {p} of {req} into a shared/foreign block"
-        (slot,) = mgr.slot_mapping(req, [p])
+        assert writable(mgr, req, p), f"write of {plane} KV at position {p} of {req} into a shared/foreign block"
+        (slot,) = slot_mapping(mgr, req, [p])
         if plane == "main":
             self.main[slot] = tokens[p]
         else:
@@ -260,7 +279,7 @@ def test_random_requests_reuse_only_correct_kv_and_never_leak(mtp_cow, ops):
                 kv.copy(src, dst)
             mgr.complete_copies()
             for p in range(hit.num_cached_tokens):  # the reused KV must be what this prompt would compute
-                (slot,) = mgr.slot_mapping(req, [p])
+                (slot,) = slot_mapping(mgr, req, [p])
                 assert kv.main[slot] == prompt[p] and kv.draft[slot] == (prompt[p], prompt[p + 1])
             for p in range(hit.num_cached_tokens, len(prompt)):
                 kv.write(mgr, req, p, tokens, "main")
@@ -286,4 +305,4 @@ def test_random_requests_reuse_only_correct_kv_and_never_leak(mtp_cow, ops):
     for req in list(live):
         mgr.free(req)
     mgr.assert_no_leaks()
-    assert mgr.num_free_blocks == 15 and mgr.num_used_blocks == 0 and mgr.num_active_blocks == 0
+    assert mgr.num_free_blocks == 15 and mgr.num_used_blocks == 0

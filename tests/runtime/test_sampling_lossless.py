@@ -9,6 +9,7 @@ import torch
 
 from models.glm4_moe import PagedKV, StepMeta
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
+from runtime.kv_manager import cdiv
 from runtime.sampling import SamplingParams
 from tests.runtime.engine_utils import cached_model, make_engine
 
@@ -37,7 +38,7 @@ def main_probs(prefix_batch: list[list[int]], temperature: float) -> np.ndarray:
     pool = allocate_pool(geom)
     kv = PagedKV(pool_address(pool), geom)
     n = len(prefix_batch[0])
-    per = -(-n // 4)
+    per = cdiv(n, 4)
     tables = torch.arange(1, 1 + per * len(prefix_batch), dtype=torch.int32).view(len(prefix_batch), per)
     counts = torch.full((len(prefix_batch),), n, dtype=torch.int32)
     meta = StepMeta(torch.arange(n).repeat(len(prefix_batch)), counts, counts, tables)

@@ -1,0 +1,253 @@
+"""`--num-draft-tokens auto`: pick the draft length k in 0..K_max every step from measured costs and acceptance.
+
+The engine is built for K_max drafts; drafting is a loop of depth calls, so any k <= K_max works per step.
+Each step the controller predicts, for every k, the tokens the next verify emits per drafting request and
+what that costs, and picks the k with the most tokens per second:
+
+    tokens(k) = 1 + c_0 + c_0 c_1 + ... + c_0 .. c_{k-1}      c_j: acceptance at depth j given 0..j-1
+    cost(k)   = b . [1, rows, k R] + o_k                         rows = base_rows + R k, R: requests drafting
+
+cost(k) is the measured *cycle* of a draft length: the draft loop that made k drafts plus the whole next
+step that verified them (verify, accept, commit, emit, host work). The shared part b is a ridge fit over
+exponentially decayed sums of every cycle (recent steps weigh most): how cost grows with packed rows
+(prefill) and with k x requests (batch size). o_k is k's own offset, a decayed mean of its residuals that
+decays only when k is measured again, so the chosen k's many samples never decide what another k costs
+and a k not tried for a while keeps its last estimate. Slow outliers are clipped. c_j are decayed success / trial counts. A k > 0 must beat
+k = 0 by `zero_margin` (10%): the estimates carry errors of that size (noise; costs that a cycle cannot
+see, such as exploration), and the promise is that MTP is never slower than K=0.
+
+Acceptance at depth j is only seen when k > j, so the controller explores: a warm-up that tries every k,
+then the neighbours of the best k every `interval` steps; the interval doubles with every exploration
+(its cost vanishes on a model where drafting never pays) and halves when the best k changes.
+
+Lockstep: the controller is deterministic (no random numbers). Under MPI every rank feeds it the same
+combined measurements (`combine` over an allgather of each rank's `StepSample.to_array()`), so every rank
+picks the same k and issues the same number of draft forwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+import numpy as np
+
+AUTO = "auto"
+
+
+def parse_num_draft_tokens(text: str) -> int | str:
+    """argparse `type=` for --num-draft-tokens: a non-negative int or "auto" (ArgumentTypeError: argparse
+    prints the message as the one-line error)."""
+    if text == AUTO:
+        return AUTO
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an int >= 0 (0 disables MTP) or 'auto'") from None
+    if k < 0:
+        raise argparse.ArgumentTypeError(f"{k}: must be >= 0 (0 disables MTP) or 'auto'")
+    return k
+
+
+ROW_SCALE, DRAFT_SCALE = 100.0, 10.0  # keep the features of similar size, so the ridge treats them alike
+
+
+def features(k: int, num_drafting: float, rows: float) -> np.ndarray:
+    return np.array([1.0, rows / ROW_SCALE, k * num_drafting / DRAFT_SCALE])
+
+
+@dataclass(slots=True)
+class DecayedRidge:
+    """y ~ b . x by ridge least squares over exponentially decayed sums (recent observations weigh most).
+
+    The ridge (relative to the total weight) keeps collinear features (a constant batch) solvable.
+    """
+
+    num_features: int
+    decay: float = 0.98
+    ridge: float = 1e-3
+    xx: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    xy: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    weight: float = 0.0
+    _coef: np.ndarray | None = None  # solved lazily, once per observation
+
+    def __post_init__(self) -> None:
+        self.xx, self.xy = np.zeros((self.num_features, self.num_features)), np.zeros(self.num_features)
+
+    def observe(self, x: np.ndarray, y: float) -> None:
+        self.xx *= self.decay
+        self.xx += np.outer(x, x)
+        self.xy *= self.decay
+        self.xy += x * y
+        self.weight = self.decay * self.weight + 1.0
+        self._coef = None
+
+    def coefficients(self) -> np.ndarray:
+        if self._coef is None:
+            lam = self.ridge * max(self.weight, 1e-12)
+            self._coef = np.linalg.solve(self.xx + lam * np.eye(self.num_features), self.xy)
+        return self._coef
+
+    def predict(self, x: np.ndarray) -> float:
+        return float(x @ self.coefficients()) if self.weight else 0.0
+
+
+@dataclass(slots=True)
+class StepSample:
+    """One step's measurements on one rank (or combined over ranks)."""
+
+    cycle_seconds: float = 0.0  # a finished cycle: draft loop of step t-1 + all of step t but its draft loop
+    cycle_depths: float = 0.0  # k of that draft loop
+    cycle_drafting: float = 0.0  # requests that drafted in it
+    cycle_rows: float = 0.0  # packed rows of step t's verify
+    num_drafting: float = 0.0  # requests that draft now (the decision's R)
+    base_rows: float = 0.0  # rows of this step without the drafts it verified (next verify's rows at k = 0)
+    trials: list[float] = field(default_factory=list)  # per depth j: verifies that reached depth j
+    successes: list[float] = field(default_factory=list)  # ... and accepted it
+    # drafting requests by tokens they may still emit after this step: 1, 2, .., k_max, more (a request one
+    # token from max_tokens gains nothing from drafts, so short outputs favour short drafts)
+    remaining: list[float] = field(default_factory=list)
+
+    def to_array(self, k_max: int) -> np.ndarray:
+        head = [self.cycle_seconds, self.cycle_depths, self.cycle_drafting, self.cycle_rows, self.num_drafting,
+                self.base_rows]  # fmt: skip
+        pad = [0.0] * k_max
+        counts = (list(self.trials) or pad) + (list(self.successes) or pad) + (list(self.remaining) or pad + [0.0])
+        return np.array(head + counts, dtype=np.float64)
+
+    @classmethod
+    def from_array(cls, a: np.ndarray, k_max: int) -> StepSample:
+        h = [float(x) for x in a[:6]]
+        return cls(h[0], h[1], h[2], h[3], h[4], h[5], trials=a[6 : 6 + k_max].tolist(),
+                   successes=a[6 + k_max : 6 + 2 * k_max].tolist(),
+                   remaining=a[6 + 2 * k_max : 7 + 3 * k_max].tolist())  # fmt: skip
+
+
+def combine(arrays: list[np.ndarray], k_max: int) -> StepSample:
+    """Ranks step in lockstep, so a step lasts as long as its slowest rank: times and rows combine by max;
+    acceptance counts add up. Every rank computes this from the same allgather, in the same order."""
+    stacked = np.stack(arrays)
+    out = stacked[:, :6].max(axis=0)
+    counts = stacked[:, 6:].sum(axis=0)
+    return StepSample.from_array(np.concatenate([out, counts]), k_max)
+
+
+@dataclass(slots=True)
+class DraftLengthController:
+    k_max: int
+    zero_margin: float = 0.10  # a k > 0 must promise this much more throughput than k = 0
+    margin: float = 0.02  # a new best k must promise this much more than the current one
+    decay: float = 0.98  # per step, for the cost fit (half-life ~35 steps)
+    acceptance_decay: float = 0.98  # per measured step, for the acceptance counts (half-life ~35)
+    min_interval: int = 16  # steps between explorations, doubling up to max_interval while nothing changes
+    max_interval: int = 256
+    prior_trials: float = 2.0  # acceptance prior: c_j = 0.5 with the weight of 2 observations
+    outlier: float = 1.5  # a cycle slower than this times its prediction counts as this (noise is one-sided)
+    offset_decay: float = 0.9  # per measurement of that k
+    cost: DecayedRidge = field(default_factory=lambda: DecayedRidge(3))
+    offset_sum: list[float] = field(default_factory=list)  # per k: decayed residuals of the shared fit
+    offset_weight: list[float] = field(default_factory=list)
+    succ: list[float] = field(default_factory=list)
+    trials: list[float] = field(default_factory=list)
+    best: int = 0
+    interval: int = 8
+    since_explore: int = 0
+    explore_step: int = 0  # alternates up / down neighbours
+    num_decisions: int = 0
+
+    def __post_init__(self) -> None:
+        self.succ, self.trials = [0.0] * self.k_max, [0.0] * self.k_max
+        self.cost = DecayedRidge(3, decay=self.decay)
+        self.offset_sum, self.offset_weight = [0.0] * (self.k_max + 1), [0.0] * (self.k_max + 1)
+        self.interval = self.min_interval
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, s: StepSample) -> None:
+        if s.cycle_seconds > 0:
+            k = int(s.cycle_depths) if s.cycle_drafting > 0 else 0
+            x = features(k, s.cycle_drafting, s.cycle_rows)
+            shared = self.cost.predict(x)
+            offset = self.offset(k) if s.cycle_drafting > 0 else 0.0
+            y = s.cycle_seconds
+            if self.cost.weight > 10:  # warmed up: clip outliers (a preempted process, a GC pause)
+                y = min(y, self.outlier * max(shared + offset, 1e-6))
+            self.cost.observe(x, y - offset)  # the shared fit sees every k with its offset taken out
+            if s.cycle_drafting > 0:  # a decision's cycle (not a prefill-only step): k's own offset learns
+                self.offset_sum[k] = self.offset_decay * self.offset_sum[k] + (y - shared)
+                self.offset_weight[k] = self.offset_decay * self.offset_weight[k] + 1.0
+        d = self.acceptance_decay
+        for j in range(self.k_max):
+            t = s.trials[j] if j < len(s.trials) else 0.0
+            if t:  # decay only what was measured again, so rarely explored depths keep their last estimate
+                self.trials[j] = d * self.trials[j] + t
+                self.succ[j] = d * self.succ[j] + s.successes[j]
+
+    def offset(self, k: int) -> float:
+        return self.offset_sum[k] / self.offset_weight[k] if self.offset_weight[k] else 0.0
+
+    def acceptance(self) -> list[float]:
+        """c_j: conditional acceptance per depth (prior 0.5)."""
+        p = self.prior_trials
+        return [(self.succ[j] + p / 2) / (self.trials[j] + p) for j in range(self.k_max)]
+
+    def expected_tokens(self, k: int, acceptance: list[float] | None = None) -> float:
+        """E[accepted + 1] per drafting request at draft length k."""
+        total, run = 1.0, 1.0
+        for c in (acceptance or self.acceptance())[:k]:
+            run *= c
+            total += run
+        return total
+
+    def predicted_costs(self, num_drafting: float, base_rows: float) -> list[float]:
+        """Seconds of the cycle for k = 0..k_max: k draft depths now, then the step that verifies them.
+        (The features dotted with the coefficients, in plain floats: this runs every step.)"""
+        if not self.cost.weight:
+            return [0.0] * (self.k_max + 1)
+        c = self.cost.coefficients().tolist()
+        return [c[0] + c[1] * (base_rows + num_drafting * k) / ROW_SCALE + c[2] * k * num_drafting / DRAFT_SCALE
+                + self.offset(k) for k in range(self.k_max + 1)]  # fmt: skip
+
+    def rates(self, num_drafting: float, base_rows: float, remaining: list[float] | None = None) -> list[float]:
+        """Predicted tokens per second of the drafting requests for k = 0..k_max (rows of other requests
+        add the same tokens at every k). remaining: StepSample.remaining (None: nobody is near its end)."""
+        costs, acc = self.predicted_costs(num_drafting, base_rows), self.acceptance()
+        out = []
+        for k, c in enumerate(costs):
+            if remaining:  # a request that may emit m more tokens uses at most m - 1 drafts
+                tokens = sum(n * self.expected_tokens(min(k, m), acc) for m, n in enumerate(remaining) if n)
+            else:
+                tokens = num_drafting * self.expected_tokens(k, acc)
+            out.append(tokens / c if c > 0 else 0.0)
+        return out
+
+    def best_k(self, num_drafting: float, base_rows: float, remaining: list[float] | None = None) -> int:
+        """The best k; k > 0 must beat k = 0 by `zero_margin`, and a new best the current one by `margin` (no
+        flapping between two lengths that the noise cannot tell apart)."""
+        r = self.rates(num_drafting, base_rows, remaining)
+        score = [r[0]] + [x / (1 + self.zero_margin) for x in r[1:]]
+        best = max(range(self.k_max + 1), key=lambda k: score[k])
+        if best != self.best and score[best] <= score[self.best] * (1 + self.margin):
+            return self.best
+        return best
+
+    # ------------------------------------------------------------------ deciding
+    def choose(self, num_drafting: float, base_rows: float, remaining: list[float] | None = None) -> int:
+        """The draft length of this step (0 when nobody drafts: nothing to learn, nothing to run)."""
+        if self.k_max == 0 or num_drafting <= 0:
+            return 0
+        n = self.num_decisions
+        self.num_decisions += 1
+        warmup = [self.k_max - i // 2 for i in range(2 * (self.k_max + 1))]  # k_max, k_max, ..., 0, 0
+        if n < len(warmup):
+            return warmup[n]
+        best = self.best_k(num_drafting, base_rows, remaining)
+        if best != self.best:  # explore sooner after a change, but not from scratch: noise flips it too
+            self.best, self.interval = best, max(self.min_interval, self.interval // 2)
+        self.since_explore += 1
+        if self.since_explore < self.interval:
+            return best
+        self.since_explore = 0
+        self.interval = min(2 * self.interval, self.max_interval)
+        self.explore_step += 1
+        up, down = min(best + 1, self.k_max), max(best - 1, 0)
+        return up if (self.explore_step % 2 or down == best) and up != best else down

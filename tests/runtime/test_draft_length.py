@@ -1,0 +1,181 @@
+"""--num-draft-tokens auto: the controller on synthetic costs and acceptance, cross-rank combining, and the
+engine with auto (lossless vs K=0, the chosen-k histogram in the summary)."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from runtime.draft_length import DraftLengthController, StepSample, combine, parse_num_draft_tokens
+from runtime.sampling import SamplingParams
+from tests.runtime.engine_utils import make_engine, random_prompts
+
+K_MAX = 3
+R = 4  # drafting requests
+
+
+def simulate(main_per_row, main_fixed, draft_per_depth, acceptance, steps=400, ctl=None, commit=0.0):
+    """A synthetic system: a cycle (k draft depths, then the step verifying them) costs host + main_fixed +
+    main_per_row * rows + k * draft_per_depth (+ commit when k > 0); acceptance counts are expected values.
+    Returns the controller's choices."""
+    ctl = ctl or DraftLengthController(K_MAX)
+    k_prev, chosen, cycle = 0, [], (0.0, 0.0, 0.0, 0.0)
+    for _ in range(steps):
+        reach = np.cumprod([1.0] + list(acceptance[: K_MAX - 1]))  # P(depth j is reached)
+        trials = [R * reach[j] if j < k_prev else 0.0 for j in range(K_MAX)]
+        successes = [t * acceptance[j] for j, t in enumerate(trials)]
+        ctl.observe(StepSample(*cycle, R, R, trials, successes))
+        k = ctl.choose(R, R)
+        rows = R * (1 + k)  # the verify of these drafts, next step
+        cycle = (0.001 + main_fixed + main_per_row * rows + k * draft_per_depth + commit * (k > 0), k, R, rows)
+        k_prev = k
+        chosen.append(k)
+    return chosen
+
+
+def true_rates(main_per_row, main_fixed, draft_per_depth, acceptance, commit=0.0):
+    def rate(k):
+        tokens = 1 + sum(np.prod(acceptance[:i]) for i in range(1, k + 1))
+        return tokens / (0.001 + main_fixed + main_per_row * R * (1 + k) + k * draft_per_depth + commit * (k > 0))
+
+    return [rate(k) for k in range(K_MAX + 1)]
+
+
+def settled(chosen):
+    return Counter(chosen[len(chosen) // 2 :]).most_common(1)[0]
+
+
+def test_picks_zero_when_drafts_are_expensive():
+    chosen = simulate(1e-4, 0.01, 0.02, [0.5, 0.5, 0.5])  # a draft depth costs twice a main forward
+    k, n = settled(chosen)
+    assert k == 0 and n >= 0.95 * len(chosen) // 2  # exploration is rare once it keeps confirming 0
+
+
+def test_picks_k_max_when_drafts_are_cheap_and_accepted():
+    chosen = simulate(1e-4, 0.01, 1e-4, [0.9, 0.9, 0.9])
+    k, n = settled(chosen)
+    assert k == K_MAX and n >= 0.95 * len(chosen) // 2
+
+
+@pytest.mark.parametrize("acceptance,draft,commit", [([0.9, 0.4, 0.1], 0.002, 0.0), ([0.6, 0.6, 0.6], 0.004, 0.0),
+                                                     ([0.95, 0.9, 0.2], 0.001, 0.0), ([0.8, 0.6, 0.5], 0.0015, 0.004),
+                                                     ([0.6, 0.5, 0.5], 0.001, 0.008)])  # fmt: skip
+def test_settles_on_the_best_fixed_k(acceptance, draft, commit):
+    """`commit`: the fixed cost of the commit call that only steps after drafting pay. The settled k is the
+    best one, or one the margins cannot tell from it (k = 0 is preferred by zero_margin)."""
+    rates = true_rates(1e-4, 0.01, draft, acceptance, commit)
+    k = settled(simulate(1e-4, 0.01, draft, acceptance, commit=commit))[0]
+    ctl = DraftLengthController(K_MAX)
+    assert rates[k] * (1 + ctl.zero_margin if k == 0 else 1) >= max(rates) / (1 + ctl.margin) ** 2, (k, rates)
+    if int(np.argmax(rates)) == 0:
+        assert k == 0  # never drafts when K=0 is best
+
+
+def test_follows_a_change_in_acceptance():
+    ctl = DraftLengthController(K_MAX)
+    assert settled(simulate(1e-4, 0.01, 0.001, [0.95, 0.95, 0.95], ctl=ctl))[0] == K_MAX
+    assert settled(simulate(1e-4, 0.01, 0.001, [0.05, 0.05, 0.05], steps=600, ctl=ctl))[0] == 0
+
+
+def test_identical_inputs_give_identical_choices():
+    """Lockstep: ranks feeding the same combined samples pick the same k every step."""
+    a = simulate(1e-4, 0.01, 0.003, [0.7, 0.5, 0.3])
+    b = simulate(1e-4, 0.01, 0.003, [0.7, 0.5, 0.3])
+    assert a == b
+
+
+def test_combine_takes_the_slowest_rank_and_sums_counts():
+    a = StepSample(0.01, 2, 4, 12, 4, 4, [4, 2, 0], [2, 1, 0]).to_array(K_MAX)
+    b = StepSample(0.03, 2, 0, 1, 0, 2).to_array(K_MAX)  # an idle-ish rank
+    c = combine([a, b], K_MAX)
+    assert (c.cycle_seconds, c.cycle_depths, c.cycle_drafting, c.cycle_rows, c.num_drafting, c.base_rows) == (
+        0.03, 2, 4, 12, 4, 4)
+    assert c.trials == [4, 2, 0] and c.successes == [2, 1, 0]
+
+
+def test_parse_num_draft_tokens(capsys):
+    assert parse_num_draft_tokens("auto") == "auto" and parse_num_draft_tokens("2") == 2
+    p = argparse.ArgumentParser(prog="mtp-run")
+    p.add_argument("--num-draft-tokens", type=parse_num_draft_tokens)
+    for bad in ("-1", "three"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--num-draft-tokens", bad])
+        assert "argument --num-draft-tokens: " in capsys.readouterr().err  # one line naming the fix
+    assert p.parse_args(["--num-draft-tokens", "auto"]).num_draft_tokens == "auto"
+
+
+@pytest.mark.parametrize("chunk", [64, 3])
+def test_auto_is_lossless_and_reports_the_chosen_lengths(chunk):
+    prompts = random_prompts((5, 13, 9, 22, 3), seed=0)
+    params = SamplingParams(max_tokens=24)
+    reference = [o.output_ids for o in make_engine(0, enable_prefix_caching=False).generate(prompts, params)]
+    engine = make_engine(3, auto_draft_tokens=True, max_prefill_chunk=chunk)
+    assert [o.output_ids for o in engine.generate(prompts, params)] == reference
+    engine.kv.assert_no_leaks()
+    hist = engine.metrics.summary(1.0, len(prompts))["draft_length_histogram"]
+    assert sum(hist.values()) > 0 and set(hist) <= {"0", "1", "2", "3"}
+    assert len(hist) >= 2  # the warm-up alone tries every length
+
+
+def test_auto_with_forced_length_changes_keeps_the_invariants():
+    """k jumping between 0 and K_max every step: drafts of the last step are fewer or more than the new k."""
+    from tests.runtime.engine_utils import RecordingExecutor
+    from tests.runtime.test_commit_coverage import last_mtp_writes
+
+    prompts = random_prompts((7, 12, 4), seed=3)
+    params = SamplingParams(max_tokens=16)
+    reference = [o.output_ids for o in make_engine(0, enable_prefix_caching=False).generate(prompts, params)]
+    engine = make_engine(3, auto_draft_tokens=True, max_prefill_chunk=5)
+    lengths = iter([3, 0, 1, 3, 2, 0, 3, 1] * 50)
+
+    class Scripted(DraftLengthController):
+        def choose(self, num_drafting, base_rows, remaining=None):
+            return next(lengths) if num_drafting else 0
+
+    engine.draft_length = Scripted(3)
+    rec = RecordingExecutor(engine.executor, kv=engine.kv)
+    engine.executor = rec
+    ids = [engine.add_request(p, params) for p in prompts]
+    finals = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                finals[o.req_id] = o.output_ids
+        assert not rec.ownership_violations and not rec.segment_violations
+        last = last_mtp_writes(rec.writes)
+        for req in engine.scheduler.running:
+            table, bs = engine.kv.block_table(req.req_id), engine.cfg.block_size
+            for p in range(req.num_computed if req.spec.carry is None else req.spec.carry.position):
+                w = last.get((table[p // bs], p % bs))
+                assert w is not None and w.hidden_source == "main" and w.token == req.token_ids[p + 1]
+    assert [finals[i] for i in ids] == reference
+    assert sum(1 for n in engine.metrics.draft_length_counts if n) >= 3
+
+
+def test_conditional_acceptance_counts_only_steps_that_reached_the_depth():
+    from runtime.metrics import Metrics
+
+    m = Metrics(3)
+    m.record_verify(3, 2, 3)  # depths 0, 1 accepted, 2 rejected
+    m.record_verify(1, 1, 2)  # k = 1 this step: depth 1 was never proposed
+    m.record_verify(2, 0, 1)
+    assert m.conditional_acceptance_per_position == [2 / 3, 1.0, 0.0]
+    assert m.acceptance_rate_per_position == [2 / 3, 1 / 2, 0.0]
+    fixed = Metrics(2)
+    for a in (0, 1, 2, 2):
+        fixed.record_verify(2, a, a + 1)
+    assert fixed.conditional_acceptance_per_position == [3 / 4, 2 / 3]  # = accepted[i] / accepted[i-1]
+
+
+def test_requests_near_their_end_draft_less():
+    """A request that may emit only m more tokens uses at most m - 1 drafts: deeper ones only cost."""
+    ctl = DraftLengthController(K_MAX)
+    assert settled(simulate(1e-4, 0.01, 0.001, [0.9, 0.9, 0.9], ctl=ctl))[0] == K_MAX
+    far = [0.0, 0.0, 0.0, R]  # every request may emit K_MAX + 1 or more tokens
+    assert ctl.best_k(R, R, far) == K_MAX
+    ctl.best = 0  # no hysteresis in the way
+    assert ctl.best_k(R, R, [0.0, R, 0.0, 0.0]) == 1  # 2 tokens left each: one draft is all that can land
+    assert ctl.best_k(R, R, [R, 0.0, 0.0, 0.0]) == 0  # 1 token left: drafting is pure cost
