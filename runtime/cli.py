@@ -23,6 +23,7 @@ from pathlib import Path
 
 from runtime.admission import RequestError, validate_params
 from runtime.config import ConfigError
+from runtime.draft_length import parse_num_draft_tokens
 from runtime.factory import EXECUTORS, create_engine
 from runtime.parallel import RanksDisagree, describe, exit_failed_rank, lockstep_stream, mpi_world
 from runtime.sampling import SamplingParams
@@ -50,7 +51,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--acceptance", choices=["exact", "rejection"], default="exact")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     r = p.add_argument_group("runtime")
-    r.add_argument("--num-draft-tokens", type=int, default=None, help="K draft depths; 0 disables MTP")
+    r.add_argument("--num-draft-tokens", type=parse_num_draft_tokens, default=None,
+                   help="K draft depths; 0 disables MTP; auto picks 0..K per step")
     r.add_argument("--no-commit-pass", action="store_true", help="ablation: skip the MTP decode refresh")
     r.add_argument("--max-batch", type=int, default=None)
     r.add_argument("--max-num-tokens", type=int, default=None)
@@ -149,8 +151,11 @@ def run(args, comm=None, rank: int = 0, world: int = 1) -> int:
 def _record(prompt: str, out, error: str | None) -> dict:
     if out is None:
         return {"prompt": prompt, "error": error or "not finished"}
-    return {"prompt": prompt, "text": out.text, "output_ids": out.output_ids, "num_steps": out.num_steps,
-            "accepted_per_step": out.accepted_per_step, "finish_reason": out.finish_reason}  # fmt: skip
+    rec = {"prompt": prompt, "text": out.text, "output_ids": out.output_ids, "num_steps": out.num_steps,
+           "accepted_per_step": out.accepted_per_step, "finish_reason": out.finish_reason}  # fmt: skip
+    if out.finish_reason == "error":  # the engine aborted this request alone (e.g. non-finite logits)
+        rec["error"] = out.error
+    return rec
 
 
 def _print(records: list[dict], summary: dict, as_json: bool) -> None:

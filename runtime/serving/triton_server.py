@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from string import Template
 
+from runtime.draft_length import parse_num_draft_tokens
 from runtime.factory import EXECUTORS
 from runtime.serving.process import MODEL_NAME, ServeError, TritonServer, free_ports, port_is_free
 
@@ -78,7 +79,8 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--engine", type=Path, help="engine directory built by mtp-build")
     src.add_argument("--checkpoint", type=Path, help="checkpoint directory (torch executor, no build needed)")
     p.add_argument("--executor", choices=EXECUTORS, default=None, help="default: onnxruntime with --engine, else torch")
-    p.add_argument("--num-draft-tokens", type=int, default=None, help="K draft depths; 0 disables MTP")
+    p.add_argument("--num-draft-tokens", type=parse_num_draft_tokens, default=None,
+                   help="K draft depths; 0 disables MTP; auto picks 0..K per step")
     p.add_argument("--max-batch", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument(

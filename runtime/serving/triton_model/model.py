@@ -169,7 +169,7 @@ class TritonPythonModel:
             engine_dir=opt.get("engine_dir"),
             checkpoint=opt.get("checkpoint"),
             executor=opt.get("executor") or "onnxruntime",
-            num_draft_tokens=as_int("num_draft_tokens"),
+            num_draft_tokens="auto" if opt.get("num_draft_tokens") == "auto" else as_int("num_draft_tokens"),
             max_batch=as_int("max_batch"),
             num_blocks=as_int("num_blocks"),
         )
@@ -361,7 +361,7 @@ class TritonPythonModel:
 
     def _stats(self, out) -> list:
         steps, accepted = out.num_steps, out.accepted_per_step
-        total_draft = steps * self.k  # every decode verify step checks k drafts
+        total_draft = out.num_proposed  # drafts actually verified (k varies per step under auto)
         total_accepted = int(sum(accepted))
         per_position = [sum(a > i for a in accepted) / steps if steps else 0.0 for i in range(self.k)]
         return [
