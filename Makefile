@@ -3,7 +3,8 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.installed
 TINY    := models/tiny
-ENGINE  := engines/tiny
+DEEP    := models/deep
+ENGINE  := engines/deep
 
 .PHONY: install test lint demo bench bench-peers soak tiny-model deep-model gpu-check clean
 
@@ -28,11 +29,11 @@ lint: $(STAMP)
 	MYPYPATH=build/trt-stubs .venv/bin/mypy builder plugins runtime models
 
 demo: $(STAMP)
-	$(PY) -m runtime.demo --checkpoint $(TINY) --engine $(ENGINE)
+	$(PY) -m runtime.demo --checkpoint $(DEEP) --engine $(ENGINE)
 
-# The bench checkpoint (override: make bench BENCH_CKPT=models/<deep model>).
-BENCH_CKPT    ?= $(TINY)
-BENCH_ENGINE  ?= engines/bench
+# The bench checkpoint: the 12-layer shipped model (make bench BENCH_CKPT=models/tiny for the 3-layer one).
+BENCH_CKPT    ?= $(DEEP)
+BENCH_ENGINE  ?= engines/bench-$(notdir $(BENCH_CKPT))
 BENCH_THREADS ?= 1
 # llama.cpp as vendored in the llama-cpp-python sdist (it has GLM-4.5 MTP: --spec-type draft-mtp).
 PEERS         := build/peers
@@ -70,7 +71,7 @@ tiny-model: $(STAMP)
 	$(PY) -m models.training.train --model tiny --output $(TINY)
 
 deep-model: $(STAMP)  # ~35 min on one core; docs/DEEP_MODEL.md
-	$(PY) -m models.training.train --model deep --output models/deep
+	$(PY) -m models.training.train --model deep --output $(DEEP)
 
 gpu-check: $(STAMP)
 	$(PY) -m plugins.gpu_check

@@ -1,4 +1,4 @@
-"""`make demo`: build the shipped tiny model's engine (if missing) and run a few prompts with MTP on.
+"""`make demo`: build the shipped 12-layer model's engine (if missing) and run a few prompts with MTP on.
 
 Shows the streamed completions and the acceptance statistics (mean acceptance length, per-position
 acceptance) on the onnxruntime executor.
@@ -20,8 +20,8 @@ PROMPTS = [
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", type=Path, default=Path("models/tiny"))
-    p.add_argument("--engine", type=Path, default=Path("engines/tiny"))
+    p.add_argument("--checkpoint", type=Path, default=Path("models/deep"))
+    p.add_argument("--engine", type=Path, default=Path("engines/deep"))
     p.add_argument("--num-draft-tokens", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args(argv)
