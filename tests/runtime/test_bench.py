@@ -56,6 +56,18 @@ def test_quick_smoke_run_writes_json_readme_and_plots(tmp_path):
     subprocess.run([sys.executable, "-m", "runtime.bench.table", str(out / "bench.json")], env=_env(), cwd=ROOT,
                    check=True, capture_output=True)  # fmt: skip
     assert (out / "README.md").read_text() == readme
+    # ... and the top README's table is spliced between its markers, the rest of the file untouched
+    from runtime.bench.table import BEGIN, END, splice_readme
+
+    top = tmp_path / "TOP.md"
+    top.write_text(f"# intro\n{BEGIN}\nstale table\n{END}\n## after\n")
+    splice_readme(res, top)
+    text = top.read_text()
+    assert text.startswith("# intro\n") and text.endswith(f"{END}\n## after\n") and "stale table" not in text
+    assert "| ours (torch) | 0 | 1 |" in text
+    (tmp_path / "NOMARK.md").write_text("# no markers\n")
+    with pytest.raises(ValueError, match="markers"):
+        splice_readme(res, tmp_path / "NOMARK.md")
 
 
 def test_bad_k_is_a_one_line_error():
