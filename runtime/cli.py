@@ -23,7 +23,6 @@ from pathlib import Path
 
 from runtime.admission import RequestError, validate_params
 from runtime.config import ConfigError
-from runtime.draft_length import parse_num_draft_tokens
 from runtime.factory import EXECUTORS, create_engine
 from runtime.parallel import RanksDisagree, describe, exit_failed_rank, lockstep_stream, mpi_world
 from runtime.sampling import SamplingParams
@@ -31,6 +30,11 @@ from runtime.sampling import SamplingParams
 PROG = "mtp-run"
 # Errors that mean the user's input (flags, files, engine directory) is wrong: one line, exit 2.
 BAD_INPUT = (ConfigError, RequestError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+def _draft_tokens_flag(text: str) -> int | str:
+    """An int (range-checked with the other settings, one line) or "auto"."""
+    return text if text == "auto" else int(text)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--acceptance", choices=["exact", "rejection"], default="exact")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     r = p.add_argument_group("runtime")
-    r.add_argument("--num-draft-tokens", type=parse_num_draft_tokens, default=None,
+    r.add_argument("--num-draft-tokens", type=_draft_tokens_flag, default=None,
                    help="K draft depths; 0 disables MTP; auto picks 0..K per step")
     r.add_argument("--no-commit-pass", action="store_true", help="ablation: skip the MTP decode refresh")
     r.add_argument("--max-batch", type=int, default=None)

@@ -116,13 +116,13 @@ def test_single_process_leaves_no_shared_memory_segment(tmp_path):
 def test_sigint_prints_what_finished(tmp_path):
     """Ctrl-C used to print a KeyboardInterrupt traceback and lose every --json result."""
     prompts = tmp_path / "prompts.txt"
-    n = 300  # about 0.4 s each with --max-batch 1: far more than run before the signal
+    n = 300  # about 0.5 s each (128 tokens, --max-batch 1, no prefix caching): far more than run before the signal
     prompts.write_text("".join(f"def f{i}(\n" for i in range(n)))
     proc = subprocess.Popen([str(MTP_RUN), "--checkpoint", str(TINY), "--prompts-file", str(prompts), "--max-tokens",
-                             "16", "--max-batch", "1", "--json"], env=ENV, stdout=subprocess.PIPE,
+                             "128", "--max-batch", "1", "--no-prefix-caching", "--json"], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
     try:
-        time.sleep(25)
+        time.sleep(12)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -133,6 +133,6 @@ def test_sigint_prints_what_finished(tmp_path):
     records, summary = lines[:-1], lines[-1]["summary"]
     finished = [r for r in records if "output_ids" in r]
     assert len(records) == n and summary["num_requests"] == n
-    assert 0 < len(finished) < n and all(len(r["output_ids"]) == 16 for r in finished)
+    assert 0 < len(finished) < n and all(len(r["output_ids"]) == 128 for r in finished)
     assert all(r["error"] == "interrupted (Ctrl-C) before it finished" for r in records if "error" in r)
     assert err.splitlines()[-1] == f"mtp-run: interrupted: {len(finished)} of {n} request(s) finished"
