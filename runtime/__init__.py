@@ -1,9 +1,12 @@
 """runtime/: loads an engine (or a checkpoint) and serves requests.
 
-Owns: continuous batching (scheduler.py), paged KV blocks with prefix caching (block_pool.py,
-kv_manager.py), the exact MTP speculative step (mtp_plan.py, engine.py), sampling and acceptance
-(sampling.py), metrics, executors (executors/: torch, onnxruntime, tensorrt), the CLIs.
-The control plane (everything but executors/) is torch-free.
+Owns: per-request state (request.py), admission checks (admission.py), continuous batching (scheduler.py),
+paged KV blocks with prefix caching (block_pool.py, kv_manager.py), the exact MTP step as plan-then-apply
+(mtp_plan.py plans, engine.py applies), sampling and acceptance (sampling.py), the adaptive draft length
+(draft_length.py), metrics, multi-rank lockstep and the start-up fingerprint (parallel.py, fingerprint.py),
+executors (executors/: torch, onnxruntime, tensorrt), `mtp-run` (cli.py) and `create_engine` (factory.py).
+Apps on top, which the engine never imports: bench/ (`mtp-bench`), serving/ (`mtp-serve`), demo.py.
+The control plane (everything but executors/) is torch-free and never imports the builder.
 """
 
 import os

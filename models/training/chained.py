@@ -25,7 +25,8 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from models.glm4_moe import MLP, DecoderLayer, Glm4MoeMTPModel, MoE, MTPModule
+from models.feed_forward import MLP, MoE
+from models.glm4_moe import DecoderLayer, Glm4MoeMTPModel, MTPModule
 
 
 def _mlp(block: DecoderLayer, x: torch.Tensor) -> torch.Tensor:

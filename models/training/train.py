@@ -41,7 +41,8 @@ from safetensors.torch import save_file
 
 from models.checkpoint import to_hf_config, to_hf_tensors
 from models.config import ModelConfig
-from models.glm4_moe import Glm4MoeMTPModel, Router
+from models.feed_forward import Router
+from models.glm4_moe import Glm4MoeMTPModel
 from models.training.chained import chained_losses
 from models.training.configs import PRESETS, TrainSettings
 from models.training.data import prepare_corpus

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from models.glm4_moe import MoE
+from models.feed_forward import MoE
 from models.testing import random_model, tiny_config
 from runtime.executors.base import DraftInput, MainInput
 from runtime.executors.torch_executor import TorchExecutor
