@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.bench.report import first_mismatch
 from runtime.factory import create_engine
 from runtime.sampling import SamplingParams
 
@@ -39,12 +40,6 @@ def run(device: str, k: int, cuda_graphs: bool) -> tuple[list[list[int]], dict]:
     return [o.output_ids for o in outs], info
 
 
-def first_mismatches(a: list[list[int]], b: list[list[int]]) -> list[tuple[int, int]]:
-    """(prompt, token index) of the first difference of each differing output."""
-    return [(i, next((j for j, (x, y) in enumerate(zip(p, q, strict=False)) if x != y), min(len(p), len(q))))
-            for i, (p, q) in enumerate(zip(a, b, strict=True)) if p != q]  # fmt: skip
-
-
 def main() -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device: skipping the engine GPU check"}))
@@ -54,8 +49,8 @@ def main() -> int:
     gpu = {k: run("cuda", k, True) for k in (0, 3)}
     for k, (_, info) in gpu.items():
         report[f"cuda K={k}"] = info
-    report["cuda K=0 vs cpu K=0 (informational)"] = first_mismatches(gpu[0][0], cpu_k0) or "equal"
-    lossless = first_mismatches(gpu[3][0], gpu[0][0])
+    report["cuda K=0 vs cpu K=0 (informational)"] = first_mismatch(gpu[0][0], cpu_k0) or "equal"
+    lossless = first_mismatch(gpu[3][0], gpu[0][0])
     report["lossless cuda K=3 vs cuda K=0"] = lossless or "equal"
     print(json.dumps(report, indent=2))
     return 1 if lossless else 0

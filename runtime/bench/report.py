@@ -110,6 +110,7 @@ def acceptance_table(runs: Runs, ablation: RunResult | None, setup: BenchSetup) 
 
 
 def first_mismatch(got: list[list[int]], ref: list[list[int]]) -> list[dict]:
+    """Where each differing output first differs from its reference (empty: all equal)."""
     bad = []
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
         if g != r:

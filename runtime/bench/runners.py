@@ -67,13 +67,10 @@ def heldout_files(checkpoint: Path, n: int) -> tuple[list[Path], bool]:
         candidates = [root / p for p in paths if (root / p).is_file()]
         heldout = bool(candidates)
     if not candidates:
-        try:
-            from models.training.data import split_files, stdlib_files
+        from models.training.data import split_files, stdlib_files
 
-            candidates = split_files(stdlib_files(root))[1]
-            heldout = bool(candidates)  # same rule training.train uses, on the same Python install
-        except Exception:  # noqa: BLE001 - fall back to a fixed list
-            candidates = []
+        candidates = split_files(stdlib_files(root))[1]
+        heldout = bool(candidates)  # same rule training.train uses, on the same Python install
     if not candidates:
         candidates = [root / f for f in FALLBACK_FILES if (root / f).is_file()]
     # Skip near-empty files (e.g. bare __init__.py) and spread the pick over the whole list.

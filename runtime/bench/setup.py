@@ -87,6 +87,12 @@ def resolve_checkpoint(args) -> tuple[tempfile.TemporaryDirectory | None, str]:
     return None, f"{args.checkpoint.name} ({'trained' if trained else 'checkpoint'})"
 
 
+def token_budget(max_batch: int, max_k: int) -> int:
+    """Packed rows per step for the bench's engines: a full decode batch at the largest K, and at least
+    RuntimeConfig's default budget so prefill chunks stay the size the engine normally runs."""
+    return max(RuntimeConfig().max_num_tokens, max_batch * (1 + max_k))
+
+
 def ensure_engine_dir(args, max_k: int, max_batch: int, console) -> None:
     """Build --engine with mtp-build when it is missing or too small for the largest K and batch."""
     from plugins.engine_format import EngineDirError, load_engine_config
@@ -104,7 +110,7 @@ def ensure_engine_dir(args, max_k: int, max_batch: int, console) -> None:
 
         rc = build_main(["--checkpoint", str(args.checkpoint), "--output", str(engine_dir), "--num-draft-tokens",
                          str(max_k), "--max-batch", str(max_batch), "--max-num-tokens",
-                         str(max(256, max_batch * (1 + max_k))), "--force"])  # fmt: skip
+                         str(token_budget(max_batch, max_k)), "--force"])  # fmt: skip
         if rc != 0:
             raise ConfigError(f"mtp-build failed for {engine_dir} (exit {rc})")
 
@@ -119,7 +125,7 @@ def _engine_factory(args, work: Workload) -> Callable[..., LLMEngine]:
     def engine_for(executor: str, k: str, commit_pass: bool = True) -> LLMEngine:
         num_draft = k if k == "auto" else int(k)
         common = dict(num_draft_tokens=num_draft, max_batch=max_b, commit_pass=commit_pass,
-                      enable_prefix_caching=False, max_num_tokens=max(256, max_b * (1 + max_k)))  # fmt: skip
+                      enable_prefix_caching=False, max_num_tokens=token_budget(max_b, max_k))  # fmt: skip
         if executor == "onnxruntime":
             return create_engine(args.engine, args.checkpoint, "onnxruntime", threads=args.threads, **common)
         return create_engine(None, args.checkpoint, "torch", max_seq_len=max_seq_len, **common)
