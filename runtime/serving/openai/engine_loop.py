@@ -139,7 +139,7 @@ class EngineLoop:
         finally:
             with self._cv:
                 pending, self._pending = self._pending, []
-            for req_id, _, _, act in pending:
+            for *_, act in pending:
                 self._push(act, Event([], "", True, "abort", error="the server is shutting down"))
                 self._done()
             for req_id in list(self._active):
