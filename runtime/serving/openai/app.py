@@ -168,6 +168,10 @@ class _Run:
         self.last: Event | None = None
 
     async def _next(self, request: Request | None) -> Event:
+        if request is None:  # streaming: Starlette cancels us on a disconnect, so no polling (and no timer task)
+            ev = await self.queue.get()
+            self._observe(ev)
+            return ev
         while True:
             try:
                 ev = await asyncio.wait_for(self.queue.get(), 0.5)
