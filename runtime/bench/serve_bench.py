@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
 import signal
@@ -38,7 +39,7 @@ from runtime.bench.serve_report import summarize, write_outputs
 from runtime.serving.process import free_ports
 
 FRONTENDS = ("openai", "triton", "inprocess")
-PROMPT_CHARS = (200, 800, 1600)  # varied prompt lengths, cycled over the prompt files
+PROMPT_TOKENS = (48, 160, 384)  # varied prompt lengths (tokens), cycled over the prompt files
 
 
 @dataclass(slots=True)
@@ -52,10 +53,22 @@ class RequestResult:
     error: str = ""
 
 
-def prompt_set(checkpoint: Path, n: int) -> list[str]:
-    files, _ = heldout_files(checkpoint, n)
-    return [f.read_text(encoding="utf-8", errors="replace")[: PROMPT_CHARS[i % len(PROMPT_CHARS)]]
-            for i, f in enumerate(files)]  # fmt: skip
+def prompt_set(source: Path, n: int) -> list[str]:
+    """n held-out stdlib files, each cut at a character boundary to PROMPT_TOKENS[i % 3] tokens (the source's
+    tokenizer), so the lengths vary but every prompt + --max-tokens fits the default max_seq_len of 512."""
+    from runtime.factory import load_tokenizer
+
+    files, _ = heldout_files(source, n)
+    tok = load_tokenizer(source)
+    out = []
+    for i, f in enumerate(files):
+        text, limit = f.read_text(encoding="utf-8", errors="replace")[:8000], PROMPT_TOKENS[i % len(PROMPT_TOKENS)]
+        if tok is None:
+            out.append(text[:limit])
+            continue
+        enc = tok.encode(text)
+        out.append(text[: enc.offsets[min(limit, len(enc.ids)) - 1][1]])
+    return out
 
 
 # ---------------------------------------------------------------------- clients (one request each)
@@ -138,7 +151,7 @@ class InProcess:
         from runtime.serving.openai.engine_loop import EngineLoop
 
         self.engine = create_engine(engine_dir=args.engine, checkpoint=args.checkpoint, executor=args.executor,
-                                    num_draft_tokens=int(k), max_batch=args.max_batch)  # fmt: skip
+                                    num_draft_tokens=k if k == "auto" else int(k), max_batch=args.max_batch)  # fmt: skip
         self.loop = EngineLoop(self.engine, max_queue=10**6)
         self.loop.start()
 
@@ -197,6 +210,14 @@ async def run_load(send, prompts: list[str], rate: float | None, concurrency: in
 
 
 # ---------------------------------------------------------------------- servers
+_LIVE: set[Server] = set()  # servers to stop if the benchmark itself is stopped
+
+
+def _stop_live() -> None:
+    for server in list(_LIVE):
+        server.close()
+
+
 class Server:
     def __init__(self, args, frontend: str, k: str, workdir: Path) -> None:
         self.frontend, self.k = frontend, k
@@ -218,6 +239,7 @@ class Server:
         self.log = workdir / f"{frontend}-k{k}.log"
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
+        _LIVE.add(self)
         deadline = time.monotonic() + args.ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -233,6 +255,7 @@ class Server:
         raise RuntimeError(f"not ready within {args.ready_timeout:g} s")
 
     def close(self) -> None:
+        _LIVE.discard(self)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -312,6 +335,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    atexit.register(_stop_live)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run atexit: no server outlives the benchmark
     args.executor = args.executor or ("onnxruntime" if args.engine else "torch")
     frontends = [f for f in args.frontend.split(",") if f]
     bad = [f for f in frontends if f not in FRONTENDS]
@@ -334,16 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mtp-serve-bench-") as tmp:
         for frontend, k in targets:
             print(f"{frontend} K={k}:", flush=True)
-            if frontend == "inprocess" and not k.isdigit():
-                notes.append(f"inprocess K={k}: skipped (the in-process baseline takes an integer K)")
-                print(f"  {notes[-1]}")
-                continue
             try:
                 entries.append(asyncio.run(_bench_one(args, frontend, k, prompts, Path(tmp))))
-            except RuntimeError as e:
+            except (RuntimeError, ValueError, TypeError) as e:  # e.g. an engine without K=auto
                 notes.append(f"{frontend} K={k}: skipped: {e}")
                 print(f"  {notes[-1]}", flush=True)
-    meta = {"command": " ".join(sys.argv), "num_prompts": len(prompts), "prompt_chars": list(PROMPT_CHARS),
+    meta = {"command": " ".join(sys.argv), "num_prompts": len(prompts), "prompt_tokens": list(PROMPT_TOKENS),
             "max_tokens": args.max_tokens, "threads": args.threads, "source": str(args.checkpoint or args.engine),
             "executor": args.executor, "cpu_count": os.cpu_count(), "notes": notes}  # fmt: skip
     paths = write_outputs(args.output_dir, meta, entries)

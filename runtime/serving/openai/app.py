@@ -219,7 +219,8 @@ class _Run:
     def spec(self) -> dict:
         ev, k = self.last, self.st.num_draft_tokens
         acc = ev.accepted_per_step if ev else []
-        return {"num_draft_tokens": k, "num_verify_steps": len(acc), "drafted": k * len(acc),
+        drafted = ev.num_proposed if ev is not None and ev.num_proposed is not None else k * len(acc)
+        return {"num_draft_tokens": k, "num_verify_steps": len(acc), "drafted": drafted,
                 "accepted": int(sum(acc)), "accepted_per_position": [sum(a > i for a in acc) for i in range(k)]}  # fmt: skip
 
     def _choice(self, text: str, finish: str | None, first: bool) -> dict:

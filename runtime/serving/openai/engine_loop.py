@@ -42,6 +42,7 @@ class Event:
     num_steps: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    num_proposed: int | None = None  # drafts verified so far, where the engine reports it (auto K varies)
     error: str | None = None  # set: the request failed (bad request at admission, step failure, shutdown)
     bad_request: bool = False
 
@@ -50,7 +51,7 @@ class Event:
 class _Active:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    cached: int | None = None
+    req: Any = None  # the engine's Request: its num_cached_tokens is set when it is first scheduled
 
 
 class EngineLoop:
@@ -152,6 +153,7 @@ class EngineLoop:
             self._push(act, Event([], "", True, None, error=str(e), bad_request=True))
             self._done()
             return
+        act.req = self.engine.requests.get(req_id)  # kept: a request that finishes leaves engine.requests
         self._active[req_id] = act
 
     def _step(self) -> None:
@@ -166,11 +168,9 @@ class EngineLoop:
             act = self._active.get(out.req_id)
             if act is None:
                 continue
-            if act.cached is None:  # set by the scheduler when the request was first scheduled
-                req = self.engine.requests.get(out.req_id)
-                act.cached = int(getattr(req, "num_cached_tokens", 0) or 0)
-            self._push(act, Event(list(out.new_token_ids), out.text, out.finished, out.finish_reason,
-                                  out.num_steps, list(out.accepted_per_step), act.cached))  # fmt: skip
+            cached = int(getattr(act.req, "num_cached_tokens", 0) or 0)
+            self._push(act, Event(list(out.new_token_ids), out.text, out.finished, out.finish_reason, out.num_steps,
+                                  list(out.accepted_per_step), cached, getattr(out, "num_proposed", None)))  # fmt: skip
             if out.finished:
                 del self._active[out.req_id]
                 self.engine.requests.pop(out.req_id, None)  # a long-lived server must not keep every request
