@@ -26,6 +26,7 @@ class EngineSnapshot:
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     prefix_hit_tokens: int = 0
+    generated_tokens: int = 0  # engine side: also counts tokens of requests nobody reads any more
     num_verify_steps: int = 0
     mean_acceptance_length: float = 0.0
     proposed_per_position: list[int] = field(default_factory=list)
@@ -40,7 +41,8 @@ class _EngineCollector(Collector):
     def update(self, engine, num_pending: int) -> None:
         m, sched = engine.metrics, engine.scheduler
         snap = EngineSnapshot(len(sched.running), len(sched.waiting) + num_pending, engine.kv.num_used_blocks,
-                              engine.kv.num_free_blocks, engine.kv.stats.num_hit_tokens, m.num_verify_steps,
+                              engine.kv.num_free_blocks, engine.kv.stats.num_hit_tokens, m.num_generated_tokens,
+                              m.num_verify_steps,
                               m.mean_acceptance_length, list(m.proposed_per_position),
                               list(m.accepted_per_position))  # fmt: skip
         with self._lock:
@@ -55,6 +57,8 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("mtp_kv_blocks_free", "KV pool blocks free", value=s.kv_blocks_free)
         yield CounterMetricFamily("mtp_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                   value=s.prefix_hit_tokens)  # fmt: skip
+        yield CounterMetricFamily("mtp_engine_generated_tokens", "Output tokens the engine generated (incl. aborted)",
+                                  value=s.generated_tokens)  # fmt: skip
         yield CounterMetricFamily("mtp_spec_verify_steps", "Decode verify steps (one per request per step)",
                                   value=s.num_verify_steps)  # fmt: skip
         yield GaugeMetricFamily("mtp_spec_mean_acceptance_length",
