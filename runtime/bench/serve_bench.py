@@ -267,7 +267,8 @@ class Server:
 
 async def bench_target(send, prompts: list[str], args) -> list[dict]:
     rows = []
-    await send(prompts[0])  # warm-up (first-step allocations), not measured
+    for p in prompts[: len(PROMPT_TOKENS)]:  # warm-up, one prompt of each length (first-shape costs), not measured
+        await send(p)
     loads = [(r, None) for r in args.rates] + [(None, c) for c in args.max_concurrency]
     for rate, conc in loads:
         results, wall = await run_load(send, prompts, rate, conc)
