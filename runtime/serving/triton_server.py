@@ -25,6 +25,7 @@ from string import Template
 
 from runtime.draft_length import parse_num_draft_tokens
 from runtime.factory import EXECUTORS
+from runtime.serving.openai.cli_args import add_openai_args
 from runtime.serving.process import MODEL_NAME, ServeError, TritonServer, free_ports, port_is_free
 
 __all__ = ["MODEL_NAME", "ServeError", "TritonServer", "free_ports", "main", "port_is_free", "write_model_repo"]
@@ -88,7 +89,10 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-prompt-bytes", type=int, default=None,
                    help="longer prompts are refused before tokenizing (default: 8 x max_seq_len)")
-    p.add_argument("--model-repo", type=Path, required=True, help="where to write the Triton model repository")
+    p.add_argument("--frontend", choices=("triton", "openai"), default="triton",
+                   help="triton: Triton Inference Server (default); openai: OpenAI-compatible HTTP (docs/SERVING.md)")
+    p.add_argument("--model-repo", type=Path, default=None, help="where to write the Triton model repository")
+    add_openai_args(p)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
@@ -104,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.drain_timeout < 0:
         print(f"mtp-serve: error: --drain-timeout {args.drain_timeout:g}: must be >= 0", file=sys.stderr)
+        return 2
+    if args.frontend == "openai":
+        from runtime.serving.openai.server import run
+
+        return run(args)
+    if args.model_repo is None:
+        print("mtp-serve: error: --model-repo DIR is required with --frontend triton", file=sys.stderr)
         return 2
     try:
         repo = write_model_repo(args.model_repo, engine=args.engine, checkpoint=args.checkpoint,

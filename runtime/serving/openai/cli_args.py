@@ -1,0 +1,14 @@
+"""The `mtp-serve` flags only the OpenAI frontend reads (kept here so triton_server.py's CLI stays small)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_openai_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--frontend openai")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
+    g.add_argument("--max-queue", type=int, default=None,
+                   help="requests in flight (queued + running) before 429 (default: 4 x max_batch + 64)")
+    g.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: the directory name)")
