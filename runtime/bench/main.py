@@ -173,6 +173,10 @@ def run(args, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # mtp-bench serve: the serving benchmark (runtime/bench/serve_bench.py)
+        from runtime.bench.serve_bench import main as serve_main
+
+        return serve_main(argv[1:])
     args = parser().parse_args(argv)
     try:
         return run(args, argv)
