@@ -79,13 +79,13 @@ async def _sse_lines(resp):
             yield line[5:].strip()
 
 
-async def openai_request(session, url: str, model: str, prompt: str, max_tokens: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    res = RequestResult(False, num_prompt_chars=len(prompt))
+async def _stream(session, url: str, body: dict, tokens_in) -> RequestResult:
+    """POST one streaming request and time it: TTFT at the first event carrying tokens, ITL between such
+    events. tokens_in(event) -> (tokens in it, or None when the event says the stream is done)."""
+    res = RequestResult(False, num_prompt_chars=len(body.get("prompt") or body.get("text_input") or ""))
     t0 = last = time.perf_counter()
     try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
+        async with session.post(url, json=body) as resp:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return res
@@ -96,38 +96,7 @@ async def openai_request(session, url: str, model: str, prompt: str, max_tokens:
                 if "error" in obj:
                     res.error = str(obj["error"])
                     return res
-                if obj.get("usage"):
-                    res.num_output = int(obj["usage"]["completion_tokens"])
-                if obj.get("choices") and obj["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if res.ttft == 0.0:
-                        res.ttft = now - t0
-                    else:
-                        res.itls.append(now - last)
-                    last = now
-    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-        res.error = f"{type(e).__name__}: {e}"
-        return res
-    res.latency, res.ok = time.perf_counter() - t0, res.ttft > 0
-    return res
-
-
-async def triton_request(session, url: str, prompt: str, max_tokens: int) -> RequestResult:
-    body = {"text_input": prompt, "max_tokens": max_tokens, "stream": True}
-    res = RequestResult(False, num_prompt_chars=len(prompt))
-    t0 = last = time.perf_counter()
-    try:
-        async with session.post(url + "/v2/models/mtp/generate_stream", json=body) as resp:
-            if resp.status != 200:
-                res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return res
-            async for data in _sse_lines(resp):
-                obj = json.loads(data)
-                if "error" in obj:
-                    res.error = str(obj["error"])
-                    return res
-                ids = obj.get("output_ids")
-                n = 1 if isinstance(ids, int) else len(ids or [])  # Triton's JSON drops the list for one id
+                n = tokens_in(obj, res)
                 if n:
                     now = time.perf_counter()
                     if res.ttft == 0.0:
@@ -135,12 +104,35 @@ async def triton_request(session, url: str, prompt: str, max_tokens: int) -> Req
                     else:
                         res.itls.append(now - last)
                     last = now
-                    res.num_output += n
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - a failed request is counted in the results, not fatal
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.latency, res.ok = time.perf_counter() - t0, res.ttft > 0
     return res
+
+
+def _openai_tokens(obj: dict, res: RequestResult) -> int:
+    if obj.get("usage"):  # the final usage chunk (stream_options.include_usage) has the exact count
+        res.num_output = int(obj["usage"]["completion_tokens"])
+    return 1 if obj.get("choices") and obj["choices"][0].get("text") else 0
+
+
+def _triton_tokens(obj: dict, res: RequestResult) -> int:
+    ids = obj.get("output_ids")
+    n = 1 if isinstance(ids, int) else len(ids or [])  # Triton's JSON drops the list for one id
+    res.num_output += n
+    return n
+
+
+async def openai_request(session, url: str, model: str, prompt: str, max_tokens: int) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    return await _stream(session, url + "/v1/completions", body, _openai_tokens)
+
+
+async def triton_request(session, url: str, prompt: str, max_tokens: int) -> RequestResult:
+    body = {"text_input": prompt, "max_tokens": max_tokens, "stream": True}
+    return await _stream(session, url + "/v2/models/mtp/generate_stream", body, _triton_tokens)
 
 
 class InProcess:
