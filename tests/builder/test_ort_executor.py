@@ -126,3 +126,17 @@ def test_every_step_of_a_built_engine_fits_its_recorded_limits(engine):
     outs = LLMEngine(ex, ecfg.model, rc).generate(random_prompts(lengths), SamplingParams(max_tokens=64))
     assert [n + len(o.output_ids) for n, o in zip(lengths, outs, strict=True)] == [64] * 5
     assert max(dict(s)["max_blocks"] for s in ex.seen["main"]) == ecfg.kv.table_width == 17
+
+
+def test_intra_op_threads_is_a_runtime_choice(engine):
+    """The thread count is the caller's (machine, neighbours), not the engine's: it reaches every session
+    without touching the sealed config.json (the bench once edited config.json for this)."""
+    from plugins.engine_format import load_engine_config
+
+    recorded = load_engine_config(engine).build["ort_session_options"]["intra_op_num_threads"]
+    for threads in (1, 2):
+        ex = OrtExecutor(engine, num_blocks=8, intra_op_threads=threads)
+        assert {s.get_session_options().intra_op_num_threads for s in ex.sessions.values()} == {threads}
+    default = OrtExecutor(engine, num_blocks=8)
+    assert {s.get_session_options().intra_op_num_threads for s in default.sessions.values()} == {recorded}
+    load_engine_config(engine)  # still sealed and valid
