@@ -88,7 +88,7 @@ def create_engine(
     if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:
         cfg = replace(cfg, num_draft_tokens=0)  # the checkpoint has no MTP module: plain decoding
     engine = LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1, seed=seed)
-    if executor == "onnxruntime" or (executor == "torch" and device == "cpu"):
+    if engine.draft_length is not None and (executor == "onnxruntime" or (executor == "torch" and device == "cpu")):
         engine.draft_clock = time.process_time  # CPU executors: auto's costs in CPU work, immune to other jobs
     return engine
 

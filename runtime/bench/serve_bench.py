@@ -51,6 +51,21 @@ class RequestResult:
     num_output: int = 0
     num_prompt_chars: int = 0
     error: str = ""
+    _t0: float = field(default_factory=time.perf_counter)  # when the request was sent
+    _last: float = 0.0  # when the previous token-carrying event arrived
+
+    def tokens_arrived(self) -> None:
+        """A response carrying tokens arrived now: the first sets TTFT, later ones add an inter-token latency."""
+        now = time.perf_counter()
+        if self.ttft == 0.0:
+            self.ttft = now - self._t0
+        else:
+            self.itls.append(now - self._last)
+        self._last = now
+
+    def done(self, ok: bool) -> RequestResult:
+        self.latency, self.ok = time.perf_counter() - self._t0, ok
+        return self
 
 
 def prompt_set(source: Path, n: int) -> list[str]:
@@ -83,7 +98,6 @@ async def _stream(session, url: str, body: dict, tokens_in) -> RequestResult:
     """POST one streaming request and time it: TTFT at the first event carrying tokens, ITL between such
     events. tokens_in(event) -> (tokens in it, or None when the event says the stream is done)."""
     res = RequestResult(False, num_prompt_chars=len(body.get("prompt") or body.get("text_input") or ""))
-    t0 = last = time.perf_counter()
     try:
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
@@ -96,19 +110,12 @@ async def _stream(session, url: str, body: dict, tokens_in) -> RequestResult:
                 if "error" in obj:
                     res.error = str(obj["error"])
                     return res
-                n = tokens_in(obj, res)
-                if n:
-                    now = time.perf_counter()
-                    if res.ttft == 0.0:
-                        res.ttft = now - t0
-                    else:
-                        res.itls.append(now - last)
-                    last = now
+                if tokens_in(obj, res):
+                    res.tokens_arrived()
     except Exception as e:  # noqa: BLE001 - a failed request is counted in the results, not fatal
         res.error = f"{type(e).__name__}: {e}"
         return res
-    res.latency, res.ok = time.perf_counter() - t0, res.ttft > 0
-    return res
+    return res.done(res.ttft > 0)
 
 
 def _openai_tokens(obj: dict, res: RequestResult) -> int:
@@ -151,7 +158,6 @@ class InProcess:
         from runtime.sampling import SamplingParams
 
         res = RequestResult(False, num_prompt_chars=len(prompt))
-        t0 = last = time.perf_counter()
         ids = await asyncio.to_thread(lambda: list(self.engine.tokenizer.encode_batch([prompt])[0].ids))
         _, queue = self.loop.submit(ids, SamplingParams(max_tokens=max_tokens))
         while True:
@@ -160,16 +166,11 @@ class InProcess:
                 res.error = ev.error
                 return res
             if ev.new_token_ids:
-                now = time.perf_counter()
-                if res.ttft == 0.0:
-                    res.ttft = now - t0
-                else:
-                    res.itls.append(now - last)
-                last = now
+                res.tokens_arrived()
                 res.num_output += len(ev.new_token_ids)
             if ev.finished:
                 break
-        res.latency, res.ok = time.perf_counter() - t0, True
+        res.done(True)
         return res
 
     def close(self) -> None:
