@@ -2,6 +2,9 @@
 
 Built from a Hugging Face `config.json` by `ModelConfig.from_hf_dict`, which validates every field it
 needs and names the missing or bad one. Knows nothing about checkpoints, engines or devices.
+
+Two attention kinds: GQA (`glm4_moe`: per-head K/V, partial neox RoPE) and MLA (`deepseek_v3`,
+`glm4_moe_lite`: low-rank latent K/V, `is_mla`), whose RoPE may be YaRN-scaled (`rope_type`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("glm4_moe",)
+SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
+ROPE_TYPES = ("default", "yarn")
 
 
 class ConfigError(ValueError):
@@ -47,6 +52,27 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     eos_token_id: tuple[int, ...] = ()
+    # MLA (kv_lora_rank > 0; all 0 for GQA models). head_dim is qk_rope_head_dim there, as in HF.
+    q_lora_rank: int = 0  # 0 = plain q_proj (no q_a_proj / q_a_layernorm / q_b_proj)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # checkpoint rope rows in interleaved pairs (de-interleaved at import)
+    # RoPE scaling (rope_parameters / rope_scaling); "yarn" fields as in HF `_compute_yarn_parameters`
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    rope_mscale: float = 0.0  # 0 = absent
+    rope_mscale_all_dim: float = 0.0  # 0 = absent (no softmax-scale correction)
+    rope_attention_factor: float = 0.0  # 0 = derived from factor / mscale / mscale_all_dim
+    rope_truncate: bool = True
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def rotary_dim(self) -> int:
@@ -66,6 +92,11 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_id"] = list(self.eos_token_id)
+        # MLA / rope-scaling fields at their defaults are left out, so a GQA engine's config.json is byte for
+        # byte what it was before these fields existed (from_dict fills the defaults back in).
+        for f in dataclasses.fields(self):
+            if f.name in _OPTIONAL_FIELDS and d[f.name] == f.default:
+                del d[f.name]
         return d
 
     @classmethod
@@ -83,7 +114,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                "(DeepSeek-V3, MiMo and Qwen3-Next layouts are planned additions to models/checkpoint.py's table)"
+                "(MiMo and Qwen3-Next layouts are planned additions to models/checkpoint.py's table)"
             )
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if hf.get(k) is None]
@@ -96,10 +127,11 @@ class ModelConfig:
         if not isinstance(rope, dict):
             key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
             raise ConfigError(f"{key} must be a JSON object, got {rope!r}; fix config.json")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(f"rope_type {rope_type!r} is not supported yet; only 'default' RoPE is")
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
         rf = _Fields(rope, prefix="rope_parameters.")
+        mla = _mla_fields(model_type, f, rf, rope_type)
         n_experts = f.integer("n_routed_experts", 0, minimum=0)
         cfg = cls(
             model_type=model_type,
@@ -109,13 +141,14 @@ class ModelConfig:
             num_hidden_layers=f.integer("num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=f.integer("num_key_value_heads", heads),
-            head_dim=f.integer("head_dim", hidden // heads),
+            head_dim=mla.get("qk_rope_head_dim") or f.integer("head_dim", hidden // heads),
             rms_norm_eps=f.number("rms_norm_eps", 1e-5),
             rope_theta=rf.number("rope_theta", f.number("rope_theta", 10000.0)),
-            partial_rotary_factor=rf.number("partial_rotary_factor", f.number("partial_rotary_factor", 0.5)),
+            partial_rotary_factor=rf.number("partial_rotary_factor",
+                                            f.number("partial_rotary_factor", 1.0 if mla else 0.5)),  # fmt: skip
             attention_bias=f.flag("attention_bias", False),
             use_qk_norm=f.flag("use_qk_norm", False),
-            first_k_dense_replace=f.integer("first_k_dense_replace", 1 if n_experts else 0, minimum=0),
+            first_k_dense_replace=_first_k_dense(hf, f, 1 if n_experts else 0),
             moe_intermediate_size=f.integer("moe_intermediate_size", 0, minimum=0),
             n_routed_experts=n_experts,
             num_experts_per_tok=f.integer("num_experts_per_tok", 0, minimum=0),
@@ -129,6 +162,7 @@ class ModelConfig:
             tie_word_embeddings=f.flag("tie_word_embeddings", False),
             max_position_embeddings=f.integer("max_position_embeddings", 4096),
             eos_token_id=_eos_ids(hf.get("eos_token_id")),
+            **mla,
         )
         cfg.validate()
         return cfg
@@ -158,6 +192,88 @@ class ModelConfig:
                 raise ConfigError(f"eos_token_id {eos} is outside the vocabulary (vocab_size={self.vocab_size})")
         if not 0 < self.partial_rotary_factor <= 1:
             raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.is_mla:
+            self._validate_mla()
+        elif self.rope_type != "default":
+            raise ConfigError(f"rope scaling {self.rope_type!r} is supported for MLA models only "
+                              f"({', '.join(MLA_MODEL_TYPES)}); {self.model_type} takes rope_type 'default'")  # fmt: skip
+
+    def _validate_mla(self) -> None:
+        dims = {"kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
+                "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim}  # fmt: skip
+        bad = [f"{k}={v}" for k, v in dims.items() if v <= 0]
+        if bad:
+            raise ConfigError(f"MLA dims must be > 0, got {', '.join(bad)}; fix config.json")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs, it must be even")
+        if self.q_lora_rank < 0:
+            raise ConfigError(f"q_lora_rank={self.q_lora_rank} must be >= 0 (0 or null = plain q_proj)")
+        if self.head_dim != self.qk_rope_head_dim or self.partial_rotary_factor != 1.0:
+            raise ConfigError(f"MLA ropes the whole qk_rope_head_dim={self.qk_rope_head_dim} key: head_dim must equal "
+                              f"it and partial_rotary_factor must be 1 (got head_dim={self.head_dim}, "
+                              f"partial_rotary_factor={self.partial_rotary_factor}); fix config.json")  # fmt: skip
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ConfigError(f"MLA expands K/V for every query head: num_key_value_heads={self.num_key_value_heads} "
+                              f"must equal num_attention_heads={self.num_attention_heads}; fix config.json")  # fmt: skip
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(f"rope_type {self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        if self.rope_type == "yarn" and self.original_max_position_embeddings <= 0:
+            raise ConfigError("yarn rope needs original_max_position_embeddings > 0; fix config.json")
+
+
+_OPTIONAL_FIELDS = frozenset({
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+    "rope_type", "rope_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "rope_mscale",
+    "rope_mscale_all_dim", "rope_attention_factor", "rope_truncate",
+})  # fmt: skip
+
+
+def _mla_fields(model_type: str, f: _Fields, rf: _Fields, rope_type: str) -> dict[str, Any]:
+    """The MLA and rope-scaling fields of an MLA config.json ({} for GQA models, which have neither)."""
+    if model_type not in MLA_MODEL_TYPES:
+        return {}
+    out: dict[str, Any] = {
+        "q_lora_rank": f.integer("q_lora_rank", 0, minimum=0),  # null = plain q_proj
+        "kv_lora_rank": f.integer("kv_lora_rank"),
+        "qk_nope_head_dim": f.integer("qk_nope_head_dim"),
+        "qk_rope_head_dim": f.integer("qk_rope_head_dim"),
+        "v_head_dim": f.integer("v_head_dim"),
+        "rope_interleave": f.flag("rope_interleave", True),  # the HF default for both model types
+        "rope_type": rope_type,
+    }
+    if rope_type == "yarn":
+        if rf.raw.get("factor") is None:
+            raise ConfigError("yarn rope scaling needs rope_parameters.factor (the context extension factor); "
+                              "add it to config.json")  # fmt: skip
+        out.update(
+            rope_factor=rf.number("factor", 1.0),
+            original_max_position_embeddings=rf.integer("original_max_position_embeddings",
+                                                        f.integer("max_position_embeddings", 4096)),  # fmt: skip
+            beta_fast=rf.number("beta_fast", 32.0),
+            beta_slow=rf.number("beta_slow", 1.0),
+            rope_mscale=rf.number("mscale", 0.0, allow_zero=True),  # 0 = absent, as in HF
+            rope_mscale_all_dim=rf.number("mscale_all_dim", 0.0, allow_zero=True),
+            rope_attention_factor=rf.number("attention_factor", 0.0),
+            rope_truncate=rf.flag("truncate", True),
+        )
+    return out
+
+
+def _first_k_dense(hf: dict[str, Any], f: _Fields, default: int) -> int:
+    """first_k_dense_replace, or (glm4_moe_lite) the dense prefix of mlp_layer_types."""
+    types = hf.get("mlp_layer_types")
+    if types is None:
+        return f.integer("first_k_dense_replace", default, minimum=0)
+    if not isinstance(types, list) or any(t not in ("dense", "sparse") for t in types):
+        raise ConfigError(f'mlp_layer_types must be a list of "dense"/"sparse", got {types!r}; fix config.json')
+    k = types.index("sparse") if "sparse" in types else len(types)
+    if types != ["dense"] * k + ["sparse"] * (len(types) - k):
+        raise ConfigError(f"mlp_layer_types {types} interleaves dense and sparse layers; only dense-then-MoE "
+                          "(first_k_dense_replace) layouts are supported")  # fmt: skip
+    if hf.get("first_k_dense_replace") is not None and f.integer("first_k_dense_replace", 0, minimum=0) != k:
+        raise ConfigError(f"first_k_dense_replace={hf['first_k_dense_replace']} disagrees with mlp_layer_types "
+                          f"({k} dense layers first); fix config.json")  # fmt: skip
+    return k
 
 
 def _eos_ids(eos: Any) -> tuple[int, ...]:
@@ -191,12 +307,13 @@ class _Fields:
             raise self._bad(key, f"an integer >= {minimum}", value)
         return int(value)
 
-    def number(self, key: str, default: float) -> float:
+    def number(self, key: str, default: float, allow_zero: bool = False) -> float:
         value = self.raw.get(key)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise self._bad(key, "a finite number > 0", value)
+        bad_type = isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+        if bad_type or value < 0 or (value == 0 and not allow_zero):
+            raise self._bad(key, "a finite number >= 0" if allow_zero else "a finite number > 0", value)
         return float(value)
 
     def flag(self, key: str, default: bool) -> bool:
