@@ -85,6 +85,75 @@ def paged_attention_ref(
     return out
 
 
+def mla_kv_write_ref(
+    pool: torch.Tensor,  # [planes, 1, blocks, B, 1, latent_dim] (kv_kind 1), written in place
+    latent: torch.Tensor,  # [T, latent_dim] packed rows: [k_pe ; c_kv]
+    counts: torch.Tensor,  # [R]
+    starts: torch.Tensor,  # [R]
+    block_tables: torch.Tensor,  # [R, max_blocks], -1 = none
+    plane: int,
+    inv_freq: torch.Tensor,  # float32 [rope_dim // 2]
+    rope_dim: int = 0,  # > 0: rope latent[:, :rope_dim] at the write position before storing
+    rope_scale: float = 1.0,  # YaRN attention factor multiplying cos and sin
+) -> int:
+    """kv_write_ref for one latent row per position: same segments, padding and no-op rules.
+
+    The rope is written out per dim (not shared with the op): for i < rope_dim/2, angle = pos * inv_freq[i],
+    out[i] = x[i] cos - x[i + h] sin and out[i + h] = x[i + h] cos + x[i] sin (h = rope_dim/2, neox
+    rotate_half), with cos and sin multiplied by rope_scale. Returns the rows stored.
+    """
+    block_size = pool.shape[3]
+    written = 0
+    row = 0
+    for r in range(counts.shape[0]):
+        for j in range(int(counts[r])):
+            pos = int(starts[r]) + j
+            col = pos // block_size
+            if col < block_tables.shape[1] and int(block_tables[r, col]) >= 0:
+                x = latent[row].float().clone()
+                half = rope_dim // 2
+                for i in range(half):
+                    angle = pos * inv_freq[i].float()
+                    c, s = torch.cos(angle) * rope_scale, torch.sin(angle) * rope_scale
+                    a, b = latent[row, i].float(), latent[row, i + half].float()
+                    x[i], x[i + half] = a * c - b * s, b * c + a * s
+                pool[plane, 0, int(block_tables[r, col]), pos % block_size, 0] = x.to(pool.dtype)
+                written += 1
+            row += 1
+    return written
+
+
+def mla_paged_attention_ref(
+    pool: torch.Tensor,  # [planes, 1, blocks, B, 1, latent_dim]
+    q: torch.Tensor,  # [T, H, latent_dim] absorbed queries [q_pe ; q_nope @ W_UK] packed by request
+    q_counts: torch.Tensor,  # [R]
+    kv_lens: torch.Tensor,  # [R]
+    block_tables: torch.Tensor,  # [R, max_blocks]
+    plane: int,
+    rope_dim: int,  # values are latent[:, rope_dim:] (c_kv)
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA attention: keys = the whole latent, values = its c_kv part, causal as paged_attention_ref.
+
+    Returns [T, H, latent_dim - rope_dim] in q's dtype (fp32 math); rows past sum(q_counts) are zeros.
+    """
+    block_size = pool.shape[3]
+    out = torch.zeros(q.shape[0], q.shape[1], q.shape[2] - rope_dim, dtype=q.dtype)
+    row = 0
+    for r in range(q_counts.shape[0]):
+        n_q, n_kv = int(q_counts[r]), int(kv_lens[r])
+        for j in range(n_q):
+            q_pos = n_kv - n_q + j
+            positions = torch.arange(q_pos + 1)
+            blocks = block_tables[r, positions // block_size].long()
+            latents = pool[plane, 0, blocks, positions % block_size, 0].float()  # [q_pos + 1, latent_dim]
+            for h in range(q.shape[1]):
+                weights = (latents @ q[row, h].float() * scale).softmax(0)
+                out[row, h] = (weights @ latents[:, rope_dim:]).to(q.dtype)
+            row += 1
+    return out
+
+
 def moe_experts_ref(
     x: torch.Tensor,  # [T, H]
     topk_ids: torch.Tensor,  # [T, K] global expert ids

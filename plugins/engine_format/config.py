@@ -7,7 +7,7 @@ mistyped field raises KeyError/TypeError naming it, which the loader turns into 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,9 +44,12 @@ def _ints(cls: type[T], raw: Any, where: str) -> T:
     if not isinstance(raw, dict):
         raise TypeError(f"{where} is not an object")
     names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    # A field with a default (kv.kv_kind) may be absent: configs written before it existed mean the default.
+    optional = {f.name for f in fields(cls) if f.default is not MISSING}  # type: ignore[arg-type]
     unknown = sorted(set(raw) - set(names))
     if unknown:
         raise KeyError(f"{where}.{unknown[0]} (unknown field)")
+    names = [n for n in names if n in raw or n not in optional]
     for n in names:
         if n not in raw:
             raise KeyError(f"{where}.{n}")

@@ -40,20 +40,21 @@ class KVLayout:
     block_size: int  # positions per block
     num_blocks: int  # pool blocks baked into the plugin nodes (block 0 is the null block)
     num_planes: int  # main layers, then MTP modules
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # 1 for an MLA pool
+    head_dim: int  # latent_dim (qk_rope_head_dim + kv_lora_rank) for an MLA pool
     dtype_code: int  # 0 fp32, 1 fp16, 2 bf16 (plugins/kv_pool.py DTYPE_CODES)
     table_width: int  # block-table columns = table_width(max_seq_len, K, block_size)
+    kv_kind: int = 0  # 0 K/V per KV head (GQA), 1 one MLA latent per position (plugins/kv_pool.py)
 
     @classmethod
     def plan(cls, *, num_planes: int, num_kv_heads: int, head_dim: int, dtype_code: int, block_size: int,
-             max_batch: int, max_seq_len: int, num_draft_tokens: int) -> KVLayout:  # fmt: skip
+             max_batch: int, max_seq_len: int, num_draft_tokens: int, kv_kind: int = 0) -> KVLayout:  # fmt: skip
         width = table_width(max_seq_len, num_draft_tokens, block_size)
         return cls(block_size, default_num_blocks(max_batch, width), num_planes, num_kv_heads, head_dim, dtype_code,
-                   width)  # fmt: skip
+                   width, kv_kind)  # fmt: skip
 
     def geometry(self, num_blocks: int | None = None) -> KVPoolGeometry:
         """The pool geometry, optionally with another block count (only the ORT executor may change it)."""
         blocks = self.num_blocks if num_blocks is None else num_blocks
         return KVPoolGeometry(self.num_planes, blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                              self.dtype_code)  # fmt: skip
+                              self.dtype_code, self.kv_kind)  # fmt: skip
