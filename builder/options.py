@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from models.config import ModelConfig
+from models.mla import kv_geometry_fields
 from plugins.engine_format.config import Limits
 from plugins.engine_format.layout import KVLayout
 from plugins.kv_pool import DTYPE_CODES
@@ -50,10 +51,12 @@ class BuildOptions:
 
     def kv_layout(self, cfg: ModelConfig) -> KVLayout:
         """The engine's KV layout (plugins/engine_format/layout.py computes the table width, lookahead included)."""
+        kv_heads, head_dim, kv_kind = kv_geometry_fields(cfg)  # MLA: one latent row per position
         return KVLayout.plan(
-            num_planes=cfg.num_hidden_layers + cfg.num_mtp_modules, num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, dtype_code=DTYPE_CODES[self.torch_dtype], block_size=self.kv_block_size,
+            num_planes=cfg.num_hidden_layers + cfg.num_mtp_modules, num_kv_heads=kv_heads,
+            head_dim=head_dim, dtype_code=DTYPE_CODES[self.torch_dtype], block_size=self.kv_block_size,
             max_batch=self.max_batch, max_seq_len=self.max_seq_len, num_draft_tokens=self.num_draft_tokens,
+            kv_kind=kv_kind,
         )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:

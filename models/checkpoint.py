@@ -60,7 +60,18 @@ GLM4_MOE_RULES: tuple[Rule, ...] = (
     Rule(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.down_proj\.weight", r"layers.\1.mlp.w_down", "down"),
     Rule(r"model\.layers\.(\d+)\." + _BLOCK + r"\.(weight|bias|e_score_correction_bias)", r"layers.\1.\2.\3"),
 )
-LAYOUTS: dict[str, tuple[Rule, ...]] = {"glm4_moe": GLM4_MOE_RULES}
+# DeepSeek-V3 / GLM-4.7-Flash: the GLM-4.5 names (the MLA projections q_a_proj, q_a_layernorm, q_b_proj or
+# q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj are `self_attn.*` of _BLOCK; MTP at layers.{L+j}),
+# plus the experts fused per layer (transformers' in-memory `mlp.experts.gate_up_proj [E, 2I, H]` / `down_proj
+# [E, H, I]`, the canonical layout already) for checkpoints saved that way; released ones are per expert.
+_FUSED_EXPERTS: tuple[Rule, ...] = (
+    Rule(r"model\.layers\.MTP(\d+)\.mlp\.experts\.gate_up_proj", r"mtp.\1.block.mlp.w_gate_up"),
+    Rule(r"model\.layers\.MTP(\d+)\.mlp\.experts\.down_proj", r"mtp.\1.block.mlp.w_down"),
+    Rule(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj", r"layers.\1.mlp.w_gate_up"),
+    Rule(r"model\.layers\.(\d+)\.mlp\.experts\.down_proj", r"layers.\1.mlp.w_down"),
+)
+MLA_RULES: tuple[Rule, ...] = _FUSED_EXPERTS + GLM4_MOE_RULES
+LAYOUTS: dict[str, tuple[Rule, ...]] = {"glm4_moe": GLM4_MOE_RULES, "deepseek_v3": MLA_RULES, "glm4_moe_lite": MLA_RULES}
 
 
 @dataclass
@@ -206,7 +217,46 @@ def to_canonical(ckpt: Checkpoint) -> tuple[ModelConfig, dict[str, torch.Tensor]
             f"(model.layers.{cfg.num_hidden_layers}.*): MTP speculative decoding is unavailable for this model"
         )
         cfg = ModelConfig.from_dict({**cfg.to_dict(), "num_nextn_predict_layers": 0})
-    return cfg, out
+    return cfg, deinterleave_rope_rows(cfg, out)
+
+
+def rope_row_order(rope_dim: int) -> torch.Tensor:
+    """De-interleave permutation of rope rows: pairs (x0, x1), (x2, x3)... -> [x0, x2, ..., x1, x3, ...]."""
+    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+
+
+_ROPE_ROWS = re.compile(r"(layers\.\d+|mtp\.\d+\.block)\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.(weight|bias)")
+
+
+def deinterleave_rope_rows(cfg: ModelConfig, weights: dict[str, torch.Tensor], inverse: bool = False):
+    """MLA with rope_interleave: permute the rope output rows of q_proj / q_b_proj (each head's last
+    qk_rope_head_dim rows) and of kv_a_proj_with_mqa (its last qk_rope_head_dim rows, k_pe) once at import.
+
+    DeepSeek ropes interleaved pairs with one frequency each; after this permutation the neox rotate_half rope
+    (plugins/rope.py) computes the same values, and q_pe . k_pe is unchanged because q and k are permuted
+    alike. `inverse=True` restores the checkpoint order (export). A no-op unless cfg.rope_interleave.
+    """
+    if not (cfg.is_mla and cfg.rope_interleave):
+        return weights
+    order = rope_row_order(cfg.qk_rope_head_dim)
+    if inverse:
+        order = torch.argsort(order)
+    out = dict(weights)
+    for name, t in weights.items():
+        m = _ROPE_ROWS.fullmatch(name)
+        if m is None:
+            continue
+        if m.group(2) == "kv_a_proj_with_mqa":
+            rows = torch.cat([torch.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + order])
+        else:  # per head [nope rows ; rope rows]
+            head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            one = torch.cat([torch.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + order])
+            rows = (torch.arange(cfg.num_attention_heads)[:, None] * head + one[None, :]).reshape(-1)
+        if t.shape[0] != rows.shape[0]:
+            raise CheckpointError(f"tensor {name}: {t.shape[0]} output rows, config.json implies {rows.shape[0]} "
+                                  "(qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, num_attention_heads)")  # fmt: skip
+        out[name] = t.index_select(0, rows)
+    return out
 
 
 def _stack_experts(target: str, per_expert: dict[int, dict[str, torch.Tensor]], num_experts: int) -> torch.Tensor:
@@ -285,7 +335,7 @@ def to_hf_tensors(model: Glm4MoeMTPModel) -> dict[str, torch.Tensor]:
     """Canonical weights -> Hugging Face checkpoint names (inverse of GLM4_MOE_RULES; MTP shares head)."""
     cfg = model.cfg
     out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
+    for name, t in deinterleave_rope_rows(cfg, dict(model.state_dict()), inverse=True).items():
         t = t.detach().contiguous()
         m = re.match(r"(layers\.(\d+)|mtp\.(\d+)\.block)\.mlp\.(w_gate_up|w_down)$", name)
         prefix = _hf_prefix(name, cfg.num_hidden_layers)

@@ -21,7 +21,7 @@ Shape names: T packed rows, R requests, H hidden, Hq/Hkv heads, D head dim, E ex
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from models.config import ModelConfig
 from models.feed_forward import MLP, MoE, fuse_linears, store_in_out
 from plugins.kv_pool import KVPoolGeometry
 from plugins.rope import RopeTable, apply_rope, rope_table
+
+if TYPE_CHECKING:
+    from models.mla import MLAAttention
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,22 @@ class PagedKV:
         return torch.ops.mtp.paged_attention(
             q, q_counts, kv_lens, block_tables, self.pool_ptr, after, plane,
             g.num_planes, g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim, g.dtype_code, scale,
+        )  # fmt: skip
+
+    # MLA (kv_kind 1 pools: head_dim is the latent width; models/mla.py)
+    def write_latent(self, plane: int, latent, counts, starts, block_tables, inv_freq, rope_dim: int = 0,
+                     rope_scale: float = 1.0):  # fmt: skip
+        g = self.geom
+        return torch.ops.mtp.mla_kv_write(
+            latent, counts, starts, block_tables, self.pool_ptr, inv_freq, plane,
+            g.num_planes, g.num_blocks, g.block_size, g.head_dim, g.dtype_code, rope_dim, rope_scale,
+        )  # fmt: skip
+
+    def attend_latent(self, plane: int, q, q_counts, kv_lens, block_tables, after, rope_dim: int, scale: float):
+        g = self.geom
+        return torch.ops.mtp.mla_paged_attention(
+            q, q_counts, kv_lens, block_tables, self.pool_ptr, after, plane,
+            g.num_planes, g.num_blocks, g.block_size, g.head_dim, g.dtype_code, rope_dim, scale,
         )  # fmt: skip
 
 
@@ -179,7 +198,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, plane: int, is_moe: bool, ep_size: int = 1) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, plane)
+        if cfg.is_mla:
+            from models.mla import MLAAttention  # here: models/mla.py builds on this module's RMSNorm / PagedKV
+
+            self.self_attn: Attention | MLAAttention = MLAAttention(cfg, plane)
+        else:
+            self.self_attn = Attention(cfg, plane)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = MoE(cfg, ep_size) if is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -235,8 +259,12 @@ class Glm4MoeMTPModel(nn.Module):
 
         Call after moving the model to its device: the fused tensors are plain attributes, not moved by .to().
         """
+        from models.mla import MLAAttention  # not at the top: models/mla.py imports this module
+
         for m in self.modules():
             if isinstance(m, Attention) and m.qkv is None or isinstance(m, MLP) and m.gate_up is None:
+                m.fuse()
+            elif isinstance(m, MLAAttention) and m.absorbed is None:
                 m.fuse()
         for m in self.modules():
             if isinstance(m, nn.Linear):

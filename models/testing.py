@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
 
 import torch
@@ -64,3 +66,105 @@ def make_checkpoint(path: str | Path, cfg: ModelConfig, seed: int = 0) -> Glm4Mo
     model = random_model(cfg, seed)
     save_hf_checkpoint(model, to_hf_config(cfg), path)
     return model
+
+
+# --- MLA (DeepSeek-V3 / GLM-4.7-Flash) checkpoints written by transformers itself --------------------------
+
+MLA_BASE = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=10, v_head_dim=12, n_group=1,
+    topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5, max_position_embeddings=512,
+    rope_interleave=True, rms_norm_eps=1e-6, num_nextn_predict_layers=1, eos_token_id=None, bos_token_id=None,
+)  # fmt: skip
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}  # fmt: skip
+
+# The parity variants (tests/models/test_mla_parity.py, tests/runtime/test_mla_lossless.py): model_type + overrides.
+MLA_VARIANTS: dict[str, tuple[str, dict]] = {
+    "dsv3": ("deepseek_v3", dict(n_group=4, topk_group=2)),  # q_lora, grouped routing, interleaved rope
+    "dsv3_yarn": ("deepseek_v3", dict(n_group=4, topk_group=2, rope_parameters=YARN)),
+    "dsv3_no_qlora": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False)),
+    "dsv3_dense_then_moe_2": ("deepseek_v3", dict(num_hidden_layers=3, first_k_dense_replace=2, n_group=2,
+                                                  topk_group=1, attention_bias=True)),  # fmt: skip
+    "glm_lite": ("glm4_moe_lite", dict(q_lora_rank=None)),  # GLM-4.7-Flash-like: no q_lora, n_group 1
+    "glm_lite_qlora_yarn": ("glm4_moe_lite", dict(rope_parameters=YARN)),
+}
+
+
+def make_mla_checkpoint(path: str | Path, model_type: str = "deepseek_v3", seed: int = 0, **overrides) -> dict:
+    """A tiny random DeepSeek-V3 / GLM-4.7-Flash checkpoint saved by transformers' save_pretrained, plus the MTP
+    module tensors at model.layers.{L}.* as the released checkpoints store them (per-expert, shared_head.norm,
+    and the copies of embed_tokens / shared_head.head that importers ignore). Returns the HF config dict.
+    """
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    kw = {**MLA_BASE, **overrides}
+    kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+    if model_type == "glm4_moe_lite":
+        k = kw.pop("first_k_dense_replace")
+        kw["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (kw["num_hidden_layers"] - k)
+        config_cls, model_cls = transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM
+    else:
+        config_cls, model_cls = transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
+    num_mtp = kw["num_nextn_predict_layers"]
+    if model_type == "deepseek_v3":  # its config names the field num_mtp_layers (saved as num_nextn_predict_layers)
+        kw["num_mtp_layers"] = kw.pop("num_nextn_predict_layers")
+    hf_cfg = config_cls(**kw)
+    g = torch.Generator().manual_seed(seed)
+    model = model_cls(hf_cfg).eval()
+    _randomize(model, g)
+    path = Path(path)
+    model.save_pretrained(str(path))
+    if num_mtp:
+        file = path / "model.safetensors"
+        tensors = load_file(str(file))
+        for j in range(num_mtp):
+            tensors.update(_mtp_tensors(model, hf_cfg, model_type, hf_cfg.num_hidden_layers + j, g))
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    return json.loads((path / "config.json").read_text())
+
+
+def _randomize(module: torch.nn.Module, g: torch.Generator, std: float = 0.1) -> None:
+    """Every weight random (norms near 1, a router bias), so each parameter matters in parity tests."""
+    with torch.no_grad():
+        for name, p in [*module.named_parameters(), *module.named_buffers()]:
+            if name.endswith("inv_freq"):
+                continue
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+
+
+def _mtp_tensors(model, hf_cfg, model_type: str, layer: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """One MTP module (an always-MoE decoder block + enorm/hnorm/eh_proj/shared_head.norm) in checkpoint names."""
+    cfg = copy.deepcopy(hf_cfg)
+    if model_type == "glm4_moe_lite":
+        cfg.mlp_layer_types = ["sparse"]
+    else:
+        cfg.first_k_dense_replace = 0
+    block = type(model.model.layers[-1])(cfg, 0).eval()
+    _randomize(block, g)
+    h, prefix = hf_cfg.hidden_size, f"model.layers.{layer}."
+    out: dict[str, torch.Tensor] = {}
+    for name, t in block.state_dict().items():
+        if name == "mlp.experts.gate_up_proj":  # released checkpoints are per expert: gate rows, then up rows
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = gate.clone()
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = up.clone()
+        elif name == "mlp.experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[prefix + name] = t.clone()
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        out[f"{prefix}{norm}.weight"] = 1.0 + 0.1 * torch.randn(h, generator=g)
+    out[f"{prefix}eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    out[f"{prefix}embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    out[f"{prefix}shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    return out

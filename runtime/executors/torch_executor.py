@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
+from models.mla import kv_geometry_fields
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
 from runtime.executors.cuda_graphs import GraphedFunction
@@ -28,9 +29,10 @@ class TorchExecutor:
         self.model = model.to(device).eval().fuse()  # fused QKV and gate|up: the fast path is the only path
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
+        kv_heads, head_dim, kv_kind = kv_geometry_fields(cfg)  # MLA: one latent row per position
         self.geom = KVPoolGeometry(
-            model.num_kv_planes, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-            {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[self.dtype],
+            model.num_kv_planes, num_blocks, block_size, kv_heads, head_dim,
+            {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[self.dtype], kv_kind,
         )  # fmt: skip
         self.pool = allocate_pool(self.geom, self.device)
         self.kv = PagedKV(pool_address(self.pool), self.geom)
