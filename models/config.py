@@ -169,6 +169,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Cross-field checks (single fields are checked where they are parsed, by `_Fields`)."""
+        if self.is_mla:  # first: its messages name the MLA field at fault, not the GQA fields derived from it
+            self._validate_mla()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -192,9 +194,7 @@ class ModelConfig:
                 raise ConfigError(f"eos_token_id {eos} is outside the vocabulary (vocab_size={self.vocab_size})")
         if not 0 < self.partial_rotary_factor <= 1:
             raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
-        if self.is_mla:
-            self._validate_mla()
-        elif self.rope_type != "default":
+        if not self.is_mla and self.rope_type != "default":
             raise ConfigError(f"rope scaling {self.rope_type!r} is supported for MLA models only "
                               f"({', '.join(MLA_MODEL_TYPES)}); {self.model_type} takes rope_type 'default'")  # fmt: skip
 
@@ -231,6 +231,9 @@ _OPTIONAL_FIELDS = frozenset({
 def _mla_fields(model_type: str, f: _Fields, rf: _Fields, rope_type: str) -> dict[str, Any]:
     """The MLA and rope-scaling fields of an MLA config.json ({} for GQA models, which have neither)."""
     if model_type not in MLA_MODEL_TYPES:
+        if rope_type != "default":
+            raise ConfigError(f"rope scaling {rope_type!r} is supported for MLA models only "
+                              f"({', '.join(MLA_MODEL_TYPES)}); {model_type} takes rope_type 'default'")  # fmt: skip
         return {}
     out: dict[str, Any] = {
         "q_lora_rank": f.integer("q_lora_rank", 0, minimum=0),  # null = plain q_proj
