@@ -262,7 +262,8 @@ class Glm4MoeMTPModel(nn.Module):
         from models.mla import MLAAttention  # not at the top: models/mla.py imports this module
 
         for m in self.modules():
-            if isinstance(m, Attention) and m.qkv is None or isinstance(m, MLP) and m.gate_up is None:
+            # three checks, not one `or`: each narrows m for mypy (MLAAttention is not an Attention)
+            if isinstance(m, Attention) and m.qkv is None or isinstance(m, MLP) and m.gate_up is None:  # noqa: SIM114
                 m.fuse()
             elif isinstance(m, MLAAttention) and m.absorbed is None:
                 m.fuse()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,6 +103,8 @@ def make_mla_checkpoint(path: str | Path, model_type: str = "deepseek_v3", seed:
 
     kw = {**MLA_BASE, **overrides}
     kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+    config_cls: Any
+    model_cls: Any
     if model_type == "glm4_moe_lite":
         k = kw.pop("first_k_dense_replace")
         kw["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (kw["num_hidden_layers"] - k)

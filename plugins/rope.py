@@ -88,7 +88,9 @@ def yarn_softmax_scale(head_dim: int, rope_type: str, factor: float, mscale_all_
     return scale
 
 
-def freq_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0):
+def freq_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [T, 2 * len(inv_freq)] (frequencies duplicated, neox), times `scale`; fp32 like HF."""
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -112,12 +114,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float) -> torch.Tensor:
     """x: [T, heads, head_dim]; rotates x[..., :rope_dim] at `positions` [T]; the rest passes through."""
-    return _rotate(x, *rope_cos_sin(positions, rope_dim, theta), rope_dim)
+    cos, sin = rope_cos_sin(positions, rope_dim, theta)
+    return _rotate(x, cos, sin, rope_dim)
 
 
 def apply_rope_freq(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0):
     """apply_rope for a rope given by inv_freq [rope_dim/2] and scale (YaRN); x [T, heads, head_dim]."""
-    return _rotate(x, *freq_cos_sin(positions, inv_freq, scale), 2 * inv_freq.shape[0])
+    cos, sin = freq_cos_sin(positions, inv_freq, scale)
+    return _rotate(x, cos, sin, 2 * inv_freq.shape[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,14 +142,16 @@ class RopeTable:
 
 
 def rope_table(positions: torch.Tensor, rope_dim: int, head_dim: int, theta: float, dtype: torch.dtype) -> RopeTable:
-    return _table(*rope_cos_sin(positions, rope_dim, theta), rope_dim, head_dim, dtype)
+    cos, sin = rope_cos_sin(positions, rope_dim, theta)
+    return _table(cos, sin, rope_dim, head_dim, dtype)
 
 
 def rope_table_freq(
     positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, head_dim: int, dtype: torch.dtype
 ) -> RopeTable:
     """rope_table for a rope given by inv_freq and scale (MLA: head_dim = rope_dim, the whole k_pe / q_pe)."""
-    return _table(*freq_cos_sin(positions, inv_freq, scale), 2 * inv_freq.shape[0], head_dim, dtype)
+    cos, sin = freq_cos_sin(positions, inv_freq, scale)
+    return _table(cos, sin, 2 * inv_freq.shape[0], head_dim, dtype)
 
 
 def _table(cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, head_dim: int, dtype: torch.dtype) -> RopeTable:

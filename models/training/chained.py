@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from models.feed_forward import MLP, MoE
-from models.glm4_moe import DecoderLayer, Glm4MoeMTPModel, MTPModule
+from models.glm4_moe import Attention, DecoderLayer, Glm4MoeMTPModel, MTPModule
 
 
 def _mlp(block: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
@@ -37,6 +37,7 @@ def _mlp(block: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
 def _project(block: DecoderLayer, x: torch.Tensor, first_position: int) -> tuple[torch.Tensor, ...]:
     """Roped q, k and v [B, heads, n, D] of rows x [B, n, H] whose row p sits at position first_position + p."""
     attn = block.self_attn
+    assert isinstance(attn, Attention), "chained MTP training covers GQA (glm4_moe) attention only"
     b, n, _ = x.shape
     pos = torch.arange(first_position, first_position + n, device=x.device).repeat(b)
     q, k, v = attn.project_qkv(block.input_layernorm(x).reshape(b * n, -1), pos)
