@@ -212,7 +212,7 @@ def mla_paged_attention_triton(
     rope_dim: int,
     scale: float,
     out: torch.Tensor | None = None,
-    block_n: int = 32,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Launch absorbed MLA attention; returns [T, H, latent_dim - rope_dim] in q's dtype (padded rows zeros)."""
     device = q.device
@@ -239,6 +239,8 @@ def mla_paged_attention_triton(
         return out
     block_v = triton.next_power_of_2(value_dim)
     block_pe = triton.next_power_of_2(max(rope_dim, 1))
+    # A 512-wide c_kv tile of 32 positions plus the [16, 512] accumulator would not fit in registers: halve the tile.
+    block_n = block_n or (16 if block_v >= 256 else 32)
     # tl.dot needs every tile dimension >= 16; the head tile is padded to 16 then (masked heads cost nothing wrong).
     use_dot = block_v >= 16 and (rope_dim == 0 or block_pe >= 16) and block_n >= 16 and heads >= 8
     block_ht = 16 if use_dot else min(triton.next_power_of_2(heads), 16)
@@ -248,6 +250,6 @@ def mla_paged_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         NUM_BLOCKS=geom.num_blocks, BLOCK_SIZE=geom.block_size, LATENT_DIM=geom.head_dim, ROPE_DIM=rope_dim,
         BLOCK_R=triton.next_power_of_2(max(q_counts.shape[0], 1)), BLOCK_HT=block_ht, BLOCK_PE=block_pe,
-        BLOCK_V=block_v, BLOCK_N=block_n, USE_DOT=use_dot,
+        BLOCK_V=block_v, BLOCK_N=block_n, USE_DOT=use_dot, num_warps=8 if block_v >= 256 else 4,
     )  # fmt: skip
     return out
