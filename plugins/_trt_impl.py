@@ -1,5 +1,7 @@
 """TensorRT IPluginV3 classes for the plugin nodes. Imports `tensorrt`: load only through plugins/trt_plugins.py.
 
+Plugins: KvWrite, PagedAttention (GQA pool) and MlaKvWrite, MlaPagedAttention (MLA latent pool, kv_kind 1).
+
 Each plugin is one object implementing the core, build and runtime capabilities; `enqueue` wraps TensorRT's
 device pointers as torch tensors (no copy) and launches the Triton launchers of plugins/triton_kernels.py on
 TensorRT's stream. Attributes arrive as plugin fields named like the ONNX node attributes.
@@ -18,9 +20,18 @@ import tensorrt as trt
 import torch
 from onnx.defs import OpSchema
 
-from plugins.engine_format.names import KV_WRITE, PAGED_ATTENTION
+from plugins.engine_format.names import KV_WRITE, MLA_KV_WRITE, MLA_PAGED_ATTENTION, PAGED_ATTENTION
 from plugins.kv_pool import KVPoolGeometry
-from plugins.onnx_export import DOMAIN, KV_WRITE_ATTRS, PAGED_ATTENTION_ATTRS, PLUGIN_VERSION
+from plugins.mla_ops import mla_geometry
+from plugins.mla_triton import mla_kv_write_triton, mla_paged_attention_triton
+from plugins.onnx_export import (
+    DOMAIN,
+    KV_WRITE_ATTRS,
+    MLA_KV_WRITE_ATTRS,
+    MLA_PAGED_ATTENTION_ATTRS,
+    PAGED_ATTENTION_ATTRS,
+    PLUGIN_VERSION,
+)
 from plugins.triton_kernels import kv_write_triton, paged_attention_triton
 
 _FLOAT_TYPES = (trt.DataType.FLOAT, trt.DataType.HALF, trt.DataType.BF16)
@@ -87,10 +98,14 @@ class _PluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, tr
         self.format_combination_limit = trt.IPluginV3OneBuild.DEFAULT_FORMAT_COMBINATION_LIMIT
         self.values = dict(values)
         self._pool_cache: tuple[int, int] = (0, 0)  # (address of the pool_ptr buffer, pool address)
-        v = {k: int(x) for k, x in values.items() if k not in ("rope_theta", "scale")}
+        floats = {name for name, attr_type, _ in self.spec if attr_type == OpSchema.AttrType.FLOAT}
+        v = {k: int(x) for k, x in values.items() if k not in floats}
         self.plane = v["plane"]
-        self.geom = KVPoolGeometry(v["num_planes"], v["num_blocks"], v["block_size"], v["num_kv_heads"],
-                                   v["head_dim"], v["dtype"])  # fmt: skip
+        self.geom = self._geometry(v)
+
+    def _geometry(self, v: dict[str, int]) -> KVPoolGeometry:
+        return KVPoolGeometry(v["num_planes"], v["num_blocks"], v["block_size"], v["num_kv_heads"], v["head_dim"],
+                              v["dtype"])  # fmt: skip
 
     def get_capability_interface(self, type: trt.PluginCapabilityType) -> Any:
         return self
@@ -207,6 +222,90 @@ class PagedAttentionPlugin(_PluginBase):
                                    self.values["scale"], out=out)  # fmt: skip
 
 
+class MlaKvWritePlugin(_PluginBase):
+    """MlaKvWrite: inputs latent, counts, starts, block_tables, pool_ptr, inv_freq; output int64[1] rows stored."""
+
+    name = MLA_KV_WRITE
+    spec = MLA_KV_WRITE_ATTRS
+    pool_input = 4
+
+    def _geometry(self, v: dict[str, int]) -> KVPoolGeometry:
+        return mla_geometry(v["num_planes"], v["num_blocks"], v["block_size"], v["latent_dim"], v["dtype"])
+
+    def get_output_data_types(self, input_types: list[trt.DataType]) -> list[trt.DataType]:
+        return [trt.DataType.INT64]
+
+    def get_output_shapes(
+        self, inputs: list[trt.DimsExprs], shape_inputs: list[trt.DimsExprs], expr_builder: trt.IExprBuilder
+    ) -> list[trt.DimsExprs]:
+        out = trt.DimsExprs(1)
+        out[0] = expr_builder.constant(1)
+        return [out]
+
+    def supports_format_combination(self, pos: int, in_out: list[trt.DynamicPluginTensorDesc], num_inputs: int) -> bool:
+        desc = in_out[pos].desc
+        if not self._linear(desc):
+            return False
+        if pos == 0:
+            return desc.type in _FLOAT_TYPES
+        if pos in (1, 2, 3):
+            return desc.type in _INDEX_TYPES
+        if pos == 5:
+            return desc.type == trt.DataType.FLOAT  # inv_freq
+        return desc.type == trt.DataType.INT64  # pool_ptr, written
+
+    def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
+                inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
+        latent, counts, starts, tables = (_as_tensor(inputs[i], input_desc[i]) for i in range(4))
+        inv_freq = _as_tensor(inputs[5], input_desc[5])
+        written = _as_tensor(outputs[0], output_desc[0])
+        pool = self._pool_address(inputs[self.pool_input])
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            mla_kv_write_triton(latent, counts, starts, tables, pool, inv_freq, self.plane, self.geom,
+                                int(self.values["rope_dim"]), self.values["rope_scale"], out=written)  # fmt: skip
+
+
+class MlaPagedAttentionPlugin(_PluginBase):
+    """MlaPagedAttention: inputs q, q_counts, kv_lens, block_tables, pool_ptr, after; output [T, H, latent - rope]."""
+
+    name = MLA_PAGED_ATTENTION
+    spec = MLA_PAGED_ATTENTION_ATTRS
+    pool_input = 4
+
+    def _geometry(self, v: dict[str, int]) -> KVPoolGeometry:
+        return mla_geometry(v["num_planes"], v["num_blocks"], v["block_size"], v["latent_dim"], v["dtype"])
+
+    def get_output_data_types(self, input_types: list[trt.DataType]) -> list[trt.DataType]:
+        return [input_types[0]]
+
+    def get_output_shapes(
+        self, inputs: list[trt.DimsExprs], shape_inputs: list[trt.DimsExprs], expr_builder: trt.IExprBuilder
+    ) -> list[trt.DimsExprs]:
+        value_dim = self.geom.head_dim - int(self.values["rope_dim"])  # the c_kv part of the latent
+        return [trt.DimsExprs([inputs[0][0], inputs[0][1], expr_builder.constant(value_dim)])]
+
+    def supports_format_combination(self, pos: int, in_out: list[trt.DynamicPluginTensorDesc], num_inputs: int) -> bool:
+        desc = in_out[pos].desc
+        if not self._linear(desc):
+            return False
+        if pos == 0:
+            return desc.type in _FLOAT_TYPES
+        if pos in (1, 2, 3):
+            return desc.type in _INDEX_TYPES
+        if pos in (4, 5):
+            return desc.type == trt.DataType.INT64
+        return desc.type == in_out[0].desc.type  # output
+
+    def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
+                inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
+        q, q_counts, kv_lens, tables = (_as_tensor(inputs[i], input_desc[i]) for i in range(4))
+        out = _as_tensor(outputs[0], output_desc[0])
+        pool = self._pool_address(inputs[self.pool_input])
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            mla_paged_attention_triton(q, q_counts, kv_lens, tables, pool, self.plane, self.geom,
+                                       int(self.values["rope_dim"]), self.values["scale"], out=out)  # fmt: skip
+
+
 class _CreatorBase(trt.IPluginCreatorV3One):
     plugin_cls: type[_PluginBase] = _PluginBase
 
@@ -230,5 +329,14 @@ class PagedAttentionCreator(_CreatorBase):
     plugin_cls = PagedAttentionPlugin
 
 
+class MlaKvWriteCreator(_CreatorBase):
+    plugin_cls = MlaKvWritePlugin
+
+
+class MlaPagedAttentionCreator(_CreatorBase):
+    plugin_cls = MlaPagedAttentionPlugin
+
+
 def creators() -> list[trt.IPluginCreatorV3One]:
-    return [KvWriteCreator(), PagedAttentionCreator()]
+    """One creator per name in TRT_PLUGIN_NODES, in that order."""
+    return [KvWriteCreator(), PagedAttentionCreator(), MlaKvWriteCreator(), MlaPagedAttentionCreator()]

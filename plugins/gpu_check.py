@@ -1,5 +1,7 @@
 """`python -m plugins.gpu_check`: the Triton kernels on a CUDA device vs the reference, plus achieved bandwidth.
 
+GQA (plugins/triton_kernels.py) and MLA latent (plugins/mla_triton.py) cases; each prints max errors and GB/s.
+
 Prints one JSON object. Without a CUDA device it prints {"skipped": "no CUDA device: skipping GPU check"} and
 exits 0. Exit status 1 when a kernel disagrees with plugins/reference.py.
 """
@@ -13,8 +15,67 @@ from typing import Any
 import torch
 
 from plugins.kv_pool import KVPoolGeometry, allocate_pool
-from plugins.reference import kv_write_ref, paged_attention_ref
+from plugins.mla_triton import mla_kv_write_triton, mla_paged_attention_triton
+from plugins.reference import kv_write_ref, mla_kv_write_ref, mla_paged_attention_ref, paged_attention_ref
 from plugins.triton_kernels import kv_write_triton, paged_attention_triton
+
+
+def timed(fn: Any) -> float:
+    """Seconds per call: 3 warm-up calls, then the mean of 20 between CUDA events."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 20 / 1e3
+
+
+def _tables(geom: KVPoolGeometry, counts: list[int], starts: list[int], gen: torch.Generator) -> torch.Tensor:
+    per_req = max(s + c for s, c in zip(starts, counts, strict=True)) // geom.block_size + 1
+    ids = torch.randperm(geom.num_blocks - 1, generator=gen)[: per_req * len(counts)] + 1
+    return ids.reshape(len(counts), per_req).to(torch.int32)
+
+
+def _mla_case(geom: KVPoolGeometry, counts: list[int], starts: list[int], heads: int, rope_dim: int,
+              seed: int) -> dict[str, Any]:  # fmt: skip
+    """The MLA kernels (plugins/mla_triton.py) vs mla_*_ref: YaRN-scaled rope in the write, absorbed attention."""
+    gen = torch.Generator().manual_seed(seed)
+    dev = "cuda"
+    pool = allocate_pool(geom, dev)
+    pool.normal_(generator=torch.Generator(device=dev).manual_seed(seed))
+    tables = _tables(geom, counts, starts, gen)
+    rows = sum(counts)
+    latent = torch.randn(rows, geom.head_dim, generator=gen).to(geom.dtype)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rope_dim, 2).float() / rope_dim)
+    c, s = torch.tensor(counts, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
+    ref_pool = pool.cpu()
+    mla_kv_write_ref(ref_pool, latent, c, s, tables, 0, inv_freq, rope_dim, 1.2)
+    d_args = (c.to(dev), s.to(dev), tables.to(dev))
+    written = mla_kv_write_triton(latent.to(dev), *d_args, pool.data_ptr(), inv_freq.to(dev), 0, geom, rope_dim, 1.2)
+    write_err = (pool.cpu().float() - ref_pool.float()).abs().max().item()
+    q = torch.randn(rows, heads, geom.head_dim, generator=gen).to(geom.dtype)
+    kv_lens = s + c
+    scale = 192**-0.5
+    ref = mla_paged_attention_ref(ref_pool, q, c, kv_lens, tables, 0, rope_dim, scale)
+    qd, kvd, ld, fd = q.to(dev), kv_lens.to(dev), latent.to(dev), inv_freq.to(dev)
+    out = mla_paged_attention_triton(qd, d_args[0], kvd, d_args[2], pool.data_ptr(), 0, geom, rope_dim, scale)
+    attn_err = (out.cpu().float() - ref.float()).abs().max().item()
+    t_write = timed(lambda: mla_kv_write_triton(ld, *d_args, pool.data_ptr(), fd, 0, geom, rope_dim, 1.2))
+    t_attn = timed(lambda: mla_paged_attention_triton(qd, d_args[0], kvd, d_args[2], pool.data_ptr(), 0, geom,
+                                                      rope_dim, scale))  # fmt: skip
+    elem = pool.element_size()
+    visible = sum(sum(s0 + j + 1 for j in range(c0)) for s0, c0 in zip(starts, counts, strict=True))
+    head_tiles = -(-heads // 16)  # each 16-head tile of a query row reads the visible latents once
+    attn_bytes = visible * geom.head_dim * elem * head_tiles + (q.numel() + out.numel()) * elem
+    tol = 1e-3 if geom.dtype == torch.float32 else 3e-2
+    return {
+        "kind": "mla", "dtype": str(geom.dtype), "heads": heads, "rows": rows, "written": int(written.item()),
+        "write_max_err": write_err, "attn_max_err": attn_err, "ok": write_err <= tol and attn_err <= tol,
+        "kv_write_gbps": 2 * rows * geom.head_dim * elem / t_write / 1e9, "attention_gbps": attn_bytes / t_attn / 1e9,
+    }  # fmt: skip
 
 
 def _case(geom: KVPoolGeometry, counts: list[int], starts: list[int], group: int, seed: int) -> dict[str, Any]:
@@ -22,9 +83,7 @@ def _case(geom: KVPoolGeometry, counts: list[int], starts: list[int], group: int
     dev = "cuda"
     pool = allocate_pool(geom, dev)
     pool.normal_(generator=torch.Generator(device=dev).manual_seed(seed))
-    per_req = max(s + c for s, c in zip(starts, counts, strict=True)) // geom.block_size + 1
-    ids = torch.randperm(geom.num_blocks - 1, generator=gen)[: per_req * len(counts)] + 1
-    tables = ids.reshape(len(counts), per_req).to(torch.int32)
+    tables = _tables(geom, counts, starts, gen)
     rows = sum(counts)
     k = torch.randn(rows, geom.num_kv_heads, geom.head_dim, generator=gen).to(geom.dtype)
     v = torch.randn_like(k)
@@ -41,17 +100,6 @@ def _case(geom: KVPoolGeometry, counts: list[int], starts: list[int], group: int
     out = paged_attention_triton(q.to(dev), c.to(dev), kv_lens.to(dev), tables.to(dev), pool.data_ptr(), 0, geom, scale)
     attn_err = (out.cpu().float() - ref.float()).abs().max().item()
 
-    def timed(fn: Any) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20 / 1e3
-
     args = (c.to(dev), s.to(dev), tables.to(dev))
     kd, vd, qd, kvd = k.to(dev), v.to(dev), q.to(dev), kv_lens.to(dev)
     t_write = timed(lambda: kv_write_triton(kd, vd, *args, pool.data_ptr(), 0, geom, geom.head_dim // 2, 10000.0))
@@ -64,7 +112,7 @@ def _case(geom: KVPoolGeometry, counts: list[int], starts: list[int], group: int
     attn_bytes = 2 * visible * row_bytes + 2 * q.numel() * elem
     tol = 1e-3 if geom.dtype == torch.float32 else 3e-2
     return {
-        "dtype": str(geom.dtype), "group": group, "rows": rows, "written": int(written.item()),
+        "kind": "gqa", "dtype": str(geom.dtype), "group": group, "rows": rows, "written": int(written.item()),
         "write_max_err": write_err, "attn_max_err": attn_err, "ok": write_err <= tol and attn_err <= tol,
         "kv_write_gbps": write_bytes / t_write / 1e9, "attention_gbps": attn_bytes / t_attn / 1e9,
     }  # fmt: skip
@@ -79,6 +127,11 @@ def main() -> int:
         geom = KVPoolGeometry(2, 4096, 16, 8, 128, code)
         cases.append(_case(geom, [1] * 64, [200 + 7 * i for i in range(64)], group, seed=code))  # decode-like
         cases.append(_case(geom, [512, 0, 300], [0, 5, 17], group, seed=10 + code))  # prefill-like
+    for code in (0, 2):
+        # DeepSeek-V3 / GLM-4.7-Flash latent: 64 rope dims + kv_lora_rank 512; 16 heads (128 over 8 TP ranks).
+        mla = KVPoolGeometry(2, 2048, 16, 1, 64 + 512, code, kv_kind=1)
+        cases.append(_mla_case(mla, [1] * 64, [200 + 7 * i for i in range(64)], 16, 64, seed=20 + code))
+        cases.append(_mla_case(mla, [256, 0, 100], [0, 5, 17], 16, 64, seed=30 + code))
     report = {"device": torch.cuda.get_device_name(), "cases": cases, "ok": all(c["ok"] for c in cases)}
     print(json.dumps(report, indent=1))
     return 0 if report["ok"] else 1

@@ -65,7 +65,7 @@ def mla_kv_write(
         raise ValueError(f"mla_kv_write: latent must be [T, {latent_dim}], got {tuple(latent.shape)}")
     _check_rope(rope_dim, latent_dim, inv_freq)
     if latent.device.type == "cuda":
-        from plugins.triton_kernels import mla_kv_write_triton
+        from plugins.mla_triton import mla_kv_write_triton
 
         return mla_kv_write_triton(latent, counts, starts, block_tables, int(pool_ptr[0]), inv_freq, plane, geom,
                                    rope_dim, rope_scale)  # fmt: skip
@@ -126,7 +126,7 @@ def mla_paged_attention(
     if not 0 <= rope_dim < latent_dim:
         raise ValueError(f"mla_paged_attention: rope_dim {rope_dim} must be in [0, latent_dim {latent_dim})")
     if q.device.type == "cuda":
-        from plugins.triton_kernels import mla_paged_attention_triton
+        from plugins.mla_triton import mla_paged_attention_triton
 
         return mla_paged_attention_triton(q, q_counts, kv_lens, block_tables, int(pool_ptr[0]), plane, geom,
                                           rope_dim, scale)  # fmt: skip

@@ -1,7 +1,7 @@
 """ONNX export rules for the plugin ops: node schemas in the plugin domain and the dynamo translation table.
 
-Owns the mapping `torch.ops.mtp.*` -> ONNX nodes `KvWrite` / `PagedAttention` / `MoeExperts` in domain
-`mtp` (= the TensorRT plugin namespace), version 1. The node contract is docs/ENGINE_FORMAT.md
+Owns the mapping `torch.ops.mtp.*` -> ONNX nodes `KvWrite` / `PagedAttention` / `MoeExperts` / `MlaKvWrite` /
+`MlaPagedAttention` in domain `mtp` (= the TensorRT plugin namespace), version 1. The node contract is docs/ENGINE_FORMAT.md
 "Plugin nodes". The export recipe, in short:
 
 * schemas are registered before export (onnxscript refuses nodes of an unknown domain otherwise);
@@ -21,7 +21,15 @@ import onnx
 import torch
 from onnx.defs import OpSchema
 
-from plugins.engine_format.names import DOMAIN, KV_WRITE, MOE_EXPERTS, PAGED_ATTENTION, PLUGIN_VERSION
+from plugins.engine_format.names import (
+    DOMAIN,
+    KV_WRITE,
+    MLA_KV_WRITE,
+    MLA_PAGED_ATTENTION,
+    MOE_EXPERTS,
+    PAGED_ATTENTION,
+    PLUGIN_VERSION,
+)
 from plugins.engine_format.names import OPSET_VERSION as VERSION
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
@@ -49,6 +57,20 @@ MOE_EXPERTS_ATTRS: list[tuple[str, OpSchema.AttrType, str]] = [
     ("num_experts", _INT, "global number of routed experts"),
     ("ep_size", _INT, "expert-parallel group size; this rank holds num_experts/ep_size experts"),
 ]
+# MLA nodes (plugins/mla_ops.py): an MLA pool has one latent "head", so no num_kv_heads and head_dim is latent_dim.
+_MLA_GEOMETRY: list[tuple[str, OpSchema.AttrType, str]] = [
+    ("plane", _INT, "pool plane this node reads/writes"),
+    ("num_planes", _INT, "pool geometry: planes"),
+    ("num_blocks", _INT, "pool geometry: blocks per plane (block 0 is the null block)"),
+    ("block_size", _INT, "pool geometry: positions per block"),
+    ("latent_dim", _INT, "pool geometry: latent row = qk_rope_head_dim + kv_lora_rank values"),
+    ("dtype", _INT, "pool element type: 0 fp32, 1 fp16, 2 bf16"),
+]
+MLA_KV_WRITE_ATTRS = [*_MLA_GEOMETRY,
+                      ("rope_dim", _INT, "rope the latent's first rope_dim dims at the write position; 0 = off"),
+                      ("rope_scale", _FLOAT, "YaRN attention factor multiplying cos and sin (1.0 = none)")]  # fmt: skip
+MLA_PAGED_ATTENTION_ATTRS = [*_MLA_GEOMETRY, ("rope_dim", _INT, "values are latent[:, rope_dim:] (c_kv)"),
+                             ("scale", _FLOAT, "softmax scale applied to q.latent")]  # fmt: skip
 _PLUGIN_ATTRS = [
     ("plugin_namespace", _STRING, "TensorRT plugin namespace (always 'mtp')"),
     ("plugin_version", _STRING, "TensorRT plugin version (always '1')"),
@@ -132,9 +154,48 @@ def schemas() -> list[OpSchema]:
     ]
 
 
+def mla_schemas() -> list[OpSchema]:
+    """The two MLA latent-KV node schemas (docs/ENGINE_FORMAT.md "MlaKvWrite", "MlaPagedAttention")."""
+    index_types = [("I", _INTS, "per-request int32/int64 metadata"), ("B", _INTS, "block table ids")]
+    return [
+        _schema(
+            MLA_KV_WRITE,
+            "Varlen paged write of MLA latent rows [k_pe ; c_kv] into the pool at pool_ptr, in place. Output: rows "
+            "stored.",
+            [
+                ("latent", "T", "[T, latent_dim]"),
+                ("counts", "I", "[R]"),
+                ("starts", "I", "[R]"),
+                ("block_tables", "B", "[R, max_blocks]"),
+                ("pool_ptr", _ADDRESS, "[1] pool address"),
+                ("inv_freq", "F", "[rope_dim / 2] rope inverse frequencies (read only when rope_dim > 0)"),
+            ],
+            [("written", _ADDRESS, "[1] rows stored")],
+            MLA_KV_WRITE_ATTRS,
+            [("T", _FLOATS, "row type"), *index_types, ("F", ["tensor(float)"], "inverse frequencies")],
+        ),  # fmt: skip
+        _schema(
+            MLA_PAGED_ATTENTION,
+            "Varlen paged causal absorbed-MLA attention over the latent pool at pool_ptr (keys = latent, values = "
+            "c_kv); `after` orders it after an MlaKvWrite.",
+            [
+                ("q", "T", "[T, H, latent_dim] absorbed queries"),
+                ("q_counts", "I", "[R]"),
+                ("kv_lens", "I", "[R]"),
+                ("block_tables", "B", "[R, max_blocks]"),
+                ("pool_ptr", _ADDRESS, "[1] pool address"),
+                ("after", _ADDRESS, "[1] an MlaKvWrite output (ordering only)"),
+            ],
+            [("out", "T", "[T, H, latent_dim - rope_dim]")],
+            MLA_PAGED_ATTENTION_ATTRS,
+            [("T", _FLOATS, "query/output type"), *index_types],
+        ),  # fmt: skip
+    ]
+
+
 def register_schemas() -> None:
     """Register the schemas with onnx (idempotent: already-registered ones are left alone)."""
-    for schema in schemas():
+    for schema in [*schemas(), *mla_schemas()]:
         if not onnx.defs.has(schema.name, DOMAIN):
             onnx.defs.register_schema(schema)
 
@@ -174,8 +235,27 @@ def _moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts: int,
     )
 
 
+def _mla_kv_write(latent, counts, starts, block_tables, pool_ptr, inv_freq, plane: int, num_planes: int,
+                  num_blocks: int, block_size: int, latent_dim: int, dtype: int, rope_dim: int, rope_scale: float):  # fmt: skip
+    return _opset().MlaKvWrite(
+        latent, counts, starts, block_tables, pool_ptr, inv_freq,
+        plane=plane, num_planes=num_planes, num_blocks=num_blocks, block_size=block_size, latent_dim=latent_dim,
+        dtype=dtype, rope_dim=rope_dim, rope_scale=float(rope_scale), **_plugin_attrs(),
+    )  # fmt: skip
+
+
+def _mla_paged_attention(q, q_counts, kv_lens, block_tables, pool_ptr, after, plane: int, num_planes: int,
+                         num_blocks: int, block_size: int, latent_dim: int, dtype: int, rope_dim: int, scale: float):  # fmt: skip
+    return _opset().MlaPagedAttention(
+        q, q_counts, kv_lens, block_tables, pool_ptr, after,
+        plane=plane, num_planes=num_planes, num_blocks=num_blocks, block_size=block_size, latent_dim=latent_dim,
+        dtype=dtype, rope_dim=rope_dim, scale=float(scale), **_plugin_attrs(),
+    )  # fmt: skip
+
+
 def custom_translation_table() -> dict[Any, Callable[..., Any]]:
     """`custom_translation_table=` for `torch.onnx.export(..., dynamo=True)`; registers the schemas first."""
+    import plugins.mla_ops  # noqa: F401  (defines torch.ops.mtp.mla_*)
     import plugins.ops  # noqa: F401  (defines torch.ops.mtp.*)
 
     register_schemas()
@@ -183,4 +263,7 @@ def custom_translation_table() -> dict[Any, Callable[..., Any]]:
         torch.ops.mtp.kv_write.default: _kv_write,
         torch.ops.mtp.paged_attention.default: _paged_attention,
         torch.ops.mtp.moe_experts.default: _moe_experts,
+        # MLA latent KV (plugins/mla_ops.py)
+        torch.ops.mtp.mla_kv_write.default: _mla_kv_write,
+        torch.ops.mtp.mla_paged_attention.default: _mla_paged_attention,
     }

@@ -1,6 +1,7 @@
 """ONNX Runtime execution of the plugin nodes through onnxruntime-extensions Python custom ops.
 
-Owns: the `@onnx_op` definitions of `KvWrite`, `PagedAttention`, `MoeExperts` (domain `ai.onnx.contrib`,
+Owns: the `@onnx_op` definitions of `KvWrite`, `PagedAttention`, `MoeExperts`, `MlaKvWrite`,
+`MlaPagedAttention` (domain `ai.onnx.contrib`,
 the only domain onnxruntime-extensions' Python ops live in), `prepare_for_ort` (in-memory domain rewrite
 `mtp` -> `ai.onnx.contrib`; files on disk keep `mtp`, which TensorRT needs) and `make_session_options`.
 
@@ -20,9 +21,17 @@ import onnxruntime as ort
 import torch
 from onnxruntime_extensions import PyOp, get_library_path, onnx_op
 
+import plugins.mla_ops  # noqa: F401  (defines torch.ops.mtp.mla_*)
 import plugins.ops  # noqa: F401  (defines torch.ops.mtp.*)
 from plugins.engine_format.names import PLUGIN_NODES
-from plugins.onnx_export import DOMAIN, KV_WRITE_ATTRS, MOE_EXPERTS_ATTRS, PAGED_ATTENTION_ATTRS
+from plugins.onnx_export import (
+    DOMAIN,
+    KV_WRITE_ATTRS,
+    MLA_KV_WRITE_ATTRS,
+    MLA_PAGED_ATTENTION_ATTRS,
+    MOE_EXPERTS_ATTRS,
+    PAGED_ATTENTION_ATTRS,
+)
 
 ORT_DOMAIN = "ai.onnx.contrib"
 PLUGIN_OPS = PLUGIN_NODES
@@ -83,6 +92,37 @@ def moe_experts_op(x, topk_ids, topk_weights, w_gate_up, w_down, **attrs):
     out = torch.ops.mtp.moe_experts(
         _t(x), _t(topk_ids), _t(topk_weights), _t(w_gate_up), _t(w_down),
         int(attrs["num_experts"]), int(attrs["ep_size"]),
+    )  # fmt: skip
+    return out.numpy()
+
+
+# MLA latent KV (plugins/mla_ops.py): the ints are the geometry and rope_dim, the last attribute the float.
+@onnx_op(
+    op_type="MlaKvWrite",
+    inputs=[_F32, _I32, _I32, _I32, _I64, _F32],
+    outputs=[_I64],
+    attrs=_attrs(MLA_KV_WRITE_ATTRS),
+)
+def mla_kv_write_op(latent, counts, starts, block_tables, pool_ptr, inv_freq, **attrs):
+    ints = {name: int(attrs[name]) for name, _, _ in MLA_KV_WRITE_ATTRS[:-1]}
+    out = torch.ops.mtp.mla_kv_write(
+        _t(latent), _t(counts), _t(starts), _t(block_tables), _t(pool_ptr), _t(inv_freq), **ints,
+        rope_scale=float(attrs["rope_scale"]),
+    )  # fmt: skip
+    return out.numpy()
+
+
+@onnx_op(
+    op_type="MlaPagedAttention",
+    inputs=[_F32, _I32, _I32, _I32, _I64, _I64],
+    outputs=[_F32],
+    attrs=_attrs(MLA_PAGED_ATTENTION_ATTRS),
+)
+def mla_paged_attention_op(q, q_counts, kv_lens, block_tables, pool_ptr, after, **attrs):
+    ints = {name: int(attrs[name]) for name, _, _ in MLA_PAGED_ATTENTION_ATTRS[:-1]}
+    out = torch.ops.mtp.mla_paged_attention(
+        _t(q), _t(q_counts), _t(kv_lens), _t(block_tables), _t(pool_ptr), _t(after), **ints,
+        scale=float(attrs["scale"]),
     )  # fmt: skip
     return out.numpy()
 

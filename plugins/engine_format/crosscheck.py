@@ -14,10 +14,11 @@ import onnx
 import torch
 from onnx.helper import tensor_dtype_to_np_dtype
 
+from models.config import ModelConfig
 from plugins.engine_format.config import EngineConfig
 from plugins.engine_format.graph_io import GRAPH_NAMES, SPECS
-from plugins.engine_format.layout import table_width
-from plugins.engine_format.names import MOE_EXPERTS, POOL_NODES
+from plugins.engine_format.layout import KVLayout, table_width
+from plugins.engine_format.names import MLA_NODES, MOE_EXPERTS, POOL_NODES
 from plugins.engine_format.paths import EngineDirError, rank_dir
 from plugins.kv_pool import DTYPE_CODES
 
@@ -37,8 +38,7 @@ def check_consistent(cfg: EngineConfig) -> None:
     want = {
         "kv.table_width": (kv.table_width, width),
         "kv.num_planes": (kv.num_planes, m.num_hidden_layers + m.num_mtp_modules),
-        "kv.num_kv_heads": (kv.num_kv_heads, m.num_key_value_heads),
-        "kv.head_dim": (kv.head_dim, m.head_dim),
+        **{f"kv.{name}": (getattr(kv, name), value) for name, value in _pool_rows(m).items()},
     }
     dtype = getattr(torch, cfg.dtype, None)
     if isinstance(dtype, torch.dtype) and dtype in DTYPE_CODES:
@@ -61,6 +61,19 @@ def check_consistent(cfg: EngineConfig) -> None:
     if k and not m.num_mtp_modules:
         raise _refuse(cfg, f"num_draft_tokens={k} but the model has no MTP module")
     _check_profiles(cfg)
+
+
+def _pool_rows(m: ModelConfig) -> dict[str, int]:
+    """The kv fields the model fixes: the pool kind and its row shape.
+
+    An MLA model (kv_lora_rank > 0) caches one latent row [k_pe ; c_kv] per position: kv_kind 1, one "KV head"
+    of qk_rope_head_dim + kv_lora_rank values. The MLA fields are read with getattr so that this check does not
+    depend on which ModelConfig fields a GQA-only model package defines.
+    """
+    rank = int(getattr(m, "kv_lora_rank", 0) or 0)
+    if rank > 0:
+        return {"kv_kind": 1, "num_kv_heads": 1, "head_dim": int(getattr(m, "qk_rope_head_dim", 0)) + rank}
+    return {"kv_kind": 0, "num_kv_heads": m.num_key_value_heads, "head_dim": m.head_dim}
 
 
 def _check_profiles(cfg: EngineConfig) -> None:
@@ -102,19 +115,38 @@ def _check_graph(cfg: EngineConfig, graph: str, path: Path, label: str) -> None:
             if dtype != spec.dtypes[v.name] or dims != want:
                 raise _refuse(cfg, f"{label} declares {v.name} {dtype}{list(dims)}, the config implies "
                                    f"{spec.dtypes[v.name]}{list(want)}")  # fmt: skip
-    kv = cfg.kv
-    geometry = {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes,
-                "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim, "dtype": kv.dtype_code}  # fmt: skip
     moe = {"num_experts": cfg.model.n_routed_experts, "ep_size": cfg.parallel.ep_size}
     for node in g.node:
-        want_attrs = geometry if node.op_type in POOL_NODES else moe if node.op_type == MOE_EXPERTS else None
-        if want_attrs is None:
-            continue
-        attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
-        for name, value in want_attrs.items():
-            if attrs.get(name) != value:
-                field = ("kv.dtype_code" if name == "dtype" else f"kv.{name}") if want_attrs is geometry else name
-                raise _refuse(cfg, f"{label}: {node.op_type} node was built with {name}={attrs.get(name)} but "
-                                   f"config.json gives {field}={value}")  # fmt: skip
-        if node.op_type in POOL_NODES and not 0 <= attrs.get("plane", -1) < kv.num_planes:
-            raise _refuse(cfg, f"{label}: {node.op_type} node writes plane {attrs.get('plane')} outside the pool")
+        problem = node_mismatch(cfg.kv, moe, node)
+        if problem is not None:
+            raise _refuse(cfg, f"{label}: {problem}")
+
+
+def node_mismatch(kv: KVLayout, moe: dict[str, int], node: onnx.NodeProto) -> str | None:
+    """Why a plugin node's attributes disagree with config.json's `kv` (or the MoE fields), or None.
+
+    GQA pool nodes carry num_kv_heads and head_dim; MLA nodes (MlaKvWrite, MlaPagedAttention) only exist for
+    an MLA pool (kv.kv_kind 1) and carry the latent row length as latent_dim (= kv.head_dim).
+    """
+    if node.op_type == MOE_EXPERTS:
+        want, fields = moe, {name: name for name in moe}
+    elif node.op_type in POOL_NODES:
+        mla = node.op_type in MLA_NODES
+        if mla != (kv.kv_kind == 1):
+            pool = "an MLA latent pool (kv.kv_kind=1)" if kv.kv_kind == 1 else "a GQA K/V pool (kv.kv_kind=0)"
+            return f"{node.op_type} node in an engine whose config.json gives {pool}"
+        rows = {"latent_dim": kv.head_dim} if mla else {"num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim}
+        want = {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes, **rows,
+                "dtype": kv.dtype_code}  # fmt: skip
+        fields = {name: "kv.head_dim" if name == "latent_dim" else "kv.dtype_code" if name == "dtype" else f"kv.{name}"
+                  for name in want}  # fmt: skip
+    else:
+        return None
+    attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+    for name, value in want.items():
+        if attrs.get(name) != value:
+            return (f"{node.op_type} node was built with {name}={attrs.get(name)} but config.json gives "
+                    f"{fields[name]}={value}")  # fmt: skip
+    if node.op_type in POOL_NODES and not 0 <= attrs.get("plane", -1) < kv.num_planes:
+        return f"{node.op_type} node writes plane {attrs.get('plane')} outside the pool"
+    return None

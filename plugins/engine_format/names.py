@@ -16,11 +16,15 @@ PLUGIN_VERSION = "1"  # TensorRT plugin version string carried by every node
 KV_WRITE = "KvWrite"
 PAGED_ATTENTION = "PagedAttention"
 MOE_EXPERTS = "MoeExperts"
-PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, MOE_EXPERTS)
+# MLA latent KV (plugins/mla_ops.py): an MLA pool (kv_kind 1) is read and written only by these two.
+MLA_KV_WRITE = "MlaKvWrite"
+MLA_PAGED_ATTENTION = "MlaPagedAttention"
+MLA_NODES = (MLA_KV_WRITE, MLA_PAGED_ATTENTION)
+PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, MOE_EXPERTS, *MLA_NODES)
 # MoeExperts has no TensorRT plugin yet (its ep_size > 1 form needs NCCL).
-TRT_PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION)
-# Nodes that index the KV pool and therefore carry its geometry as attributes.
-POOL_NODES = (KV_WRITE, PAGED_ATTENTION)
+TRT_PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES)
+# Nodes that index the KV pool and therefore carry its geometry as attributes (MLA ones call head_dim latent_dim).
+POOL_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES)
 
 
 def installed_plugins() -> dict[str, Any]:

@@ -143,3 +143,61 @@ def test_model_config_is_read_without_any_tensor(tmp_path):
         read_checkpoint(ckpt)
     with pytest.raises(CheckpointError, match="has no config.json"):
         read_model_config(tmp_path)
+
+
+def _pool_node(op_type: str, **attrs: int):
+    from onnx import helper
+
+    return helper.make_node(op_type, [], [], domain="mtp", **attrs)
+
+
+def test_pool_node_attributes_must_match_config_kv_gqa_and_mla():
+    """MLA nodes call head_dim latent_dim and imply kv_kind 1; a mismatch names the attribute and the kv field."""
+    from plugins.engine_format.crosscheck import node_mismatch
+    from plugins.engine_format.layout import KVLayout
+
+    moe = {"num_experts": 4, "ep_size": 1}
+    gqa = KVLayout(4, 9, 3, 2, 8, 0, 5)
+    mla = KVLayout(4, 9, 3, 1, 72, 2, 5, kv_kind=1)
+    gqa_attrs = dict(plane=1, num_planes=3, num_blocks=9, block_size=4, num_kv_heads=2, head_dim=8, dtype=0)
+    mla_attrs = dict(plane=2, **mla.geometry().attrs())
+    assert mla_attrs == dict(plane=2, num_planes=3, num_blocks=9, block_size=4, latent_dim=72, dtype=2)
+    for op in ("KvWrite", "PagedAttention"):
+        assert node_mismatch(gqa, moe, _pool_node(op, **gqa_attrs)) is None
+        assert "in an engine whose config.json gives an MLA latent pool (kv.kv_kind=1)" in str(
+            node_mismatch(mla, moe, _pool_node(op, **gqa_attrs)))  # fmt: skip
+    for op in ("MlaKvWrite", "MlaPagedAttention"):
+        assert node_mismatch(mla, moe, _pool_node(op, **mla_attrs, rope_dim=8)) is None
+        assert node_mismatch(mla, moe, _pool_node(op, **{**mla_attrs, "latent_dim": 64})) == (
+            f"{op} node was built with latent_dim=64 but config.json gives kv.head_dim=72")
+        assert node_mismatch(mla, moe, _pool_node(op, **{**mla_attrs, "dtype": 0})) == (
+            f"{op} node was built with dtype=0 but config.json gives kv.dtype_code=2")
+        assert node_mismatch(mla, moe, _pool_node(op, **{**mla_attrs, "plane": 3})) == (
+            f"{op} node writes plane 3 outside the pool")
+        assert "gives a GQA K/V pool (kv.kv_kind=0)" in str(node_mismatch(gqa, moe, _pool_node(op, **mla_attrs)))
+    assert node_mismatch(gqa, moe, _pool_node("MoeExperts", num_experts=4, ep_size=2)) == (
+        "MoeExperts node was built with ep_size=2 but config.json gives ep_size=1")
+
+
+def test_config_kv_kind_round_trip_and_default():
+    """kv.kv_kind is written by every new build; a config.json from before it existed means 0 (GQA)."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from plugins.engine_format.config import _ints
+    from plugins.engine_format.crosscheck import _pool_rows
+    from plugins.engine_format.layout import KVLayout
+
+    mla = KVLayout(4, 9, 3, 1, 72, 2, 5, kv_kind=1)
+    assert asdict(mla)["kv_kind"] == 1 and _ints(KVLayout, asdict(mla), "kv") == mla
+    old = {k: v for k, v in asdict(KVLayout(4, 9, 3, 2, 8, 0, 5)).items() if k != "kv_kind"}
+    assert _ints(KVLayout, old, "kv").kv_kind == 0
+    with pytest.raises(KeyError, match="kv.table_width"):
+        _ints(KVLayout, {k: v for k, v in old.items() if k != "table_width"}, "kv")
+    with pytest.raises(TypeError, match="kv.kv_kind"):
+        _ints(KVLayout, {**old, "kv_kind": "1"}, "kv")
+    assert _pool_rows(tiny_config()) == {"kv_kind": 0, "num_kv_heads": tiny_config().num_key_value_heads,
+                                         "head_dim": tiny_config().head_dim}  # fmt: skip
+    # The MLA model config (models/ on the mla-model branch) has these fields; only they are read.
+    deepseek = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, num_key_value_heads=128, head_dim=64)
+    assert _pool_rows(deepseek) == {"kv_kind": 1, "num_kv_heads": 1, "head_dim": 576}
