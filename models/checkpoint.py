@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.config import ConfigError, ModelConfig
+from models.config import ConfigError, ModelConfig, mla_hf_fields
 from models.glm4_moe import Glm4MoeMTPModel
 from models.safetensors_header import SafetensorsHeaderError, check_safetensors_header
 
@@ -377,8 +377,9 @@ def save_hf_checkpoint(model: Glm4MoeMTPModel, hf_config: dict, path: str | Path
 
 
 def to_hf_config(cfg: ModelConfig) -> dict:
-    """A Hugging Face Glm4MoeConfig dict for `cfg` (what save_hf_checkpoint writes as config.json)."""
-    return {
+    """A Hugging Face config dict for `cfg` (what save_hf_checkpoint writes as config.json): Glm4MoeConfig, or
+    for MLA models DeepseekV3Config / Glm4MoeLiteConfig (models/config.py `mla_hf_fields`)."""
+    hf = {
         "architectures": ["Glm4MoeForCausalLM"],
         "model_type": "glm4_moe",
         "vocab_size": cfg.vocab_size,
@@ -412,3 +413,6 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         "eos_token_id": list(cfg.eos_token_id) or None,
         "dtype": "float32",
     }
+    if cfg.is_mla:  # no GQA head_dim / qk-norm; the MLA dims, rope scaling and architecture instead
+        hf = {k: v for k, v in hf.items() if k not in ("head_dim", "use_qk_norm")} | mla_hf_fields(cfg)
+    return hf

@@ -262,6 +262,28 @@ def _mla_fields(model_type: str, f: _Fields, rf: _Fields, rope_type: str) -> dic
     return out
 
 
+def mla_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json fields of an MLA model that differ from GLM-4.5's (inverse of `_mla_fields`)."""
+    rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type == "yarn":
+        rope.update(factor=cfg.rope_factor, original_max_position_embeddings=cfg.original_max_position_embeddings,
+                    beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow, mscale=cfg.rope_mscale,
+                    mscale_all_dim=cfg.rope_mscale_all_dim, truncate=cfg.rope_truncate)  # fmt: skip
+        if cfg.rope_attention_factor:
+            rope["attention_factor"] = cfg.rope_attention_factor
+    arch = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}[cfg.model_type]
+    out: dict[str, Any] = {
+        "architectures": [arch], "model_type": cfg.model_type, "rope_parameters": rope,
+        "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "rope_interleave": cfg.rope_interleave,
+    }  # fmt: skip
+    if cfg.model_type == "glm4_moe_lite":  # HF reads the dense/MoE split from this list only
+        k = cfg.first_k_dense_replace if cfg.has_moe else cfg.num_hidden_layers
+        out["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (cfg.num_hidden_layers - k)
+    return out
+
+
 def _first_k_dense(hf: dict[str, Any], f: _Fields, default: int) -> int:
     """first_k_dense_replace, or (glm4_moe_lite) the dense prefix of mlp_layer_types."""
     types = hf.get("mlp_layer_types")

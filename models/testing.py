@@ -43,6 +43,22 @@ def tiny_config(**overrides) -> ModelConfig:
     return cfg
 
 
+def tiny_mla_config(model_type: str = "deepseek_v3", **overrides) -> ModelConfig:
+    """A 2-layer (1 dense + 1 MoE) MLA model with one MTP module, q_lora and interleaved rope; override any field."""
+    base = dict(
+        model_type=model_type, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, partial_rotary_factor=1.0, first_k_dense_replace=1,
+        moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        n_shared_experts=1, routed_scaling_factor=1.5, num_nextn_predict_layers=1, max_position_embeddings=512,
+        rms_norm_eps=1e-6, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=10, qk_rope_head_dim=8, v_head_dim=12,
+        rope_interleave=True,
+    )  # fmt: skip
+    base.update(overrides)
+    cfg = ModelConfig(**base)  # type: ignore[arg-type]
+    cfg.validate()
+    return cfg
+
+
 def init_random(model: Glm4MoeMTPModel, seed: int = 0, std: float = 0.1, norm_noise: float = 0.1) -> None:
     """Random weights with non-trivial norms and router bias, so every parameter matters in parity tests."""
     g = torch.Generator().manual_seed(seed)

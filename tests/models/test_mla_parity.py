@@ -374,3 +374,21 @@ def test_missing_mla_tensor_is_named(checkpoints, tmp_path):
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     with pytest.raises(CheckpointError, match=r"missing tensors \['layers.1.self_attn.kv_b_proj.weight'\]"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("deepseek_v3", dict(rope_type="yarn", rope_factor=4.0, original_max_position_embeddings=128, rope_mscale=1.0,
+                         rope_mscale_all_dim=0.8)),
+    ("glm4_moe_lite", dict(q_lora_rank=0, n_group=1, topk_group=1)),
+])  # fmt: skip
+def test_our_exporter_writes_mla_checkpoints_transformers_loads(tmp_path, model_type, overrides):
+    """make_checkpoint (our exporter: to_hf_config + rope rows re-interleaved) -> transformers -> same logits."""
+    from models.testing import make_checkpoint, tiny_mla_config
+
+    cfg = tiny_mla_config(model_type, **overrides)
+    ours = make_checkpoint(tmp_path, cfg, seed=11)
+    assert read_model_config(tmp_path)[0] == cfg
+    ids = ids_for(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(paged_logits(ours, ids, prefill=10), load_hf(tmp_path)(ids[None]).logits[0],
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip
