@@ -238,25 +238,27 @@ def deinterleave_rope_rows(cfg: ModelConfig, weights: dict[str, torch.Tensor], i
     """
     if not (cfg.is_mla and cfg.rope_interleave):
         return weights
+    return {name: deinterleave_rope_tensor(cfg, name, t, inverse) for name, t in weights.items()}
+
+
+def deinterleave_rope_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """deinterleave_rope_rows for one canonical tensor (streaming imports call this per tensor)."""
+    m = _ROPE_ROWS.fullmatch(name)
+    if m is None or not (cfg.is_mla and cfg.rope_interleave):
+        return t
     order = rope_row_order(cfg.qk_rope_head_dim)
     if inverse:
         order = torch.argsort(order)
-    out = dict(weights)
-    for name, t in weights.items():
-        m = _ROPE_ROWS.fullmatch(name)
-        if m is None:
-            continue
-        if m.group(2) == "kv_a_proj_with_mqa":
-            rows = torch.cat([torch.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + order])
-        else:  # per head [nope rows ; rope rows]
-            head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-            one = torch.cat([torch.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + order])
-            rows = (torch.arange(cfg.num_attention_heads)[:, None] * head + one[None, :]).reshape(-1)
-        if t.shape[0] != rows.shape[0]:
-            raise CheckpointError(f"tensor {name}: {t.shape[0]} output rows, config.json implies {rows.shape[0]} "
-                                  "(qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, num_attention_heads)")  # fmt: skip
-        out[name] = t.index_select(0, rows)
-    return out
+    if m.group(2) == "kv_a_proj_with_mqa":
+        rows = torch.cat([torch.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + order])
+    else:  # per head [nope rows ; rope rows]
+        head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        one = torch.cat([torch.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + order])
+        rows = (torch.arange(cfg.num_attention_heads)[:, None] * head + one[None, :]).reshape(-1)
+    if t.shape[0] != rows.shape[0]:
+        raise CheckpointError(f"tensor {name}: {t.shape[0]} output rows, config.json implies {rows.shape[0]} "
+                              "(qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, num_attention_heads)")  # fmt: skip
+    return t.index_select(0, rows)
 
 
 def _stack_experts(target: str, per_expert: dict[int, dict[str, torch.Tensor]], num_experts: int) -> torch.Tensor:
