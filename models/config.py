@@ -235,6 +235,10 @@ def _mla_fields(model_type: str, f: _Fields, rf: _Fields, rope_type: str) -> dic
             raise ConfigError(f"rope scaling {rope_type!r} is supported for MLA models only "
                               f"({', '.join(MLA_MODEL_TYPES)}); {model_type} takes rope_type 'default'")  # fmt: skip
         return {}
+    # DeepSeek's own config keys for the router; only the sigmoid + correction-bias (noaux_tc) router is implemented
+    for key, ok in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if f.raw.get(key) not in (None, ok):
+            raise ConfigError(f"{key}={f.raw[key]!r} is not supported (only {ok!r}, as in DeepSeek-V3); fix config.json")
     out: dict[str, Any] = {
         "q_lora_rank": f.integer("q_lora_rank", 0, minimum=0),  # null = plain q_proj
         "kv_lora_rank": f.integer("kv_lora_rank"),

@@ -392,3 +392,37 @@ def test_our_exporter_writes_mla_checkpoints_transformers_loads(tmp_path, model_
     with torch.no_grad():
         torch.testing.assert_close(paged_logits(ours, ids, prefill=10), load_hf(tmp_path)(ids[None]).logits[0],
                                    atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+DEEPSEEK_V3_CONFIG = {  # the released deepseek-ai/DeepSeek-V3 config.json, minus auto_map and quantization_config
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0,
+    "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+    "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128,
+    "vocab_size": 129280,
+}  # fmt: skip
+
+
+def test_released_deepseek_v3_config_parses():
+    """Legacy rope_scaling with "type", no rope_interleave key (HF's default: interleaved), the latent pool row."""
+    cfg = ModelConfig.from_hf_dict(DEEPSEEK_V3_CONFIG)
+    assert (cfg.rope_type, cfg.rope_factor, cfg.original_max_position_embeddings) == ("yarn", 40.0, 4096)
+    assert cfg.rope_interleave and cfg.q_lora_rank == 1536 and cfg.first_k_dense_replace == 3
+    heads, latent, kind = kv_geometry_fields(cfg)
+    assert (heads, latent, kind) == (1, 576, 1)
+    # per token and layer: 576 latent values vs K and V per head decompressed, 128 x (192 + 128)
+    assert 128 * (128 + 64 + 128) / latent > 70
+    hf = transformers.DeepseekV3Config(**DEEPSEEK_V3_CONFIG)
+    inv_freq, factor = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](hf)
+    ours = rope_parameters(64, 10000.0, "yarn", 40.0, 4096, 32, 1, 1.0, 1.0)
+    assert torch.equal(ours[0], inv_freq) and ours[1] == factor
+    for key, bad in (("scoring_func", "softmax"), ("topk_method", "greedy")):
+        with pytest.raises(ConfigError, match=f"{key}='{bad}' is not supported"):
+            ModelConfig.from_hf_dict({**DEEPSEEK_V3_CONFIG, key: bad})
