@@ -1,7 +1,7 @@
 """MLA (DeepSeek-V3, GLM-4.7-Flash) parity with Hugging Face transformers, and the MLA config / import checks.
 
 Checkpoints are written by transformers itself (models/testing.py `make_mla_checkpoint`: save_pretrained plus
-the MTP module tensors as released checkpoints store them) and loaded by both transformers and our importer.
+the MTP module tensors as released mla_checkpoints store them) and loaded by both transformers and our importer.
 Our side runs the paged path (latent pool, `mtp::mla_kv_write` / `mtp::mla_paged_attention` CPU ops, absorbed
 attention); fp32 logits must agree within 1e-4.
 """
@@ -13,32 +13,15 @@ import json
 import pytest
 import torch
 
-from models.checkpoint import CheckpointError, load_model, read_model_config, to_hf_tensors
-from models.config import ConfigError, ModelConfig
+from models.checkpoint import load_model
 from models.glm4_moe import PagedKV, StepMeta
 from models.mla import MLAAttention, kv_geometry_fields
-from models.testing import MLA_VARIANTS, YARN, make_mla_checkpoint, tiny_config
+from models.testing import MLA_VARIANTS, make_mla_checkpoint
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
-from plugins.rope import rope_parameters, yarn_softmax_scale
 
 transformers = pytest.importorskip("transformers")
 
 I32 = torch.int32
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """variant -> checkpoint directory (each written once per module)."""
-    made: dict[str, object] = {}
-
-    def get(variant: str):
-        if variant not in made:
-            model_type, overrides = MLA_VARIANTS[variant]
-            made[variant] = tmp_path_factory.mktemp(variant)
-            make_mla_checkpoint(made[variant], model_type, seed=1, **overrides)
-        return made[variant]
-
-    return get
 
 
 def load_hf(path):
@@ -78,8 +61,8 @@ def ids_for(cfg, n=14, seed=2):
 
 @pytest.mark.parametrize("layout", ["fused", "unfused"])
 @pytest.mark.parametrize("variant", list(MLA_VARIANTS))
-def test_main_logits_match_hf_prefill_and_decode(checkpoints, variant, layout):
-    path = checkpoints(variant)
+def test_main_logits_match_hf_prefill_and_decode(mla_checkpoints, variant, layout):
+    path = mla_checkpoints(variant)
     ours, _ = load_model(path)
     if layout == "fused":
         ours.fuse()
@@ -91,9 +74,9 @@ def test_main_logits_match_hf_prefill_and_decode(checkpoints, variant, layout):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_packed_chunked_requests_match_hf(checkpoints):
+def test_packed_chunked_requests_match_hf(mla_checkpoints):
     """Two requests packed in one forward, chunks crossing block boundaries mid-block (YaRN variant)."""
-    path = checkpoints("dsv3_yarn")
+    path = mla_checkpoints("dsv3_yarn")
     ours, _ = load_model(path)
     ours.fuse()
     hf = load_hf(path)
@@ -112,9 +95,9 @@ def test_packed_chunked_requests_match_hf(checkpoints):
 
 
 @pytest.mark.parametrize("variant", ["dsv3_yarn", "glm_lite"])
-def test_forward_train_equals_paged_forward(checkpoints, variant):
+def test_forward_train_equals_paged_forward(mla_checkpoints, variant):
     """The decompressed training path (HF's formulation) == the absorbed paged path, main and MTP logits."""
-    ours, _ = load_model(checkpoints(variant))
+    ours, _ = load_model(mla_checkpoints(variant))
     ids = ids_for(ours.cfg, 12, seed=6)
     with torch.no_grad():
         logits, mtp_logits = ours.forward_train(ids[None])
@@ -148,8 +131,8 @@ def hf_mtp(hf, ids):
 
 
 @pytest.mark.parametrize("variant", ["dsv3", "dsv3_yarn", "dsv3_no_qlora"])
-def test_deepseek_mtp_draft_logits_match_hf(checkpoints, variant):
-    path = checkpoints(variant)
+def test_deepseek_mtp_draft_logits_match_hf(mla_checkpoints, variant):
+    path = mla_checkpoints(variant)
     ours, _ = load_model(path)
     ours.fuse()
     ids = ids_for(ours.cfg, 10, seed=7)
@@ -193,11 +176,11 @@ class ReferenceMTP(torch.nn.Module):
 
 
 @pytest.mark.parametrize("variant", ["glm_lite", "glm_lite_qlora_yarn"])
-def test_glm_lite_mtp_draft_logits_match_reference(checkpoints, variant):
+def test_glm_lite_mtp_draft_logits_match_reference(mla_checkpoints, variant):
     """transformers' use_mtp refuses glm4_moe_lite (no num_mtp_layers alias): compare against ReferenceMTP."""
     from safetensors.torch import load_file
 
-    path = checkpoints(variant)
+    path = mla_checkpoints(variant)
     ours, _ = load_model(path)
     ours.fuse()
     hf = load_hf(path)
@@ -211,10 +194,10 @@ def test_glm_lite_mtp_draft_logits_match_reference(checkpoints, variant):
 
 
 @pytest.mark.parametrize("variant", ["dsv3_yarn", "glm_lite"])
-def test_commit_pass_then_draft_matches(checkpoints, variant):
+def test_commit_pass_then_draft_matches(mla_checkpoints, variant):
     """Commit rows 0..n-3 in one latent-only write (k_pe roped inside the op, YaRN scale included), then draft
     at n-2: equals the all-draft path's last row."""
-    ours, _ = load_model(checkpoints(variant))
+    ours, _ = load_model(mla_checkpoints(variant))
     ours.fuse()
     ids = ids_for(ours.cfg, 11, seed=9)
     n, table = len(ids), torch.arange(1, 9, dtype=I32)[None]
@@ -271,8 +254,8 @@ def test_deepseek_k1_acceptance_matches_hf_generate_use_mtp(tmp_path):
 
 
 @pytest.mark.parametrize("perturb", ["mscale", "rope_scale", "rope_order"])
-def test_parity_fails_when_the_math_is_perturbed(checkpoints, perturb):
-    path = checkpoints("dsv3_yarn")
+def test_parity_fails_when_the_math_is_perturbed(mla_checkpoints, perturb):
+    path = mla_checkpoints("dsv3_yarn")
     ours, _ = load_model(path)
     for m in ours.modules():
         if isinstance(m, MLAAttention):
@@ -288,141 +271,3 @@ def test_parity_fails_when_the_math_is_perturbed(checkpoints, perturb):
     with torch.no_grad():
         diff = (paged_logits(ours, ids, prefill=10) - load_hf(path)(ids[None]).logits[0]).abs().max()
     assert diff > 1e-3, f"perturbing {perturb} left the logits within {diff:.1e}: the parity test could not fail"
-
-
-# --- config, rope and import checks ---------------------------------------------------------------------------
-
-
-def test_rope_parameters_and_mscale_match_hf():
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
-
-    for params in (YARN, {**YARN, "mscale": 0.707, "factor": 40.0, "original_max_position_embeddings": 8},
-                   {**YARN, "truncate": False, "beta_fast": 16}, {**YARN, "attention_factor": 1.3}):  # fmt: skip
-        hf_cfg = transformers.DeepseekV3Config(hidden_size=32, num_attention_heads=4, qk_rope_head_dim=8,
-                                               max_position_embeddings=512, rope_parameters=dict(params))  # fmt: skip
-        inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
-        ours = rope_parameters(8, params["rope_theta"], "yarn", params["factor"], params["original_max_position_embeddings"],
-                               params["beta_fast"], params["beta_slow"], params["mscale"], params["mscale_all_dim"],
-                               params.get("attention_factor", 0.0), params.get("truncate", True))  # fmt: skip
-        assert torch.equal(ours[0], inv_freq) and ours[1] == factor
-        assert yarn_softmax_scale(18, "yarn", params["factor"], params["mscale_all_dim"]) == yarn_apply_mscale(
-            params, 18**-0.5)
-
-
-def test_mla_config_parsed_and_round_trips(checkpoints):
-    cfg, _ = read_model_config(checkpoints("dsv3_yarn"))
-    assert cfg.is_mla and cfg.rope_type == "yarn" and cfg.q_lora_rank == 24 and cfg.head_dim == 8
-    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
-    assert kv_geometry_fields(cfg) == (1, 8 + 16, 1)
-    lite, hf = read_model_config(checkpoints("glm_lite"))
-    assert lite.q_lora_rank == 0 and lite.first_k_dense_replace == 1 and hf["mlp_layer_types"] == ["dense", "sparse"]
-
-
-def test_gqa_config_dict_unchanged():
-    """A GLM-4.5 engine's config.json model section keeps exactly its pre-MLA keys."""
-    d = tiny_config().to_dict()
-    assert not {"kv_lora_rank", "rope_type", "q_lora_rank", "rope_interleave"} & set(d)
-    assert ModelConfig.from_dict(d) == tiny_config() and not tiny_config().is_mla
-    assert kv_geometry_fields(tiny_config()) == (2, 8, 0)
-
-
-def base_hf():
-    return {"model_type": "deepseek_v3", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 10,
-            "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 0}  # fmt: skip
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope scaling type 'longrope' is not supported; supported: default, yarn"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "yarn rope scaling needs rope_parameters.factor"),
-    ({"qk_rope_head_dim": 7}, "qk_rope_head_dim=7 is odd"),
-    ({"kv_lora_rank": None}, "missing required field kv_lora_rank"),
-    ({"v_head_dim": 0}, "v_head_dim must be an integer >= 1"),
-    ({"num_key_value_heads": 2}, "num_key_value_heads=2 must equal num_attention_heads=4"),
-    ({"model_type": "glm4_moe_lite", "mlp_layer_types": ["sparse", "dense"]}, "interleaves dense and sparse"),
-    ({"model_type": "glm4_moe", "rope_parameters": {"rope_type": "yarn", "factor": 2.0}, "kv_lora_rank": None},
-     "supported for MLA models only"),
-])  # fmt: skip
-def test_bad_mla_configs_get_one_line_errors(change, message):
-    hf = {k: v for k, v in {**base_hf(), **change}.items() if v is not None}
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
-        ModelConfig.from_hf_dict(hf)
-    assert "\n" not in str(e.value)
-
-
-def test_export_restores_the_checkpoint_tensors(checkpoints):
-    """to_hf_tensors (the exporter) re-interleaves the rope rows: every imported tensor comes back bit for bit."""
-    from safetensors.torch import load_file
-
-    path = checkpoints("dsv3")
-    original = load_file(str(path / "model.safetensors"))
-    exported = to_hf_tensors(load_model(path)[0])
-    kept = {k: v for k, v in original.items() if not k.endswith(("2.embed_tokens.weight", "2.shared_head.head.weight"))}
-    assert set(exported) == set(kept)
-    for name, t in kept.items():
-        assert torch.equal(exported[name], t), name
-
-
-def test_missing_mla_tensor_is_named(checkpoints, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    path = checkpoints("glm_lite")
-    tensors = load_file(str(path / "model.safetensors"))
-    del tensors["model.layers.1.self_attn.kv_b_proj.weight"]
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    with pytest.raises(CheckpointError, match=r"missing tensors \['layers.1.self_attn.kv_b_proj.weight'\]"):
-        load_model(tmp_path)
-
-
-@pytest.mark.parametrize("model_type, overrides", [
-    ("deepseek_v3", dict(rope_type="yarn", rope_factor=4.0, original_max_position_embeddings=128, rope_mscale=1.0,
-                         rope_mscale_all_dim=0.8)),
-    ("glm4_moe_lite", dict(q_lora_rank=0, n_group=1, topk_group=1)),
-])  # fmt: skip
-def test_our_exporter_writes_mla_checkpoints_transformers_loads(tmp_path, model_type, overrides):
-    """make_checkpoint (our exporter: to_hf_config + rope rows re-interleaved) -> transformers -> same logits."""
-    from models.testing import make_checkpoint, tiny_mla_config
-
-    cfg = tiny_mla_config(model_type, **overrides)
-    ours = make_checkpoint(tmp_path, cfg, seed=11)
-    assert read_model_config(tmp_path)[0] == cfg
-    ids = ids_for(cfg)
-    with torch.no_grad():
-        torch.testing.assert_close(paged_logits(ours, ids, prefill=10), load_hf(tmp_path)(ids[None]).logits[0],
-                                   atol=1e-4, rtol=1e-4)  # fmt: skip
-
-
-DEEPSEEK_V3_CONFIG = {  # the released deepseek-ai/DeepSeek-V3 config.json, minus auto_map and quantization_config
-    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0,
-    "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
-    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
-    "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
-    "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
-    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
-    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
-    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128,
-    "vocab_size": 129280,
-}  # fmt: skip
-
-
-def test_released_deepseek_v3_config_parses():
-    """Legacy rope_scaling with "type", no rope_interleave key (HF's default: interleaved), the latent pool row."""
-    cfg = ModelConfig.from_hf_dict(DEEPSEEK_V3_CONFIG)
-    assert (cfg.rope_type, cfg.rope_factor, cfg.original_max_position_embeddings) == ("yarn", 40.0, 4096)
-    assert cfg.rope_interleave and cfg.q_lora_rank == 1536 and cfg.first_k_dense_replace == 3
-    heads, latent, kind = kv_geometry_fields(cfg)
-    assert (heads, latent, kind) == (1, 576, 1)
-    # per token and layer: 576 latent values vs K and V per head decompressed, 128 x (192 + 128)
-    assert 128 * (128 + 64 + 128) / latent > 70
-    hf = transformers.DeepseekV3Config(**DEEPSEEK_V3_CONFIG)
-    inv_freq, factor = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](hf)
-    ours = rope_parameters(64, 10000.0, "yarn", 40.0, 4096, 32, 1, 1.0, 1.0)
-    assert torch.equal(ours[0], inv_freq) and ours[1] == factor
-    for key, bad in (("scoring_func", "softmax"), ("topk_method", "greedy")):
-        with pytest.raises(ConfigError, match=f"{key}='{bad}' is not supported"):
-            ModelConfig.from_hf_dict({**DEEPSEEK_V3_CONFIG, key: bad})
