@@ -34,7 +34,10 @@ def test_layout_and_config(engine, checkpoint):
         "KvWrite",
         "PagedAttention",
         "MoeExperts",
+        "MlaKvWrite",
+        "MlaPagedAttention",
     }
+    assert cfg.kv.kv_kind == 0  # a GQA model: K/V pool
     assert cfg.tokenizer_files == ["tokenizer.json"] and (engine / "tokenizer.json").is_file()
     assert cfg.build["ort_session_options"]["graph_optimization_level"] == "ORT_ENABLE_EXTENDED"
     for g in GRAPHS:
