@@ -245,16 +245,19 @@ def _rank_slice(cfg: ModelConfig, name: str, full_shape: tuple[int, ...], ep_ran
     return None
 
 
+def _weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith("e_score_correction_bias") else dtype  # the router bias stays fp32
+
+
 def rank_weight_bytes(plan: WeightPlan, dtype: torch.dtype, ep_rank: int = 0, ep_size: int = 1) -> int:
     """Bytes of the weights one rank holds in `dtype` (the memory check's figure), from the plan alone."""
-    elt = torch.empty((), dtype=dtype).element_size()
     total = 0
     for name, ct in plan.tensors.items():
         bounds = bounds_of(_rank_slice(plan.config, name, ct.shape, ep_rank, ep_size), ct.shape)
         numel = 1
         for a, b in bounds:
             numel *= b - a
-        total += numel * elt
+        total += numel * torch.empty((), dtype=_weight_dtype(name, dtype)).element_size()
     return total
 
 
@@ -278,10 +281,9 @@ def load_model(
     for name, param in model.state_dict().items():
         ct = plan.tensors[name]
         bounds = bounds_of(_rank_slice(cfg, name, ct.shape, ep_rank, ep_size), ct.shape)
-        want = param.dtype if name.endswith("e_score_correction_bias") else dtype  # the router bias stays fp32
         w = done.get(id(ct))
         if w is None:
-            w = materialize(idx, ct, bounds, want)
+            w = materialize(idx, ct, bounds, _weight_dtype(name, dtype))
             done[id(ct)] = w
         if tuple(w.shape) != tuple(param.shape):
             raise CheckpointError(
