@@ -85,11 +85,10 @@ def _graph_names(cfg: ModelConfig, opts: BuildOptions) -> list[str]:
     return ["main", "mtp_draft", "mtp_commit"] if cfg.num_mtp_modules else ["main"]
 
 
-def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, rep: Reporter,
-                 ckpt_cfg: ModelConfig) -> dict[str, Any]:  # fmt: skip
+def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, rep: Reporter) -> dict[str, Any]:
     ep_rank = rank % opts.ep_size
     t0 = time.perf_counter()
-    rep.step(f"rank {rank}: load weights (experts {_expert_range(ckpt_cfg, opts, ep_rank)})")
+    rep.step(f"rank {rank}: load its weights")
     model, _ = load_model(opts.checkpoint, opts.torch_dtype, ep_rank=ep_rank, ep_size=opts.ep_size)
     rep.done(f"rank {rank}: weights", time.perf_counter() - t0)
     rdir = work / rank_dir(rank)
@@ -97,7 +96,7 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
     graphs: dict[str, dict[str, str]] = {}
     for name in _graph_names(model.cfg, opts):
         t0 = time.perf_counter()
-        rep.step(f"rank {rank}: export {name}")
+        rep.step(f"rank {rank}: export {name} (experts {_expert_range(model.cfg, opts, ep_rank)})")
         path = rdir / f"{name}.onnx"
         data = export_graph(name, model, layout.geometry(), layout.table_width, path)
         graphs[name] = {"onnx": str(path.relative_to(work)), "data": str(data.relative_to(work))}
@@ -286,7 +285,7 @@ def _build(opts: BuildOptions, rep: Reporter) -> BuildResult:
 
 def _write_engine(opts: BuildOptions, work: Path, rep: Reporter, ckpt_cfg: ModelConfig, ckpt_hash: str,
                   tokenizer: str, layout: KVLayout) -> EngineConfig:  # fmt: skip
-    graphs = [_export_rank(r, opts, work, layout, rep, ckpt_cfg) for r in range(opts.world_size)]
+    graphs = [_export_rank(r, opts, work, layout, rep) for r in range(opts.world_size)]
     backend_info = _backend(opts, work, graphs, layout, rep)
     rep.step("write config + checksums")
     cfg = EngineConfig(
