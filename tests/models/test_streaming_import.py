@@ -21,6 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from builder import pipeline
+from builder.options import BuildOptions
 from models.checkpoint import (
     CheckpointError,
     check_weights,
@@ -181,6 +183,8 @@ def test_a_rank_never_reads_experts_it_does_not_keep(tmp_path):
 
 
 def test_config_and_checks_read_no_tensor_data(tmp_path):
+    """Every data byte is NaN: the index, the plan, the checks and mtp-build's import step still pass (they read
+    headers only); only loading a tensor reports it. With the shards gone, the config still reads."""
     make_checkpoint(tmp_path, tiny_config(), seed=2)
     _two_shards(tmp_path)
     for shard in tmp_path.glob("*.safetensors"):  # keep each header, overwrite every data byte with NaN bytes
@@ -194,6 +198,10 @@ def test_config_and_checks_read_no_tensor_data(tmp_path):
     assert plan.shapes()["layers.1.mlp.w_gate_up"] == (4, 32, 32)
     with pytest.raises(CheckpointError, match="NaN/Inf"):
         load_model(tmp_path)
+    opts = BuildOptions(tmp_path, tmp_path.parent / "engine", max_batch=2, max_num_tokens=16, max_seq_len=32,
+                        kv_block_size=4, num_draft_tokens=1, world_size=2, ep_size=2)  # fmt: skip
+    cfg, _, _, weight_bytes = pipeline._import(opts, pipeline.SilentReporter())  # mtp-build's import step
+    assert cfg == tiny_config() and weight_bytes == rank_weight_bytes(plan, torch.float32, 0, 2)
     for shard in tmp_path.glob("*.safetensors"):
         shard.unlink()
     cfg, hf = read_model_config(tmp_path)  # config.json alone: no weight file is even looked at
