@@ -37,16 +37,15 @@ from models.checkpoint_files import (
     bounds_of,
     index_checkpoint,
     materialize,
-    read_model_config,
     read_tensor,
     weight_files,
 )
+from models.checkpoint_files import read_model_config as read_model_config  # re-exported: callers import it here
 from models.config import ModelConfig
 from models.glm4_moe import Glm4MoeMTPModel
 
-__all__ = ["CheckpointError", "CheckpointIndex", "index_checkpoint", "read_model_config"]  # re-exported here
-
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class Rule:
@@ -297,6 +296,7 @@ def load_model(
     for note in plan.notes:
         log.warning(note)
     return model.eval(), idx
+
 
 def to_hf_tensors(model: Glm4MoeMTPModel) -> dict[str, torch.Tensor]:
     """Canonical weights -> Hugging Face checkpoint names (inverse of GLM4_MOE_RULES; MTP shares head)."""
