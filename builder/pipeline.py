@@ -12,6 +12,7 @@ Progress goes to a `Reporter` (the CLI draws it with rich; tests pass a silent o
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import signal
@@ -28,7 +29,16 @@ import torch
 from builder import ort_build, trt_build, validate
 from builder.export import export_graph
 from builder.options import BuildError, BuildOptions
-from models.checkpoint import CheckpointError, check_weights, checkpoint_hash, load_model, read_checkpoint, to_canonical
+from models.checkpoint import (
+    CheckpointError,
+    check_weights,
+    checkpoint_hash,
+    index_checkpoint,
+    kept_experts,
+    load_model,
+    plan_weights,
+    rank_weight_bytes,
+)
 from models.config import ModelConfig
 from plugins.engine_format import (
     SCHEMA_VERSION,
@@ -77,7 +87,10 @@ def _graph_names(cfg: ModelConfig, opts: BuildOptions) -> list[str]:
 
 def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, rep: Reporter) -> dict[str, Any]:
     ep_rank = rank % opts.ep_size
+    t0 = time.perf_counter()
+    rep.step(f"rank {rank}: load its weights")
     model, _ = load_model(opts.checkpoint, opts.torch_dtype, ep_rank=ep_rank, ep_size=opts.ep_size)
+    rep.done(f"rank {rank}: weights", time.perf_counter() - t0)
     rdir = work / rank_dir(rank)
     rdir.mkdir()
     graphs: dict[str, dict[str, str]] = {}
@@ -88,14 +101,16 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
         data = export_graph(name, model, layout.geometry(), layout.table_width, path)
         graphs[name] = {"onnx": str(path.relative_to(work)), "data": str(data.relative_to(work))}
         rep.done(f"rank {rank}: {name}.onnx", time.perf_counter() - t0)
+    del model  # this rank's weights go before the next rank's are read: one rank's share in memory at a time
+    gc.collect()
     return graphs
 
 
 def _expert_range(cfg: ModelConfig, opts: BuildOptions, ep_rank: int) -> str:
     if not cfg.has_moe:
         return "none"
-    n = cfg.n_routed_experts // opts.ep_size
-    return f"{ep_rank * n}..{(ep_rank + 1) * n - 1} of {cfg.n_routed_experts}"
+    kept = kept_experts(cfg, ep_rank, opts.ep_size)
+    return f"{kept.start}..{kept.stop - 1} of {cfg.n_routed_experts}"
 
 
 def _backend(opts: BuildOptions, work: Path, graphs: list[dict[str, dict[str, str]]], layout: KVLayout,
@@ -197,30 +212,27 @@ def _signals_held() -> Iterator[None]:
 
 
 def _import(opts: BuildOptions, rep: Reporter) -> tuple[ModelConfig, str, str, int]:
-    """Read and check everything the build needs from the checkpoint: (config, sha256, tokenizer, weight bytes)."""
+    """Check everything the build needs from the checkpoint: (config, sha256, tokenizer, weight bytes per rank).
+
+    From config.json and the shard headers only (names, dtypes, shapes, FP8 scales): no tensor data is read
+    here; each rank's export reads its own share (and checks its values are finite) in `_export_rank`."""
     rep.step("import checkpoint")
     try:
-        ckpt = read_checkpoint(opts.checkpoint)
-        validate.check_tensors(ckpt)
-        cfg, weights = to_canonical(ckpt)
-        check_weights(cfg, weights, opts.checkpoint)
-        opts.validate_for_model(ckpt.config)
+        idx = index_checkpoint(opts.checkpoint)
+        plan = plan_weights(idx)
+        check_weights(plan.config, plan.shapes(), opts.checkpoint)
+        opts.validate_for_model(idx.config)
+        weight_bytes = rank_weight_bytes(plan, opts.torch_dtype, ep_rank=0, ep_size=opts.ep_size)
         ckpt_hash = checkpoint_hash(opts.checkpoint)
     except CheckpointError as e:
         raise BuildError(str(e)) from e
     except OSError as e:
         raise BuildError(f"cannot read the checkpoint: {e.strerror or e} ({e.filename}); check its files") from e
-    tokenizer = validate.check_tokenizer(opts.checkpoint, ckpt.config.vocab_size)
+    tokenizer = validate.check_tokenizer(opts.checkpoint, idx.config.vocab_size)
     if tokenizer == validate.IDS_ONLY:
         rep.step("no tokenizer.json in the checkpoint: the engine is ids-only (requests must be token ids; "
                  "text prompts will be refused)")  # fmt: skip
-    elt = torch.empty((), dtype=opts.torch_dtype).element_size()
-    per_rank = sum(t.numel() // (opts.ep_size if _is_routed(n) else 1) for n, t in weights.items())
-    return ckpt.config, ckpt_hash, tokenizer, per_rank * elt
-
-
-def _is_routed(name: str) -> bool:
-    return name.endswith("mlp.w_gate_up") or name.endswith("mlp.w_down")
+    return idx.config, ckpt_hash, tokenizer, weight_bytes
 
 
 def _make_work_dir(output: Path) -> Path:

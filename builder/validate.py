@@ -1,10 +1,10 @@
 """Build-time checks that refuse what cannot run, before anything is written (pure: they read, never write).
 
-Owns: where `--output` may go (never the checkpoint, never a directory mtp-build did not write), the weight
-checks (supported dtypes, every value finite), the tokenizer check (loads and fits the vocabulary, or the
+Owns: where `--output` may go (never the checkpoint, never a directory mtp-build did not write), the tokenizer check (loads and fits the vocabulary, or the
 engine is ids-only), and the memory check (the KV pool the limits imply, plus the weights, fits the machine).
 The pipeline (builder/pipeline.py) calls them in that order; each raises `BuildError` naming the problem and
-the fix.
+the fix. The weight checks are the importer's (models/checkpoint.py): names, dtypes, shapes and FP8 scales from
+the shard headers before anything is read, every value finite as each rank reads its share.
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ from pathlib import Path
 import torch
 
 from builder.options import BuildError
-from models.checkpoint import Checkpoint
 from plugins.engine_format import CONFIG_NAME, MANIFEST_NAME, EngineDirError, load_engine_config, looks_like_engine_dir
 from plugins.kv_pool import KVPoolGeometry
 
 # Files an engine directory holds besides those its checksum table lists (the tables themselves).
 ENGINE_METADATA = (CONFIG_NAME, MANIFEST_NAME)
-SUPPORTED_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 IDS_ONLY = "ids-only"
 
 
@@ -93,30 +91,6 @@ def foreign_files(engine_dir: Path) -> list[str]:
                 listed.update(str(k) for k in files)
     present = (p for p in engine_dir.rglob("*") if p.is_file() or p.is_symlink())
     return sorted(rel for rel in (str(p.relative_to(engine_dir)) for p in present) if rel not in listed)
-
-
-def check_tensors(ckpt: Checkpoint) -> None:
-    """Every tensor has a supported float dtype and only finite values (one pass; cheap next to export)."""
-    names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_WEIGHT_DTYPES)
-    for name, t in ckpt.tensors.items():
-        src = ckpt.sources.get(name, f"checkpoint {ckpt.path}")
-        if t.dtype not in SUPPORTED_WEIGHT_DTYPES:
-            raise BuildError(
-                f"tensor {name} in {src} has dtype {str(t.dtype).removeprefix('torch.')}; mtp-build reads "
-                f"{names.replace(', bf', ' or bf')} weights only (quantized checkpoints are not supported): "
-                "dequantize the checkpoint or use its float release"
-            )
-        bad = _non_finite(t)
-        if bad:
-            raise BuildError(
-                f"tensor {name} in {src} has {bad} NaN/Inf values (of {t.numel()}): the checkpoint is damaged or "
-                "comes from a diverged run; re-export it from a good copy"
-            )
-
-
-def _non_finite(t: torch.Tensor, chunk: int = 1 << 24) -> int:
-    flat = t.reshape(-1)
-    return sum(int((~torch.isfinite(flat[i : i + chunk])).sum()) for i in range(0, flat.numel(), chunk))
 
 
 def check_tokenizer(checkpoint: Path, vocab_size: int) -> str:

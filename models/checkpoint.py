@@ -5,6 +5,11 @@ checkpoint name -> canonical name); adding DeepSeek-V3 / MiMo / Qwen3-Next means
 new code paths. Every canonical parameter must be filled exactly once, every checkpoint tensor must be
 used (or explicitly ignored), and shapes must match; errors name the tensor, the expected and found.
 
+Import streams (docs/CHECKPOINTS.md): `plan_weights` maps the tensor index (names, dtypes, shapes from the
+safetensors headers, models/checkpoint_files.py) to canonical tensors and every check runs on that plan
+before any data is read; `load_model` then reads only the slices one rank keeps (`_rank_slice`), one
+tensor at a time, straight into the engine dtype.
+
 Canonical names (models/glm4_moe.py): `embed_tokens`, `layers.{i}.*`, `norm`, `lm_head`, `mtp.{j}.*`
 with routed experts fused per layer as `mlp.w_gate_up [E, 2I, H]` (gate rows, then up rows) and
 `mlp.w_down [E, H, I]`.
@@ -12,26 +17,34 @@ with routed experts fused per layer as `mlp.w_gate_up [E, 2I, H]` (gate rows, th
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.checkpoint_files import (
+    CanonicalTensor,
+    CheckpointError,
+    CheckpointIndex,
+    Piece,
+    bounds_of,
+    index_checkpoint,
+    materialize,
+    read_tensor,
+    weight_files,
+)
+from models.checkpoint_files import read_model_config as read_model_config  # re-exported: callers import it here
 from models.config import ConfigError, ModelConfig, mla_hf_fields
 from models.glm4_moe import Glm4MoeMTPModel
-from models.safetensors_header import SafetensorsHeaderError, check_safetensors_header
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message names the problem and the fix."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +89,25 @@ LAYOUTS: dict[str, tuple[Rule, ...]] = {"glm4_moe": GLM4_MOE_RULES, "deepseek_v3
 
 @dataclass
 class Checkpoint:
+    """Every tensor of a checkpoint in memory (`read_checkpoint`): tests and tools only, never a build."""
+
     config: ModelConfig
     hf_config: dict
-    tensors: dict[str, torch.Tensor]  # checkpoint names -> tensors (loaded lazily is not needed at our sizes)
+    tensors: dict[str, torch.Tensor]  # checkpoint names -> tensors (FP8 weights dequantized to float32)
     path: Path
-    notes: list[str] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)  # checkpoint name -> the file it was read from
+
+
+@dataclass
+class WeightPlan:
+    """Canonical tensors and where each comes from, planned and checked from the index alone."""
+
+    config: ModelConfig  # num_nextn_predict_layers is 0 when the checkpoint has no MTP weights
+    tensors: dict[str, CanonicalTensor]
+    notes: list[str] = field(default_factory=list)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: v.shape for k, v in self.tensors.items()}
 
 
 def _mtp_rename(name: str, num_layers: int) -> str:
@@ -92,82 +118,18 @@ def _mtp_rename(name: str, num_layers: int) -> str:
     return name
 
 
-def read_model_config(path: str | Path) -> tuple[ModelConfig, dict]:
-    """(validated ModelConfig, raw Hugging Face dict) from config.json alone: no weight file is opened."""
-    path = Path(path)
-    if path.is_file():
-        raise CheckpointError(f"checkpoint {path} is a file, not a directory; pass --checkpoint DIR (the directory "
-                              "holding config.json and the safetensors files)")  # fmt: skip
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist; pass --checkpoint DIR with config.json")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path} has no config.json; a Hugging Face checkpoint directory needs one")
-    try:
-        hf = json.loads(cfg_file.read_bytes().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); fix or re-export the checkpoint") from e
-    except OSError as e:
-        raise CheckpointError(f"cannot read {cfg_file}: {e.strerror}; check its permissions") from e
-    try:
-        return ModelConfig.from_hf_dict(hf), hf
-    except ConfigError as e:
-        raise CheckpointError(f"{cfg_file}: {e}") from e
-
-
 def read_checkpoint(path: str | Path) -> Checkpoint:
-    """Read config.json and all safetensors tensors of a checkpoint directory, validating config and headers."""
-    path = Path(path)
-    config, hf = read_model_config(path)
-    tensors: dict[str, torch.Tensor] = {}
-    sources: dict[str, str] = {}
-    for file in _weight_files(path):
-        try:
-            check_safetensors_header(file)
-        except SafetensorsHeaderError as e:
-            raise CheckpointError(str(e)) from e
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    tensors[name] = f.get_tensor(name)
-                    sources[name] = file.name
-        except Exception as e:  # safetensors raises its own error type (and OSError); the header check ran first
-            raise CheckpointError(f"{file} cannot be read ({type(e).__name__}: {e}); re-download or re-save it") from e
-    return Checkpoint(config=config, hf_config=hf, tensors=tensors, path=path, sources=sources)
-
-
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            raw = json.loads(index.read_bytes().decode("utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{index} is not valid JSON ({e}); fix it or re-save the checkpoint") from e
-        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f'{index} has no "weight_map" object (tensor name -> shard file name); fix it or '
-                                  "re-save the checkpoint")  # fmt: skip
-        root = path.resolve()
-        for shard in sorted(set(weight_map.values())):
-            if not (path / shard).resolve().is_relative_to(root):
-                raise CheckpointError(f"{index} names shard {shard!r} outside the checkpoint directory; shards must "
-                                      "sit next to the index")  # fmt: skip
-        files = sorted({path / f for f in weight_map.values()})
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"shards named in {index.name} are missing: {missing}; copy them next to it")
-        return files
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json; save with safetensors")
+    """Read every tensor of a checkpoint into memory (what a build must never do: it streams, `load_model`)."""
+    idx = index_checkpoint(path)
+    tensors = {n: read_tensor(idx, n) for n in idx.tensors}
+    return Checkpoint(idx.config, idx.hf_config, tensors, idx.path, {n: t.file.name for n, t in idx.tensors.items()})
 
 
 def checkpoint_hash(path: str | Path) -> str:
     """sha256 over config.json and the weight files (recorded in engine configs)."""
     path = Path(path)
     h = hashlib.sha256()
-    for file in [path / "config.json", *_weight_files(path)]:
+    for file in [path / "config.json", *weight_files(path)]:
         h.update(file.name.encode())
         with open(file, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -175,14 +137,16 @@ def checkpoint_hash(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def to_canonical(ckpt: Checkpoint) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Map checkpoint tensors to canonical names (experts stacked). Drops MTP modules that are absent."""
-    cfg = ckpt.config
+def plan_weights(idx: CheckpointIndex) -> WeightPlan:
+    """Map checkpoint tensors to canonical names (experts stacked), from the index: no tensor data is read.
+
+    Drops MTP modules that are absent (with a note)."""
+    cfg = idx.config
     rules = LAYOUTS[cfg.model_type]
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out: dict[str, CanonicalTensor] = {}
+    experts: dict[str, dict[int, dict[str, str]]] = {}
     unmatched = []
-    for name, tensor in ckpt.tensors.items():
+    for name, info in idx.tensors.items():
         renamed = _mtp_rename(name, cfg.num_hidden_layers)
         for rule in rules:
             m = re.fullmatch(rule.pattern, renamed)
@@ -192,11 +156,11 @@ def to_canonical(ckpt: Checkpoint) -> tuple[ModelConfig, dict[str, torch.Tensor]
                 break
             target = m.expand(rule.target)
             if rule.expert_part:
-                experts.setdefault(target, {}).setdefault(int(m.group(2)), {})[rule.expert_part] = tensor
+                experts.setdefault(target, {}).setdefault(int(m.group(2)), {})[rule.expert_part] = name
             elif target in out:
                 raise CheckpointError(f"tensor {target} is given twice (second time as {name}); remove the duplicate")
             else:
-                out[target] = tensor
+                out[target] = CanonicalTensor(info.shape, (Piece(name, (0,) * len(info.shape)),))
             break
         else:
             unmatched.append(name)
@@ -206,18 +170,19 @@ def to_canonical(ckpt: Checkpoint) -> tuple[ModelConfig, dict[str, torch.Tensor]
             f"{' ...' if len(unmatched) > 10 else ''}; is model_type right, or is this a different checkpoint?"
         )
     for target, per_expert in experts.items():
-        out[target] = _stack_experts(target, per_expert, cfg.n_routed_experts)
+        out[target] = _stack_experts(idx, target, per_expert, cfg.n_routed_experts)
     if cfg.tie_word_embeddings and "lm_head.weight" not in out and "embed_tokens.weight" in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
+    notes = []
     present_mtp = {int(k.split(".")[1]) for k in out if k.startswith("mtp.")}
     num_mtp = cfg.num_nextn_predict_layers
     if num_mtp and not present_mtp:
-        ckpt.notes.append(
+        notes.append(
             f"config says num_nextn_predict_layers={num_mtp} but the checkpoint has no MTP weights "
             f"(model.layers.{cfg.num_hidden_layers}.*): MTP speculative decoding is unavailable for this model"
         )
         cfg = ModelConfig.from_dict({**cfg.to_dict(), "num_nextn_predict_layers": 0})
-    return cfg, deinterleave_rope_rows(cfg, out)
+    return WeightPlan(cfg, out, notes)
 
 
 def rope_row_order(rope_dim: int) -> torch.Tensor:
@@ -261,76 +226,128 @@ def deinterleave_rope_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, inver
     return t.index_select(0, rows)
 
 
-def _stack_experts(target: str, per_expert: dict[int, dict[str, torch.Tensor]], num_experts: int) -> torch.Tensor:
+def _stack_experts(idx: CheckpointIndex, target: str, per_expert: dict[int, dict[str, str]],
+                   num_experts: int) -> CanonicalTensor:  # fmt: skip
     missing = [e for e in range(num_experts) if e not in per_expert]
     if missing:
         raise CheckpointError(f"{target}: experts {missing[:8]} are missing from the checkpoint")
     parts = [per_expert[e] for e in range(num_experts)]
     names = ["down"] if target.endswith("w_down") else ["gate", "up"]
+    shape = {part: idx.tensors[parts[0][part]].shape for part in names if part in parts[0]}
     for e, p in enumerate(parts):
         for part in names:
             if part not in p:
                 raise CheckpointError(f"{target}: expert {e} lacks its {part}_proj tensor")
-            if p[part].shape != parts[0][part].shape:
+            if idx.tensors[p[part]].shape != shape[part]:
                 raise CheckpointError(
-                    f"{target}: expert {e} {part}_proj has shape {tuple(p[part].shape)}, expert 0 has "
-                    f"{tuple(parts[0][part].shape)}; every expert of a layer must have the same shape"
+                    f"{target}: expert {e} {part}_proj has shape {idx.tensors[p[part]].shape}, expert 0 has "
+                    f"{shape[part]}; every expert of a layer must have the same shape"
                 )
     if names == ["down"]:
-        return torch.stack([p["down"] for p in parts])
-    gate, up = parts[0]["gate"], parts[0]["up"]
-    if gate.dim() != 2 or gate.shape[1:] != up.shape[1:]:
-        raise CheckpointError(f"{target}: gate_proj {tuple(gate.shape)} and up_proj {tuple(up.shape)} do not stack; "
+        return CanonicalTensor((num_experts, *shape["down"]),
+                               tuple(Piece(p["down"], (e, 0, 0), stacked=True) for e, p in enumerate(parts)))  # fmt: skip
+    gate, up = shape["gate"], shape["up"]
+    if len(gate) != 2 or gate[1:] != up[1:]:
+        raise CheckpointError(f"{target}: gate_proj {gate} and up_proj {up} do not stack; "
                               "both must be [moe_intermediate_size, hidden_size]")  # fmt: skip
-    return torch.stack([torch.cat([p["gate"], p["up"]], dim=0) for p in parts])
+    pieces = [Piece(p[k], (e, off, 0), stacked=True) for e, p in enumerate(parts) for k, off in (("gate", 0),
+              ("up", gate[0]))]  # fmt: skip
+    return CanonicalTensor((num_experts, gate[0] + up[0], gate[1]), tuple(pieces))
 
 
-def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], path: str | Path) -> None:
+def check_weights(cfg: ModelConfig, shapes: Mapping[str, Sequence[int]], path: str | Path) -> None:
     """Every canonical tensor present once with the shape config.json implies, and nothing else."""
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Glm4MoeMTPModel(cfg).state_dict().items()}
-    missing = sorted(set(expected) - set(weights))
+    missing = sorted(set(expected) - set(shapes))
     if missing:
         raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:10]}; it does not match config.json")
-    extra = sorted(set(weights) - set(expected))
+    extra = sorted(set(shapes) - set(expected))
     if extra:
         raise CheckpointError(f"checkpoint {path} has tensors the config does not describe: {extra[:10]}; fix "
                               "config.json (e.g. attention_bias, n_shared_experts) or remove them")  # fmt: skip
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
+        if tuple(shapes[name]) != shape:
             raise CheckpointError(
-                f"tensor {name}: expected shape {shape} from config.json, found {tuple(weights[name].shape)}; "
+                f"tensor {name}: expected shape {shape} from config.json, found {tuple(shapes[name])}; "
                 "config.json and the weights disagree: fix config.json or re-export the checkpoint"
             )
 
 
-def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, ep_rank: int = 0, ep_size: int = 1
-) -> tuple[Glm4MoeMTPModel, Checkpoint]:
-    """Build the model from a checkpoint directory (experts sliced to this EP rank's share)."""
-    ckpt = read_checkpoint(path)
-    cfg, weights = to_canonical(ckpt)
+def kept_experts(cfg: ModelConfig, ep_rank: int, ep_size: int) -> range:
+    """The routed experts EP rank `ep_rank` of `ep_size` holds: expert e lives on rank e // (E / ep_size)."""
     if cfg.has_moe and cfg.n_routed_experts % ep_size:
         raise CheckpointError(f"n_routed_experts={cfg.n_routed_experts} does not split over ep_size={ep_size}")
-    check_weights(cfg, weights, path)
+    n = cfg.n_routed_experts // ep_size
+    return range(ep_rank * n, (ep_rank + 1) * n)
+
+
+def _is_routed(name: str) -> bool:
+    return name.endswith("mlp.w_gate_up") or name.endswith("mlp.w_down")
+
+
+def _rank_slice(cfg: ModelConfig, name: str, full_shape: tuple[int, ...], ep_rank: int,
+                ep_size: int) -> tuple[slice, ...] | None:  # fmt: skip
+    """The part of canonical tensor `name` one rank keeps (None: all of it). The one rank-selection rule:
+    routed experts are split over EP ranks, everything else is replicated."""
+    if _is_routed(name) and ep_size > 1:
+        kept = kept_experts(cfg, ep_rank, ep_size)
+        return (slice(kept.start, kept.stop),)
+    return None
+
+
+def _weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith("e_score_correction_bias") else dtype  # the router bias stays fp32
+
+
+def rank_weight_bytes(plan: WeightPlan, dtype: torch.dtype, ep_rank: int = 0, ep_size: int = 1) -> int:
+    """Bytes of the weights one rank holds in `dtype` (the memory check's figure), from the plan alone."""
+    total = 0
+    for name, ct in plan.tensors.items():
+        bounds = bounds_of(_rank_slice(plan.config, name, ct.shape, ep_rank, ep_size), ct.shape)
+        numel = 1
+        for a, b in bounds:
+            numel *= b - a
+        total += numel * torch.empty((), dtype=_weight_dtype(name, dtype)).element_size()
+    return total
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, ep_rank: int = 0, ep_size: int = 1
+) -> tuple[Glm4MoeMTPModel, CheckpointIndex]:
+    """Build one rank's model from a checkpoint directory, reading only the tensors (slices) that rank keeps.
+
+    Every name/shape check runs on the index first; then each tensor is read once, converted to `dtype`
+    and its file mapping dropped before the next (peak memory: this rank's weights plus about one tensor).
+    """
+    idx = index_checkpoint(path)
+    plan = plan_weights(idx)
+    cfg = plan.config
+    kept_experts(cfg, ep_rank, ep_size)  # refuses an expert count that does not split
+    check_weights(cfg, plan.shapes(), path)
     with torch.device("meta"):
         model = Glm4MoeMTPModel(cfg, ep_size=ep_size)
-    expected = dict(model.state_dict())
-    loaded = {}
-    for name, param in expected.items():
-        w = weights[name]
-        if ep_size > 1 and (name.endswith("mlp.w_gate_up") or name.endswith("mlp.w_down")):
-            n = w.shape[0] // ep_size
-            w = w[ep_rank * n : (ep_rank + 1) * n]
+    loaded: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}  # id(CanonicalTensor) -> its tensor: a tied lm_head is read once
+    for name, param in model.state_dict().items():
+        ct = plan.tensors[name]
+        bounds = bounds_of(_rank_slice(cfg, name, ct.shape, ep_rank, ep_size), ct.shape)
+        w = done.get(id(ct))
+        if w is None:
+            w = deinterleave_rope_tensor(cfg, name, materialize(idx, ct, bounds, _weight_dtype(name, dtype)))
+            done[id(ct)] = w
         if tuple(w.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"tensor {name}: expected shape {tuple(param.shape)} from config.json, found {tuple(w.shape)}"
             )
-        loaded[name] = w.to(dtype) if name.split(".")[-1] != "e_score_correction_bias" else w.float()
+        loaded[name] = w
+    del done
     model.load_state_dict(loaded, assign=True, strict=True)
-    for note in ckpt.notes:
+    del loaded
+    gc.collect()
+    for note in plan.notes:
         log.warning(note)
-    return model.eval(), ckpt
+    return model.eval(), idx
 
 
 def to_hf_tensors(model: Glm4MoeMTPModel) -> dict[str, torch.Tensor]:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from models.checkpoint import save_hf_checkpoint, to_hf_config
 from models.config import ModelConfig
+from models.fp8 import SCALE_SUFFIX, quantize
 from models.glm4_moe import Glm4MoeMTPModel
 
 
@@ -187,3 +190,31 @@ def _mtp_tensors(model, hf_cfg, model_type: str, layer: int, g: torch.Generator)
     out[f"{prefix}embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
     out[f"{prefix}shared_head.head.weight"] = model.lm_head.weight.detach().clone()
     return out
+
+
+def is_fp8_quantized(name: str, shape: tuple[int, ...]) -> bool:
+    """The tensors DeepSeek-V3 / GLM-4.5-FP8 ship in FP8: the 2-D projection weights (not embeddings, the
+    LM head, norms or the router)."""
+    return len(shape) == 2 and name.endswith("_proj.weight")
+
+
+def quantize_checkpoint_fp8(src: str | Path, dst: str | Path) -> None:
+    """Re-save a (tiny) float checkpoint as the FP8 release format: float8_e4m3fn projection weights, each with
+    a float32 `*_scale_inv` [ceil(out/128), ceil(in/128)] (amax per 128x128 block / 448), and the config's
+    quantization_config. Other files (tokenizer) are copied."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if is_fp8_quantized(name, tuple(t.shape)):
+            out[name], out[name + SCALE_SUFFIX] = quantize(t)
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    hf = json.loads((src / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                 "activation_scheme": "dynamic"}  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json") and f.is_file():
+            shutil.copyfile(f, dst / f.name)
