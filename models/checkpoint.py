@@ -41,7 +41,7 @@ from models.checkpoint_files import (
     weight_files,
 )
 from models.checkpoint_files import read_model_config as read_model_config  # re-exported: callers import it here
-from models.config import ConfigError, ModelConfig, mla_hf_fields
+from models.config import ModelConfig, mla_hf_fields
 from models.glm4_moe import Glm4MoeMTPModel
 
 log = logging.getLogger(__name__)
