@@ -166,3 +166,28 @@ def test_quantized_set_is_the_projections():
     assert is_fp8_quantized(Q, (160, 160)) and is_fp8_quantized("model.layers.2.eh_proj.weight", (8, 16))
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight", "model.norm.weight"):
         assert not is_fp8_quantized(name, (96, 160))
+
+
+def test_fp8_mla_checkpoint_imports_dequantized(tmp_path):
+    """DeepSeek-V3 as released: FP8 MLA projections (q_a/q_b, kv_a_proj_with_mqa, kv_b, o) and experts import
+    equal to the float checkpoint of the same dequantized values, tensor for tensor (through the rope
+    de-interleave; load_model dequantizes first because the 128x128 blocks index the checkpoint's row order,
+    which this tiny model, inside one block, cannot tell apart)."""
+    from models.testing import MLA_VARIANTS, make_mla_checkpoint
+
+    model_type, overrides = MLA_VARIANTS["dsv3"]
+    make_mla_checkpoint(tmp_path / "float", model_type, seed=2, **overrides)
+    quantize_checkpoint_fp8(tmp_path / "float", tmp_path / "fp8")
+    raw = load_file(str(tmp_path / "fp8" / ST))
+    assert raw["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.float8_e4m3fn
+    deq = {n: reference_dequant(t, raw[n + "_scale_inv"]) if t.dtype == torch.float8_e4m3fn else t
+           for n, t in raw.items() if not n.endswith("_scale_inv")}  # fmt: skip
+    (tmp_path / "deq").mkdir()
+    save_file(deq, str(tmp_path / "deq" / ST))
+    (tmp_path / "deq" / "config.json").write_text((tmp_path / "float" / "config.json").read_text())
+    got, want = load_model(tmp_path / "fp8")[0].state_dict(), load_model(tmp_path / "deq")[0].state_dict()
+    orig = load_model(tmp_path / "float")[0].state_dict()
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+    name = "layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    assert 0 < (got[name] - orig[name]).abs().max() < 0.1 * orig[name].abs().max()
