@@ -34,10 +34,10 @@ from models.checkpoint import (
     check_weights,
     checkpoint_hash,
     index_checkpoint,
-    kept_experts,
     load_model,
     plan_weights,
     rank_weight_bytes,
+    read_model_config,
 )
 from models.config import ModelConfig
 from plugins.engine_format import (
@@ -49,6 +49,7 @@ from plugins.engine_format import (
     rank_dir,
     write_engine_config,
 )
+from plugins.engine_format.mapping import RankMapping, rank_mapping
 from plugins.engine_format.names import installed_plugins
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -86,17 +87,17 @@ def _graph_names(cfg: ModelConfig, opts: BuildOptions) -> list[str]:
 
 
 def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, rep: Reporter) -> dict[str, Any]:
-    ep_rank = rank % opts.ep_size
+    mapping = _mapping(rank, opts, read_model_config(opts.checkpoint)[0])  # config.json only
     t0 = time.perf_counter()
     rep.step(f"rank {rank}: load its weights")
-    model, _ = load_model(opts.checkpoint, opts.torch_dtype, ep_rank=ep_rank, ep_size=opts.ep_size)
+    model, _ = load_model(opts.checkpoint, opts.torch_dtype, mapping=mapping)
     rep.done(f"rank {rank}: weights", time.perf_counter() - t0)
     rdir = work / rank_dir(rank)
     rdir.mkdir()
     graphs: dict[str, dict[str, str]] = {}
     for name in _graph_names(model.cfg, opts):
         t0 = time.perf_counter()
-        rep.step(f"rank {rank}: export {name} (experts {_expert_range(model.cfg, opts, ep_rank)})")
+        rep.step(f"rank {rank}: export {name} ({_shard_note(model.cfg, model.mapping)})")
         path = rdir / f"{name}.onnx"
         data = export_graph(name, model, layout.geometry(), layout.table_width, path)
         graphs[name] = {"onnx": str(path.relative_to(work)), "data": str(data.relative_to(work))}
@@ -106,11 +107,15 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
     return graphs
 
 
-def _expert_range(cfg: ModelConfig, opts: BuildOptions, ep_rank: int) -> str:
-    if not cfg.has_moe:
-        return "none"
-    kept = kept_experts(cfg, ep_rank, opts.ep_size)
-    return f"{kept.start}..{kept.stop - 1} of {cfg.n_routed_experts}"
+def _mapping(rank: int, opts: BuildOptions, cfg: ModelConfig) -> RankMapping:
+    """This rank's shards (plugins/engine_format/mapping.py); config.json keeps only `parallel`."""
+    experts = cfg.n_routed_experts if cfg.has_moe else 0
+    return rank_mapping(rank, Parallel(opts.world_size, opts.ep_size, opts.tp_size), experts)
+
+
+def _shard_note(cfg: ModelConfig, m: RankMapping) -> str:
+    experts = f"experts {m.expert_lo}..{m.expert_hi - 1} of {m.num_experts}" if cfg.has_moe else "no experts"
+    return experts if m.tp == 1 else f"tp rank {m.tp_rank}/{m.tp} of DP group {m.dp_rank}, {experts}"
 
 
 def _backend(opts: BuildOptions, work: Path, graphs: list[dict[str, dict[str, str]]], layout: KVLayout,
@@ -222,7 +227,7 @@ def _import(opts: BuildOptions, rep: Reporter) -> tuple[ModelConfig, str, str, i
         plan = plan_weights(idx)
         check_weights(plan.config, plan.shapes(), opts.checkpoint)
         opts.validate_for_model(idx.config)
-        weight_bytes = rank_weight_bytes(plan, opts.torch_dtype, ep_rank=0, ep_size=opts.ep_size)
+        weight_bytes = rank_weight_bytes(plan, opts.torch_dtype, _mapping(0, opts, plan.config))  # equal shards
         ckpt_hash = checkpoint_hash(opts.checkpoint)
     except CheckpointError as e:
         raise BuildError(str(e)) from e

@@ -43,6 +43,9 @@ from models.checkpoint_files import (
 from models.checkpoint_files import read_model_config as read_model_config  # re-exported: callers import it here
 from models.config import ModelConfig, mla_hf_fields
 from models.glm4_moe import Glm4MoeMTPModel
+from models.sharding import shard_slice
+from plugins.engine_format.config import Parallel
+from plugins.engine_format.mapping import RankMapping, rank_mapping
 
 log = logging.getLogger(__name__)
 
@@ -282,29 +285,29 @@ def kept_experts(cfg: ModelConfig, ep_rank: int, ep_size: int) -> range:
     return range(ep_rank * n, (ep_rank + 1) * n)
 
 
-def _is_routed(name: str) -> bool:
-    return name.endswith("mlp.w_gate_up") or name.endswith("mlp.w_down")
+def default_mapping(cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> RankMapping:
+    """The TP1 expert-parallel mapping of (ep_rank, ep_size); ep_size 1: every rank loads the same shards."""
+    kept_experts(cfg, ep_rank, ep_size)  # refuses an expert count that does not split
+    rank = ep_rank if ep_size > 1 else 0
+    return rank_mapping(rank, Parallel(ep_size, ep_size, 1), cfg.n_routed_experts if cfg.has_moe else 0)
 
 
-def _rank_slice(cfg: ModelConfig, name: str, full_shape: tuple[int, ...], ep_rank: int,
-                ep_size: int) -> tuple[slice, ...] | None:  # fmt: skip
-    """The part of canonical tensor `name` one rank keeps (None: all of it). The one rank-selection rule:
-    routed experts are split over EP ranks, everything else is replicated."""
-    if _is_routed(name) and ep_size > 1:
-        kept = kept_experts(cfg, ep_rank, ep_size)
-        return (slice(kept.start, kept.stop),)
-    return None
+def _rank_slice(cfg: ModelConfig, name: str, full_shape: tuple[int, ...], mapping: RankMapping) -> tuple[slice, ...] | None:
+    """The part of canonical tensor `name` one rank keeps (None: all of it): models/sharding.py decides
+    (routed experts by EP range, TP rows/columns, vocab slices), the loader only reads that window."""
+    return shard_slice(name, full_shape, cfg, mapping)
 
 
 def _weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if name.endswith("e_score_correction_bias") else dtype  # the router bias stays fp32
 
 
-def rank_weight_bytes(plan: WeightPlan, dtype: torch.dtype, ep_rank: int = 0, ep_size: int = 1) -> int:
+def rank_weight_bytes(plan: WeightPlan, dtype: torch.dtype, mapping: RankMapping | None = None) -> int:
     """Bytes of the weights one rank holds in `dtype` (the memory check's figure), from the plan alone."""
+    mapping = mapping or default_mapping(plan.config)
     total = 0
     for name, ct in plan.tensors.items():
-        bounds = bounds_of(_rank_slice(plan.config, name, ct.shape, ep_rank, ep_size), ct.shape)
+        bounds = bounds_of(_rank_slice(plan.config, name, ct.shape, mapping), ct.shape)
         numel = 1
         for a, b in bounds:
             numel *= b - a
@@ -313,29 +316,35 @@ def rank_weight_bytes(plan: WeightPlan, dtype: torch.dtype, ep_rank: int = 0, ep
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, ep_rank: int = 0, ep_size: int = 1
+    path: str | Path, dtype: torch.dtype = torch.float32, ep_rank: int = 0, ep_size: int = 1,
+    mapping: RankMapping | None = None,
 ) -> tuple[Glm4MoeMTPModel, CheckpointIndex]:
     """Build one rank's model from a checkpoint directory, reading only the tensors (slices) that rank keeps.
 
-    Every name/shape check runs on the index first; then each tensor is read once, converted to `dtype`
-    and its file mapping dropped before the next (peak memory: this rank's weights plus about one tensor).
+    `mapping` (plugins/engine_format/mapping.py) gives the rank's TP/EP shards; without it, (ep_rank, ep_size)
+    is the TP1 expert-parallel mapping. Every name/shape check runs on the index first; then each tensor is
+    read once, converted to `dtype` and its file mapping dropped before the next (peak memory: this rank's
+    weights plus about one tensor).
     """
     idx = index_checkpoint(path)
     plan = plan_weights(idx)
     cfg = plan.config
-    kept_experts(cfg, ep_rank, ep_size)  # refuses an expert count that does not split
     check_weights(cfg, plan.shapes(), path)
+    if mapping is None:
+        mapping = default_mapping(cfg, ep_rank, ep_size)
+    elif cfg.has_moe and cfg.n_routed_experts % mapping.ep:
+        raise CheckpointError(f"n_routed_experts={cfg.n_routed_experts} does not split over ep_size={mapping.ep}")
     with torch.device("meta"):
-        model = Glm4MoeMTPModel(cfg, ep_size=ep_size)
+        model = Glm4MoeMTPModel(cfg, mapping=mapping)
     loaded: dict[str, torch.Tensor] = {}
-    done: dict[int, torch.Tensor] = {}  # id(CanonicalTensor) -> its tensor: a tied lm_head is read once
+    done: dict[tuple, torch.Tensor] = {}  # (id(CanonicalTensor), window) -> tensor: a tied lm_head is read once
     for name, param in model.state_dict().items():
         ct = plan.tensors[name]
-        bounds = bounds_of(_rank_slice(cfg, name, ct.shape, ep_rank, ep_size), ct.shape)
-        w = done.get(id(ct))
+        bounds = bounds_of(_rank_slice(cfg, name, ct.shape, mapping), ct.shape)
+        w = done.get((id(ct), bounds))
         if w is None:
             w = deinterleave_rope_tensor(cfg, name, materialize(idx, ct, bounds, _weight_dtype(name, dtype)))
-            done[id(ct)] = w
+            done[(id(ct), bounds)] = w
         if tuple(w.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"tensor {name}: expected shape {tuple(param.shape)} from config.json, found {tuple(w.shape)}"

@@ -18,6 +18,7 @@ from models.config import ModelConfig
 from plugins.engine_format.config import EngineConfig
 from plugins.engine_format.graph_io import GRAPH_NAMES, SPECS
 from plugins.engine_format.layout import KVLayout, table_width
+from plugins.engine_format.mapping import MappingError, RankMapping, check_model, local_kv_heads, rank_mapping
 from plugins.engine_format.names import MLA_NODES, MOE_EXPERTS, POOL_NODES
 from plugins.engine_format.paths import EngineDirError, rank_dir
 from plugins.kv_pool import DTYPE_CODES
@@ -34,11 +35,12 @@ def _refuse(cfg: EngineConfig, what: str) -> EngineDirError:
 def check_consistent(cfg: EngineConfig) -> None:
     """config.json's fields agree with each other and with the model (no file is read)."""
     kv, lim, k, m = cfg.kv, cfg.limits, cfg.num_draft_tokens, cfg.model
+    _check_mapping(cfg)
     width = table_width(lim.max_seq_len, k, kv.block_size)
     want = {
         "kv.table_width": (kv.table_width, width),
         "kv.num_planes": (kv.num_planes, m.num_hidden_layers + m.num_mtp_modules),
-        **{f"kv.{name}": (getattr(kv, name), value) for name, value in _pool_rows(m).items()},
+        **{f"kv.{name}": (getattr(kv, name), value) for name, value in _pool_rows(m, cfg.parallel.tp_size).items()},
     }
     dtype = getattr(torch, cfg.dtype, None)
     if isinstance(dtype, torch.dtype) and dtype in DTYPE_CODES:
@@ -63,7 +65,7 @@ def check_consistent(cfg: EngineConfig) -> None:
     _check_profiles(cfg)
 
 
-def _pool_rows(m: ModelConfig) -> dict[str, int]:
+def _pool_rows(m: ModelConfig, tp_size: int = 1) -> dict[str, int]:
     """The kv fields the model fixes: the pool kind and its row shape.
 
     An MLA model (kv_lora_rank > 0) caches one latent row [k_pe ; c_kv] per position: kv_kind 1, one "KV head"
@@ -73,7 +75,7 @@ def _pool_rows(m: ModelConfig) -> dict[str, int]:
     rank = int(getattr(m, "kv_lora_rank", 0) or 0)
     if rank > 0:
         return {"kv_kind": 1, "num_kv_heads": 1, "head_dim": int(getattr(m, "qk_rope_head_dim", 0)) + rank}
-    return {"kv_kind": 0, "num_kv_heads": m.num_key_value_heads, "head_dim": m.head_dim}
+    return {"kv_kind": 0, "num_kv_heads": local_kv_heads(m.num_key_value_heads, tp_size), "head_dim": m.head_dim}
 
 
 def _check_profiles(cfg: EngineConfig) -> None:
@@ -93,10 +95,10 @@ def check_against_graphs(cfg: EngineConfig) -> None:
             for kind in _ONNX_KINDS:
                 path = cfg.graph_file(rank, graph, kind)
                 if path is not None:
-                    _check_graph(cfg, graph, path, f"{rank_dir(rank)}/{path.name}")
+                    _check_graph(cfg, graph, path, f"{rank_dir(rank)}/{path.name}", rank)
 
 
-def _check_graph(cfg: EngineConfig, graph: str, path: Path, label: str) -> None:
+def _check_graph(cfg: EngineConfig, graph: str, path: Path, label: str, rank: int = 0) -> None:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # onnx raises DecodeError and others for a file that is not a model
@@ -115,7 +117,10 @@ def _check_graph(cfg: EngineConfig, graph: str, path: Path, label: str) -> None:
             if dtype != spec.dtypes[v.name] or dims != want:
                 raise _refuse(cfg, f"{label} declares {v.name} {dtype}{list(dims)}, the config implies "
                                    f"{spec.dtypes[v.name]}{list(want)}")  # fmt: skip
-    moe = {"num_experts": cfg.model.n_routed_experts, "ep_size": cfg.parallel.ep_size}
+    mapping = rank_mapping(rank, cfg.parallel, cfg.model.n_routed_experts if cfg.model.has_moe else 0)
+    moe = {"num_experts": cfg.model.n_routed_experts, "ep_size": cfg.parallel.ep_size, "tp_size": mapping.tp,
+           "tp_rank": mapping.tp_rank}  # fmt: skip
+    _check_shards(cfg, g, label, mapping)
     for node in g.node:
         problem = node_mismatch(cfg.kv, moe, node)
         if problem is not None:
@@ -150,3 +155,40 @@ def node_mismatch(kv: KVLayout, moe: dict[str, int], node: onnx.NodeProto) -> st
     if node.op_type in POOL_NODES and not 0 <= attrs.get("plane", -1) < kv.num_planes:
         return f"{node.op_type} node writes plane {attrs.get('plane')} outside the pool"
     return None
+
+
+# --- Tensor-parallel mapping: `parallel` is a mapping the contract allows, and each rank's graph holds its shards.
+def _check_mapping(cfg: EngineConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    try:
+        check_model(p.world_size, p.ep_size, p.tp_size, num_experts=m.n_routed_experts if m.has_moe else 0,
+                    num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads, vocab_size=m.vocab_size,
+                    mla=bool(getattr(m, "kv_lora_rank", 0)))  # fmt: skip
+    except MappingError as e:
+        raise _refuse(cfg, f"parallel={p}: {e}") from None
+    if len(cfg.graphs) != p.world_size:
+        raise _refuse(cfg, f"{len(cfg.graphs)} rank graph sets for parallel.world_size={p.world_size}")
+
+
+def _check_shards(cfg: EngineConfig, g: onnx.GraphProto, label: str, mapping: RankMapping) -> None:
+    """Initializers named like canonical weights have the shape models/sharding.py gives this rank (a rank
+    built with another rank's or the full tensor would compute garbage, or fail deep in a GEMM)."""
+    from models.glm4_moe import Glm4MoeMTPModel  # the full shapes; models/ imports are heavy, keep them lazy
+    from models.sharding import local_shape
+
+    if not _FULL_SHAPES or _FULL_SHAPES[0][0] is not cfg.model:
+        with torch.device("meta"):
+            full = {k: tuple(v.shape) for k, v in Glm4MoeMTPModel(cfg.model).state_dict().items()}
+        _FULL_SHAPES[:] = [(cfg.model, full)]
+    full = _FULL_SHAPES[0][1]
+    for init in g.initializer:
+        name = init.name.removeprefix("model.")  # the graph wrappers hold the model as `.model`
+        if name in full:
+            want = local_shape(name, full[name], cfg.model, mapping)
+            got = tuple(init.dims)
+            if got != want:
+                raise _refuse(cfg, f"{label}: weight {init.name} has shape {list(got)}, rank {mapping.rank}'s shard "
+                                   f"under parallel={cfg.parallel} is {list(want)}")  # fmt: skip
+
+
+_FULL_SHAPES: list[tuple[object, dict[str, tuple[int, ...]]]] = []  # (model config, full shapes) of the last check

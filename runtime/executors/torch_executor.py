@@ -15,6 +15,7 @@ import torch
 
 from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
 from models.mla import kv_geometry_fields
+from plugins.engine_format.mapping import local_kv_heads  # TP: the pool holds this rank's KV heads
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
 from runtime.executors.cuda_graphs import GraphedFunction
@@ -31,7 +32,7 @@ class TorchExecutor:
         self.dtype = next(model.parameters()).dtype
         kv_heads, head_dim, kv_kind = kv_geometry_fields(cfg)  # MLA: one latent row per position
         self.geom = KVPoolGeometry(
-            model.num_kv_planes, num_blocks, block_size, kv_heads, head_dim,
+            model.num_kv_planes, num_blocks, block_size, local_kv_heads(kv_heads, model.mapping.tp), head_dim,
             {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[self.dtype], kv_kind,
         )  # fmt: skip
         self.pool = allocate_pool(self.geom, self.device)

@@ -26,6 +26,7 @@ from builder.options import BuildOptions
 from models.checkpoint import (
     CheckpointError,
     check_weights,
+    default_mapping,
     index_checkpoint,
     kept_experts,
     load_model,
@@ -139,7 +140,7 @@ def test_rank_import_peak_rss_is_bounded(big_checkpoint, record_property):
     assert size > 2 * 10**9 and len(list(path.glob("*.safetensors"))) >= 5
     idx = index_checkpoint(path)
     plan = plan_weights(idx)
-    share = rank_weight_bytes(plan, torch.bfloat16, EP_RANK, EP_SIZE)
+    share = rank_weight_bytes(plan, torch.bfloat16, default_mapping(plan.config, EP_RANK, EP_SIZE))
     largest = max(torch.Size(t.shape).numel() * 2 for t in idx.tensors.values())
     streamed = _probe(path, "stream")
     grown = streamed["peak"] - streamed["baseline"]
@@ -201,7 +202,7 @@ def test_config_and_checks_read_no_tensor_data(tmp_path):
     opts = BuildOptions(tmp_path, tmp_path.parent / "engine", max_batch=2, max_num_tokens=16, max_seq_len=32,
                         kv_block_size=4, num_draft_tokens=1, world_size=2, ep_size=2)  # fmt: skip
     cfg, _, _, weight_bytes = pipeline._import(opts, pipeline.SilentReporter())  # mtp-build's import step
-    assert cfg == tiny_config() and weight_bytes == rank_weight_bytes(plan, torch.float32, 0, 2)
+    assert cfg == tiny_config() and weight_bytes == rank_weight_bytes(plan, torch.float32, default_mapping(plan.config, 0, 2))
     for shard in tmp_path.glob("*.safetensors"):
         shard.unlink()
     cfg, hf = read_model_config(tmp_path)  # config.json alone: no weight file is even looked at
