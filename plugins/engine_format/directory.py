@@ -107,8 +107,13 @@ def _check_plugins(path: Path, recorded: dict[str, Any]) -> None:
             f"engine {path} uses plugin namespace {recorded.get('namespace')!r}, this installation provides "
             f"{want['namespace']!r}; {_REBUILD.format(path=path)}"
         )
-    for name, version in want["nodes"].items():
-        got = recorded.get("nodes", {}).get(name)
+    # Every plugin the engine was built against must be installed at the same version; plugins added to the
+    # installation since (new node kinds an older engine cannot contain) do not make an engine stale.
+    recorded_nodes = recorded.get("nodes")
+    if not isinstance(recorded_nodes, dict) or not recorded_nodes:
+        raise EngineDirError(f"engine {path} records no plugin nodes in config.json; {_REBUILD.format(path=path)}")
+    for name, got in recorded_nodes.items():
+        version = want["nodes"].get(name)
         if got != version:
             raise EngineDirError(
                 f"plugin version mismatch: engine {path} was built with plugin {name} version {got!r}, this "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import onnx
@@ -91,11 +92,12 @@ def _flip_byte(path: Path) -> None:
         (lambda p: edit_config(p, schema_version=SCHEMA_VERSION + 1), f"schema_version {SCHEMA_VERSION + 1}; this installation reads"),
         (lambda p: edit_config(p, parallel__world_size=2), "rank count mismatch.*world_size=2"),
         (lambda p: edit_config(p, plugins__nodes__KvWrite="0"), "plugin version mismatch.*KvWrite version '0'"),
+        (lambda p: edit_config(p, plugins__nodes__FutureNode="1"), "plugin FutureNode version '1'.*provides version None"),
         (lambda p: (p / "config.json").unlink(), "not an engine directory"),
         (lambda p: edit_config(p, reseal=False, kv__block_size=2), "config.json in .* is corrupted"),
         (lambda p: (p / "manifest.json").unlink(), "no readable manifest.json"),
     ],
-    ids=["flipped-byte", "missing-file", "schema-version", "rank-count", "plugin-version", "no-config",
+    ids=["flipped-byte", "missing-file", "schema-version", "rank-count", "plugin-version", "unknown-plugin", "no-config",
          "edited-config", "no-manifest"],
 )
 def test_check_refuses_tampered_engine(engine, tmp_path, capsys, tamper, message):
@@ -105,6 +107,16 @@ def test_check_refuses_tampered_engine(engine, tmp_path, capsys, tamper, message
         load_engine_config(copy)
     assert cli.main(["--check", str(copy)]) == 2
     assert "check failed" in capsys.readouterr().err
+
+
+def test_engine_from_before_newer_plugins_still_loads(engine, tmp_path):
+    """An engine records the plugins installed when it was built; plugins added since (the MLA and collective
+    nodes, for engines built before them) cannot be in its graphs, so they do not make it stale."""
+    copy = copy_engine(engine, tmp_path)
+    raw = json.loads((copy / "config.json").read_text())
+    nodes = {k: v for k, v in raw["plugins"]["nodes"].items() if k in ("KvWrite", "PagedAttention", "MoeExperts")}
+    edit_config(copy, plugins__nodes=nodes)
+    assert load_engine_config(copy).plugins["nodes"] == nodes
 
 
 def test_expert_parallel_ranks_hold_their_experts(checkpoint, tmp_path):
