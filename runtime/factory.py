@@ -6,6 +6,7 @@ and the benchmarks all call `create_engine`.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +15,8 @@ from plugins.engine_format import EngineConfig, KVLayout, Limits, load_engine_co
 from runtime.config import ConfigError, RuntimeConfig
 from runtime.engine import LLMEngine
 from runtime.executors.base import Executor
+from runtime.tp_group import join
+from runtime.watchdog import DEFAULT_TIMEOUT_S
 
 EXECUTORS = ("onnxruntime", "torch", "tensorrt")
 
@@ -38,6 +41,10 @@ def create_engine(
     cuda_graphs: bool = False,
     threads: int | None = None,
     seed: int = 0,
+    tp_size: int = 1,
+    ep_size: int | None = None,
+    collective_timeout: float = DEFAULT_TIMEOUT_S,
+    prog: str | None = None,
     **overrides,
 ) -> LLMEngine:
     """Args:
@@ -47,6 +54,10 @@ def create_engine(
         device, cuda_graphs: torch executor only ("cuda" + cuda_graphs=True replays captured graphs).
         threads: onnxruntime intra-op threads (default: what the engine recorded); torch uses torch.set_num_threads.
         seed: engine seed; an unseeded request samples from a generator derived from (seed, request id).
+        tp_size, ep_size: the mapping of a checkpoint run (an engine directory records its own); with a
+            checkpoint the model is not sharded: tp_size > 1 replicates it over the TP group (ep_size 1 or
+            world_size, default world_size).
+        collective_timeout, prog: multi-rank only: the watchdog's deadline and the program its line names.
         overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...); num_draft_tokens="auto"
             picks the draft length per step, up to the engine's built K (runtime/draft_length.py).
     """
@@ -61,6 +72,7 @@ def create_engine(
         if ecfg.world_size != world_size:
             raise ConfigError(f"engine {engine_dir} was built for world_size={ecfg.world_size} but "
                               f"{world_size} rank(s) were launched: use mpirun -np {ecfg.world_size}")  # fmt: skip
+        tp_size, ep_size = ecfg.parallel.tp_size, ecfg.parallel.ep_size
         cfg = replace(engine_defaults(ecfg), **overrides)
         check_within_engine(cfg, ecfg.limits, ecfg.kv, ecfg.num_draft_tokens)
         model_cfg, tokenizer = ecfg.model, load_tokenizer(Path(engine_dir))
@@ -83,11 +95,16 @@ def create_engine(
             raise ConfigError(f"executor {executor!r} needs an engine directory; build one with mtp-build "
                               "or use --executor torch with --checkpoint")  # fmt: skip
         cfg = RuntimeConfig(**overrides)
-        ex, model_cfg = _torch_executor(checkpoint, cfg, rank, world_size, device, cuda_graphs)
+        ep_size = world_size if ep_size is None else ep_size
+        if ep_size not in (1, world_size):  # replicated weights: the MoE all-to-all group is every rank
+            raise ConfigError(f"ep_size={ep_size} with --checkpoint: use 1 or the world size {world_size}")
+        ex, model_cfg = _torch_executor(checkpoint, cfg, rank if ep_size > 1 else 0, ep_size, device, cuda_graphs)
         tokenizer = load_tokenizer(Path(checkpoint))
     if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:
         cfg = replace(cfg, num_draft_tokens=0)  # the checkpoint has no MTP module: plain decoding
     engine = LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1, seed=seed)
+    if world_size > 1:  # collective: every rank agrees on the settings here (RanksDisagree on every rank)
+        join(engine, tp_size, ep_size, collective_timeout, prog or Path(sys.argv[0]).stem or "mtp")
     if engine.draft_length is not None and (executor == "onnxruntime" or (executor == "torch" and device == "cpu")):
         engine.draft_clock = time.process_time  # CPU executors: auto's costs in CPU work, immune to other jobs
     return engine

@@ -52,24 +52,27 @@ def mpi_world():
     return comm, comm.Get_rank(), comm.Get_size()
 
 
-def agree_on_settings(engine: LLMEngine, comm) -> None:
-    """Allgather every rank's settings fingerprint; raise RanksDisagree on every rank if any differs."""
+def agree_on_settings(engine: LLMEngine, comm, extra: dict | None = None) -> None:
+    """Allgather every rank's settings fingerprint (+ extra: the mapping); raise RanksDisagree on every rank
+    if any differs. Called once at start-up by runtime/tp_group.join, over COMM_WORLD (followers included)."""
     if comm is None or comm.Get_size() == 1:
         return
-    problem = first_difference(comm.allgather(settings_fingerprint(engine)))
+    problem = first_difference(comm.allgather(settings_fingerprint(engine, extra)))
     if problem is not None:
         raise RanksDisagree(problem)
 
 
-def lockstep_stream(engine: LLMEngine, comm) -> Iterator[RequestOutput]:
-    """Check the ranks agree, then step until no rank has work; every rank calls step() equally often."""
-    agree_on_settings(engine, comm)
+def lockstep_stream(engine: LLMEngine) -> Iterator[RequestOutput]:
+    """A leader's stream: step until no DP group has work; every leader calls step() equally often.
+
+    The busy check runs over the leaders comm (runtime/tp_group.py; armed by the watchdog) and only with
+    several DP groups; the ranks agreed on their settings when the engine was created (create_engine).
+    """
+    role = engine.rank_role
+    leaders = role if role is not None and role.mapping.dp_size > 1 else None
     while True:
         busy = engine.has_unfinished()
-        if comm is None or comm.Get_size() == 1:
-            if not busy:
-                return
-        elif not comm.allreduce(int(busy)):
+        if not (leaders.leaders_allreduce(int(busy)) if leaders is not None else busy):
             return
         yield from engine.step()
 
