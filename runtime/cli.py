@@ -117,7 +117,7 @@ def run(args, rank: int = 0, world: int = 1) -> int:
     role = engine.rank_role
     if role is not None and not role.is_leader:  # a TP follower: replays the leader's calls, prints nothing
         return run_follower(role, PROG, args.debug)
-    dp_rank, dp_size = (role.mapping.dp_rank, role.mapping.dp_size) if role is not None else (0, 1)
+    dp_rank, dp_size = (role.mapping.dp_rank, role.mapping.dp) if role is not None else (0, 1)
     mine = list(range(dp_rank, len(prompts), dp_size))
     ids, errors = {}, {}
     for i in mine:

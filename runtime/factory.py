@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from plugins.engine_format import EngineConfig, KVLayout, Limits, load_engine_config
+from plugins.engine_format.config import Parallel
 from runtime.config import ConfigError, RuntimeConfig
 from runtime.engine import LLMEngine
 from runtime.executors.base import Executor
@@ -72,7 +73,7 @@ def create_engine(
         if ecfg.world_size != world_size:
             raise ConfigError(f"engine {engine_dir} was built for world_size={ecfg.world_size} but "
                               f"{world_size} rank(s) were launched: use mpirun -np {ecfg.world_size}")  # fmt: skip
-        tp_size, ep_size = ecfg.parallel.tp_size, ecfg.parallel.ep_size
+        parallel = ecfg.parallel
         cfg = replace(engine_defaults(ecfg), **overrides)
         check_within_engine(cfg, ecfg.limits, ecfg.kv, ecfg.num_draft_tokens)
         model_cfg, tokenizer = ecfg.model, load_tokenizer(Path(engine_dir))
@@ -87,7 +88,7 @@ def create_engine(
             ex = TrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)
         else:
             checkpoint = checkpoint or ecfg.checkpoint["path"]
-            ex, model_cfg = _torch_executor(checkpoint, cfg, rank, ecfg.parallel.ep_size, device, cuda_graphs)
+            ex, model_cfg = _torch_executor(checkpoint, cfg, rank, parallel.ep_size, device, cuda_graphs)
     else:
         if checkpoint is None:
             raise ConfigError("give --engine DIR (built by mtp-build) or --checkpoint DIR (torch executor)")
@@ -96,15 +97,18 @@ def create_engine(
                               "or use --executor torch with --checkpoint")  # fmt: skip
         cfg = RuntimeConfig(**overrides)
         ep_size = world_size if ep_size is None else ep_size
-        if ep_size not in (1, world_size):  # replicated weights: the MoE all-to-all group is every rank
-            raise ConfigError(f"ep_size={ep_size} with --checkpoint: use 1 or the world size {world_size}")
+        # unsharded weights: the MoE all-to-all group is every rank, so experts split over all ranks or none
+        if ep_size not in ((1, world_size) if tp_size == 1 else (world_size,)):
+            raise ConfigError(f"ep_size={ep_size} with --checkpoint and tp_size={tp_size}: use "
+                              f"{'1 or ' if tp_size == 1 else ''}the world size {world_size}")  # fmt: skip
+        parallel = Parallel(world_size, ep_size, tp_size)
         ex, model_cfg = _torch_executor(checkpoint, cfg, rank if ep_size > 1 else 0, ep_size, device, cuda_graphs)
         tokenizer = load_tokenizer(Path(checkpoint))
     if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:
         cfg = replace(cfg, num_draft_tokens=0)  # the checkpoint has no MTP module: plain decoding
     engine = LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1, seed=seed)
     if world_size > 1:  # collective: every rank agrees on the settings here (RanksDisagree on every rank)
-        join(engine, tp_size, ep_size, collective_timeout, prog or Path(sys.argv[0]).stem or "mtp")
+        join(engine, parallel, collective_timeout, prog or Path(sys.argv[0]).stem or "mtp")
     if engine.draft_length is not None and (executor == "onnxruntime" or (executor == "torch" and device == "cpu")):
         engine.draft_clock = time.process_time  # CPU executors: auto's costs in CPU work, immune to other jobs
     return engine

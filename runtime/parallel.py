@@ -69,7 +69,7 @@ def lockstep_stream(engine: LLMEngine) -> Iterator[RequestOutput]:
     several DP groups; the ranks agreed on their settings when the engine was created (create_engine).
     """
     role = engine.rank_role
-    leaders = role if role is not None and role.mapping.dp_size > 1 else None
+    leaders = role if role is not None and role.mapping.dp > 1 else None
     while True:
         busy = engine.has_unfinished()
         if not (leaders.leaders_allreduce(int(busy)) if leaders is not None else busy):

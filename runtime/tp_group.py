@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from plugins.engine_format.config import Parallel
+from plugins.engine_format.mapping import RankMapping, rank_mapping
 from runtime.config import ConfigError
 from runtime.parallel import agree_on_settings, exit_failed_rank, mpi_world
 from runtime.watchdog import Watchdog
@@ -33,43 +35,12 @@ CALL_NAMES = {"run_main": "main forward", "run_draft": "draft forward", "run_com
               "copy_blocks": "block copy"}  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Mapping:
-    """This rank's place in the job (pure; tp_contract: rank = dp_rank * tp_size + tp_rank)."""
-
-    rank: int
-    world_size: int
-    tp_size: int
-    ep_size: int
-
-    def __post_init__(self) -> None:
-        if self.tp_size < 1 or self.world_size % self.tp_size:
-            raise ConfigError(f"tp_size={self.tp_size} does not divide the world size {self.world_size}; "
-                              f"launch a multiple of {self.tp_size} ranks")  # fmt: skip
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size // self.tp_size
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp_size
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.tp_size
-
-    @property
-    def is_leader(self) -> bool:
-        return self.tp_rank == 0
-
-
 @dataclass
 class RankRole:
     """One rank's part in a multi-rank job: its mapping, comms, watchdog, and the raw executor it runs."""
 
-    mapping: Mapping
-    tp_comm: Any  # ranks of my TP group (None when tp_size == 1)
+    mapping: RankMapping
+    tp_comm: Any  # the command stream's comm: a Dup of my TP group's (None when tp_size == 1)
     leaders_comm: Any  # my column comm: for a leader, the DP lockstep group of all leaders
     dog: Watchdog
     executor: Any  # the unwrapped executor (followers replay on it)
@@ -158,15 +129,7 @@ class LeaderExecutor:
         return self._call("copy_blocks", pairs)
 
 
-def split_comms(comm, m: Mapping) -> tuple[Any, Any]:
-    """(TP comm, column comm) per the contract; both Splits are collective over COMM_WORLD (every rank, same
-    order). The column comm of tp_rank 0 is the leaders comm."""
-    tp = comm.Split(color=m.dp_rank, key=m.tp_rank)
-    column = comm.Split(color=m.tp_rank, key=m.dp_rank)
-    return (tp if m.tp_size > 1 else None), column
-
-
-def join(engine, tp_size: int, ep_size: int, collective_timeout: float, prog: str) -> RankRole | None:
+def join(engine, parallel: Parallel, collective_timeout: float, prog: str) -> RankRole | None:
     """Wire a freshly created engine into the job (every rank calls this once, at start-up); None: one rank.
 
     Agrees on the settings over COMM_WORLD first (RanksDisagree on every rank), then: the leader's executor
@@ -176,15 +139,22 @@ def join(engine, tp_size: int, ep_size: int, collective_timeout: float, prog: st
     comm, rank, world = mpi_world()
     if comm is None or world == 1:
         return None
-    m = Mapping(rank, world, tp_size, ep_size)
-    tp_comm, column = split_comms(comm, m)
-    parallel = {"parallel.world_size": world, "parallel.tp_size": tp_size, "parallel.ep_size": ep_size,
-                "watchdog.collective_timeout": collective_timeout}  # fmt: skip
-    agree_on_settings(engine, comm, parallel)
-    role = RankRole(m, tp_comm, column, Watchdog(collective_timeout, rank, prog), engine.executor)
+    from plugins.collectives import groups  # lazy: imports torch
+
+    m = rank_mapping(rank, parallel, engine.model_cfg.n_routed_experts)
+    if m.world != world:
+        raise ConfigError(f"the mapping is for world_size={m.world} but {world} rank(s) were launched: "
+                          f"use mpirun -np {m.world}")  # fmt: skip
+    tp, column = groups(m.tp)  # collective (Split), shared with the collective plugin ops
+    # Commands travel on their own copy of the TP comm, so they never interleave with the forwards' collectives.
+    commands = tp.Dup() if m.tp > 1 else None
+    launch = {"parallel.world_size": m.world, "parallel.tp_size": m.tp, "parallel.ep_size": m.ep,
+              "watchdog.collective_timeout": collective_timeout}  # fmt: skip
+    agree_on_settings(engine, comm, launch)
+    role = RankRole(m, commands, column, Watchdog(collective_timeout, rank, prog), engine.executor)
     engine.rank_role = role
-    engine.lockstep = m.dp_size > 1  # with one DP group the followers replay whatever the leader runs
-    if engine.draft_length is not None and m.dp_size > 1:
+    engine.lockstep = m.dp > 1  # with one DP group the followers replay whatever the leader runs
+    if engine.draft_length is not None and m.dp > 1:
         engine.lockstep_gather = role.dog.guarded(column.allgather, "draft-length agreement (allgather over the DP leaders)")
     if m.is_leader:
         engine.executor = LeaderExecutor(role)

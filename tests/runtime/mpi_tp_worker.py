@@ -6,11 +6,14 @@ Each DP leader serves its share of PROMPTS (chunked prefill, a shared prefix for
 arriving mid-run so batches mix prefill and decode); followers replay. For each K in KS (comma-separated) a
 fresh engine runs; rank 0 writes {"K": {"outputs": ..., "calls": [per-rank executor calls]}} to OUT.
 MODE "ok": as above. MODE "kill": every rank writes its pid to OUT.pid<rank>, the leaders serve forever.
+MODE "idle": the leader idles (no step in progress) for 2.5 x the collective timeout after its second step:
+the followers' wait for the next step is not armed, so the run must still succeed.
 """
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from runtime.factory import create_engine
@@ -47,14 +50,23 @@ def run_one(source: Path, k: int, tp: int, ep: int, timeout: float, mode: str, c
         m = role.mapping
         first, late = prompts()
         params = SamplingParams(max_tokens=12)
-        mine = [i for i in range(len(first)) if i % m.dp_size == m.dp_rank]
-        late_mine = [i for i in range(len(late)) if i % m.dp_size == m.dp_rank]
+        mine = [i for i in range(len(first)) if i % m.dp == m.dp_rank]
+        late_mine = [i for i in range(len(late)) if i % m.dp == m.dp_rank]
         for i in mine:
             engine.add_request(first[i], params, req_id=f"a{i}")
         if not mine:
             for i in late_mine:
                 engine.add_request(late[i], params, req_id=f"b{i}")
         outputs, added, n = {}, not mine, 0
+        if mode == "idle":
+            step = engine.step
+
+            def idling_step():
+                if role.dog.step == 2:
+                    time.sleep(2.5 * timeout)
+                return step()
+
+            engine.step = idling_step
         for out in lockstep_stream(engine):
             if out.finished:
                 outputs[out.req_id] = out.output_ids
