@@ -26,7 +26,7 @@ from pathlib import Path
 from runtime.admission import RequestError, validate_params
 from runtime.config import ConfigError
 from runtime.factory import EXECUTORS, create_engine
-from runtime.parallel import RanksDisagree, describe, exit_failed_rank, lockstep_stream, mpi_world
+from runtime.parallel import EveryRankError, describe, exit_failed_rank, lockstep_stream, mpi_world
 from runtime.sampling import SamplingParams
 from runtime.tp_group import run_follower
 from runtime.watchdog import DEFAULT_TIMEOUT_S, check_timeout
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     _, rank, world = mpi_world()
     try:
         return run(args, rank, world)
-    except RanksDisagree as e:  # raised on every rank alike: all exit 2, rank 0 says why
+    except EveryRankError as e:  # raised on every rank alike: all exit 2, rank 0 says why
         if rank == 0:
             print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

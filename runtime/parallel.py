@@ -32,8 +32,12 @@ T = TypeVar("T")
 LAUNCHER_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE")
 
 
-class RanksDisagree(ConfigError):
-    """Raised on EVERY rank with the same message, so all ranks exit together without an abort."""
+class EveryRankError(ConfigError):
+    """Raised on EVERY rank with the same message, so all ranks exit together without an abort (rank 0 prints)."""
+
+
+class RanksDisagree(EveryRankError):
+    """The start-up settings agreement failed (runtime/fingerprint.py names the first difference)."""
 
 
 def launched_by_mpi() -> bool:
