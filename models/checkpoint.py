@@ -26,6 +26,9 @@ from safetensors.torch import save_file
 from models.config import ConfigError, ModelConfig
 from models.glm4_moe import Glm4MoeMTPModel
 from models.safetensors_header import SafetensorsHeaderError, check_safetensors_header
+from models.sharding import shard_slice
+from plugins.engine_format.config import Parallel
+from plugins.engine_format.mapping import RankMapping, rank_mapping
 
 log = logging.getLogger(__name__)
 
@@ -253,23 +256,30 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], path: str 
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, ep_rank: int = 0, ep_size: int = 1
+    path: str | Path, dtype: torch.dtype = torch.float32, ep_rank: int = 0, ep_size: int = 1,
+    mapping: RankMapping | None = None,
 ) -> tuple[Glm4MoeMTPModel, Checkpoint]:
-    """Build the model from a checkpoint directory (experts sliced to this EP rank's share)."""
+    """Build the model from a checkpoint directory, sliced to this rank's shards (models/sharding.py).
+
+    `mapping` (plugins/engine_format/mapping.py) gives the rank's TP/EP slices; without it, (ep_rank, ep_size)
+    is the TP1 expert-parallel mapping of today.
+    """
     ckpt = read_checkpoint(path)
     cfg, weights = to_canonical(ckpt)
-    if cfg.has_moe and cfg.n_routed_experts % ep_size:
+    if cfg.has_moe and cfg.n_routed_experts % (mapping.ep if mapping else ep_size):
         raise CheckpointError(f"n_routed_experts={cfg.n_routed_experts} does not split over ep_size={ep_size}")
     check_weights(cfg, weights, path)
+    if mapping is None:
+        mapping = rank_mapping(ep_rank, Parallel(ep_size, ep_size, 1), cfg.n_routed_experts if cfg.has_moe else 0)
     with torch.device("meta"):
-        model = Glm4MoeMTPModel(cfg, ep_size=ep_size)
+        model = Glm4MoeMTPModel(cfg, mapping=mapping)
     expected = dict(model.state_dict())
     loaded = {}
     for name, param in expected.items():
         w = weights[name]
-        if ep_size > 1 and (name.endswith("mlp.w_gate_up") or name.endswith("mlp.w_down")):
-            n = w.shape[0] // ep_size
-            w = w[ep_rank * n : (ep_rank + 1) * n]
+        shard = shard_slice(name, tuple(w.shape), cfg, mapping)
+        if shard is not None:
+            w = w[shard].contiguous()
         if tuple(w.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"tensor {name}: expected shape {tuple(param.shape)} from config.json, found {tuple(w.shape)}"

@@ -3,6 +3,10 @@
 Owns the sigmoid + correction-bias router with group-limited top-k, the routed experts (one plugin op,
 `mtp::moe_experts`, which also does the expert-parallel exchange) plus shared experts, and the inference-only
 weight fusion used by models/glm4_moe.py (one [gate; up] GEMM, one QKV GEMM, [in, out] storage).
+
+Tensor parallelism (models/sharding.py decides the slices): the dense MLP and shared experts hold inter/TP
+columns of gate/up and the matching rows of down; each block's partial output is summed by ONE
+`mtp::all_reduce` (the MoE's covers routed + shared experts).
 """
 
 from __future__ import annotations
@@ -11,13 +15,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import plugins.collectives  # noqa: F401  (torch.ops.mtp.all_reduce)
 from models.config import ModelConfig
+from plugins.engine_format.mapping import RankMapping
 from plugins.ops import moe_experts_local
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
+    """SwiGLU MLP. tp_size > 1: this rank's inter/tp_size slice; `reduce` = all-reduce the partial output
+    here (False for shared experts: the MoE reduces routed + shared once)."""
+
+    def __init__(self, hidden: int, inter: int, tp_size: int = 1, reduce: bool = True) -> None:
         super().__init__()
+        self.tp_size, self.reduce = tp_size, reduce and tp_size > 1
+        inter //= tp_size
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
@@ -29,9 +40,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or torch.is_grad_enabled():
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return torch.ops.mtp.all_reduce(out, self.tp_size) if self.reduce else out
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -95,28 +108,35 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Routed experts (fused canonical layout, one plugin op) + shared experts.
 
-    With expert parallelism (ep_size > 1) this rank holds E/ep_size experts and the plugin op exchanges
-    tokens with the other ranks; the router and shared experts are replicated.
+    With expert parallelism this rank holds the experts of its mapping (plugins/engine_format/mapping.py) and
+    the plugin op exchanges tokens with the other ranks; the router is replicated. With tensor parallelism the
+    op returns this rank's partial routed sum, the shared experts are column/row-parallel, and one all-reduce
+    sums both.
     """
 
-    def __init__(self, cfg: ModelConfig, ep_size: int = 1) -> None:
+    def __init__(self, cfg: ModelConfig, ep_size: int = 1, mapping: RankMapping | None = None) -> None:
         super().__init__()
-        self.num_experts, self.ep_size = cfg.n_routed_experts, ep_size
-        num_local = cfg.n_routed_experts // ep_size
+        self.num_experts = cfg.n_routed_experts
+        self.ep_size = mapping.ep if mapping else ep_size
+        self.tp_size, self.tp_rank = (mapping.tp, mapping.tp_rank) if mapping else (1, 0)
+        num_local = cfg.n_routed_experts // self.ep_size
         inter = cfg.moe_intermediate_size
         self.gate = Router(cfg)
         self.w_gate_up = nn.Parameter(torch.zeros(num_local, 2 * inter, cfg.hidden_size))  # gate rows, then up rows
         self.w_down = nn.Parameter(torch.zeros(num_local, cfg.hidden_size, inter))
-        self.shared_experts = MLP(cfg.hidden_size, inter * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        shared = inter * cfg.n_shared_experts
+        self.shared_experts = MLP(cfg.hidden_size, shared, self.tp_size, reduce=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
-        out = torch.ops.mtp.moe_experts(
-            x, topk_ids, topk_weights.to(x.dtype), self.w_gate_up, self.w_down, self.num_experts, self.ep_size
-        )
+        args = (x, topk_ids, topk_weights.to(x.dtype), self.w_gate_up, self.w_down, self.num_experts, self.ep_size)
+        if self.tp_size == 1:  # the TP1 graph keeps the node it always had
+            out = torch.ops.mtp.moe_experts(*args)
+        else:
+            out = torch.ops.mtp.moe_experts(*args, self.tp_size, self.tp_rank)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return torch.ops.mtp.all_reduce(out, self.tp_size) if self.tp_size > 1 else out
 
     def forward_train(self, x: torch.Tensor) -> torch.Tensor:
         """Autograd-able path (plain torch grouped experts); x [..., H]."""

@@ -15,6 +15,11 @@ Hidden-state convention (pinned by tests/models/test_hf_parity.py, written up in
 the MTP module takes the main model's POST-final-norm hidden, and its output hidden after
 `shared_head.norm` is both what the shared head projects and what the next depth chains.
 
+Tensor parallelism (docs/ARCHITECTURE.md §8): every module takes the rank's `RankMapping`; shapes are local
+(models/sharding.py decides the slices), and the partial sums are all-reduced once per block output
+(attention output; MLP/MoE output), the vocab-parallel embedding once per lookup, the lm_head's logits
+all-gathered along vocab. tp_size 1 emits no collective at all.
+
 Shape names: T packed rows, R requests, H hidden, Hq/Hkv heads, D head dim, E experts, K top-k.
 """
 
@@ -27,8 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import plugins.collectives  # noqa: F401  (torch.ops.mtp.all_reduce / all_gather)
 from models.config import ModelConfig
 from models.feed_forward import MLP, MoE, fuse_linears, store_in_out
+from models.sharding import head_split
+from plugins.engine_format.config import Parallel
+from plugins.engine_format.mapping import RankMapping, rank_mapping
 from plugins.kv_pool import KVPoolGeometry
 from plugins.rope import RopeTable, apply_rope, rope_table
 
@@ -97,11 +106,21 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def default_mapping(cfg: ModelConfig, ep_size: int = 1, mapping: RankMapping | None = None) -> RankMapping:
+    """`mapping`, or (callers that give only ep_size) a TP1 mapping whose local shapes are rank 0's."""
+    return mapping or rank_mapping(0, Parallel(ep_size, ep_size, 1), cfg.n_routed_experts if cfg.has_moe else 0)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, plane: int) -> None:
+    """GQA attention; with TP this rank's q heads and the KV heads they use (models/sharding.py `head_split`)."""
+
+    def __init__(self, cfg: ModelConfig, plane: int, mapping: RankMapping | None = None) -> None:
         super().__init__()
         self.plane = plane  # which KV plane of the pool this layer owns
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        m = default_mapping(cfg, mapping=mapping)
+        heads = head_split(cfg, m)
+        self.tp_size = m.tp
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.q_heads, heads.kv_heads, cfg.head_dim
         self.rope_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
         self.scale = self.head_dim**-0.5
         bias = cfg.attention_bias
@@ -139,7 +158,8 @@ class Attention(nn.Module):
         q, k, v = self._project_qkv_fast(x, meta)
         written = kv.write(self.plane, k, v, meta.q_counts, meta.write_starts, meta.block_tables)
         out = kv.attend(self.plane, q, meta.q_counts, meta.kv_lens, meta.block_tables, written, self.scale)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return torch.ops.mtp.all_reduce(out, self.tp_size) if self.tp_size > 1 else out
 
     def _project_qkv_fast(self, x: torch.Tensor, meta: StepMeta):
         """project_qkv with the fused projection (after fuse()) and the forward's shared RoPE table."""
@@ -176,12 +196,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, plane: int, is_moe: bool, ep_size: int = 1) -> None:
+    def __init__(self, cfg: ModelConfig, plane: int, is_moe: bool, ep_size: int = 1,
+                 mapping: RankMapping | None = None) -> None:  # fmt: skip
         super().__init__()
+        m = default_mapping(cfg, ep_size, mapping)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, plane)
+        self.self_attn = Attention(cfg, plane, m)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = MoE(cfg, ep_size) if is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = MoE(cfg, mapping=m) if is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, m.tp)
 
     def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), meta, kv)
@@ -197,12 +219,12 @@ class MTPModule(nn.Module):
     """One MTP module: input = cat([enorm(emb(t_{p+1})), hnorm(h_p)]) (embedding first), a decoder block,
     then `final_norm` (checkpoint name `shared_head.norm`). The head/embedding are the main model's."""
 
-    def __init__(self, cfg: ModelConfig, plane: int, ep_size: int = 1) -> None:
+    def __init__(self, cfg: ModelConfig, plane: int, ep_size: int = 1, mapping: RankMapping | None = None) -> None:
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.block = DecoderLayer(cfg, plane, is_moe=cfg.has_moe, ep_size=ep_size)
+        self.block = DecoderLayer(cfg, plane, is_moe=cfg.has_moe, mapping=default_mapping(cfg, ep_size, mapping))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def fuse(self, token_emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -212,17 +234,20 @@ class MTPModule(nn.Module):
 class Glm4MoeMTPModel(nn.Module):
     """Main decoder + lm_head + MTP modules. Planes: main layer i -> i, MTP module j -> num_hidden_layers + j."""
 
-    def __init__(self, cfg: ModelConfig, ep_size: int = 1) -> None:
+    def __init__(self, cfg: ModelConfig, ep_size: int = 1, mapping: RankMapping | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.mapping = m = default_mapping(cfg, ep_size, mapping)
+        vocab = cfg.vocab_size // m.tp  # vocab-parallel: this rank's rows [vocab_lo, vocab_lo + vocab)
+        self.vocab_lo = m.tp_rank * vocab
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            [DecoderLayer(cfg, i, cfg.is_moe_layer(i), ep_size) for i in range(cfg.num_hidden_layers)]
+            [DecoderLayer(cfg, i, cfg.is_moe_layer(i), mapping=m) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.mtp = nn.ModuleList(
-            [MTPModule(cfg, cfg.num_hidden_layers + j, ep_size) for j in range(cfg.num_mtp_modules)]
+            [MTPModule(cfg, cfg.num_hidden_layers + j, mapping=m) for j in range(cfg.num_mtp_modules)]
         )
 
     @property
@@ -245,13 +270,26 @@ class Glm4MoeMTPModel(nn.Module):
 
     def forward_main(self, input_ids: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         """input_ids [T] -> post-final-norm hidden [T, H]. Appends K/V of every row to each layer's plane."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, meta, kv)  # DecoderLayer
         return self.norm(x)
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [N, H]; with TP each rank looks up its vocab rows (others 0), then one all-reduce."""
+        tp = self.mapping.tp
+        if tp == 1:
+            return self.embed_tokens(token_ids)
+        local = token_ids - self.vocab_lo
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        rows = self.embed_tokens(torch.where(mine, local, torch.zeros_like(local)))
+        return torch.ops.mtp.all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype), tp)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """fp32 logits [N, V]; with TP every rank computes its vocab slice and all ranks gather the full row."""
+        logits = self.lm_head(hidden).float()
+        tp = self.mapping.tp
+        return torch.ops.mtp.all_gather(logits, tp) if tp > 1 else logits
 
     def forward_draft(
         self,
@@ -266,7 +304,7 @@ class Glm4MoeMTPModel(nn.Module):
         """One draft depth -> (chained hidden [R, H] after shared_head.norm, logits [R, V])."""
         module = cast(MTPModule, self.mtp[mtp_index])
         meta = StepMeta(positions.long(), counts, (positions.to(counts.dtype) + 1) * counts, block_tables)
-        x = module.fuse(self.embed_tokens(token_ids), hidden)
+        x = module.fuse(self.embed(token_ids), hidden)
         out = module.final_norm(module.block(x, meta, kv))
         return out, self.compute_logits(out)
 
@@ -286,7 +324,7 @@ class Glm4MoeMTPModel(nn.Module):
         the rest of the MTP block is not needed for these rows. Returns rows written (int64 [1]).
         """
         module = cast(MTPModule, self.mtp[mtp_index])
-        x = module.block.input_layernorm(module.fuse(self.embed_tokens(token_ids), hidden))
+        x = module.block.input_layernorm(module.fuse(self.embed(token_ids), hidden))
         return module.block.self_attn.write_kv_only(x, counts, starts, block_tables, kv)
 
     def forward_train(self, input_ids: torch.Tensor, mtp_index: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -296,6 +334,8 @@ class Glm4MoeMTPModel(nn.Module):
         MTP logits [B, S-1, V] (row p pairs h_p with t_{p+1} and predicts t_{p+2}): the DeepSeek-V3
         MTP objective at depth 1.
         """
+        if self.mapping.tp > 1:
+            raise ValueError("forward_train runs on one rank: build the model with tp_size 1 for training")
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = cast(DecoderLayer, layer).forward_train(x)

@@ -1,14 +1,20 @@
 """Expert-parallel routed experts over MPI: the token exchange behind `mtp::moe_experts` with ep_size > 1.
 
-The ep group is MPI.COMM_WORLD (all ranks); rank r holds global experts [r*E/ep, (r+1)*E/ep). Each
-(token, slot) pair travels to the rank owning its expert (Alltoall of counts, then Alltoallv of the rows
-and expert ids), is computed there by `plugins.ops.moe_experts_local`, comes back by the reverse
-Alltoallv, and is weighted and summed at its origin.
+Without tensor parallelism the ep group is MPI.COMM_WORLD (all ranks); rank r holds global experts
+[r*E/ep, (r+1)*E/ep). Each (token, slot) pair travels to the rank owning its expert (Alltoall of counts, then
+Alltoallv of the rows and expert ids), is computed there by `plugins.ops.moe_experts_local`, comes back by the
+reverse Alltoallv, and is weighted and summed at its origin.
 
-Every rank must call this the same number of times per step, including a rank with 0 tokens (it sends
-nothing but still joins both collectives); otherwise the group deadlocks (docs/ARCHITECTURE.md §5, invariant 9).
-Rows travel as fp32 whatever the activation dtype (MPI has no bf16 type, and the reference accumulates in
-fp32); this is the CPU transport, a GPU build would use NCCL instead.
+With tensor parallelism (`moe_experts_tp`, the contract of docs/ARCHITECTURE.md §8) the column of tp_rank t owns
+experts [t*E/TP, (t+1)*E/TP): EP == TP holds them all on the one rank (no exchange); EP == W splits them over the
+column comm (one rank per DP group) and runs the same exchange there. Pairs whose expert belongs to another
+column contribute 0 here; the model's one TP all-reduce per block sums the columns.
+
+Every rank of a group must call this the same number of times per step, including a rank with 0 tokens (it
+sends nothing but still joins both collectives); otherwise the group deadlocks (docs/ARCHITECTURE.md §5,
+invariant 9). Rows travel as fp32 whatever the activation dtype (MPI has no bf16 type, and the reference
+accumulates in fp32); this is the CPU transport, a GPU build would use NCCL instead. The exchange's wall time
+counts in `plugins.collectives.collective_seconds()`.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from plugins.collectives import groups, timed
 from plugins.ops import moe_experts_local
 
 
@@ -37,7 +44,8 @@ def _alltoallv(comm, send: np.ndarray, send_rows: np.ndarray, recv_rows: np.ndar
         counts = rows * width
         return counts.tolist(), (np.cumsum(counts) - counts).tolist()
 
-    comm.Alltoallv([send, layout(send_rows), mpi_type], [recv, layout(recv_rows), mpi_type])
+    with timed():
+        comm.Alltoallv([send, layout(send_rows), mpi_type], [recv, layout(recv_rows), mpi_type])
     return recv.reshape(-1, width) if width > 1 else recv
 
 
@@ -52,27 +60,73 @@ def moe_experts_ep(
 ) -> torch.Tensor:
     """Routed-expert output [T, H] in x's dtype, equal to moe_experts_ref with all experts held locally."""
     comm = _comm()
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size != ep_size:
-        raise ValueError(f"ep_size {ep_size} != MPI world size {size}: the ep group is all ranks")
+    if comm.Get_size() != ep_size:
+        raise ValueError(f"ep_size {ep_size} != MPI world size {comm.Get_size()}: the ep group is all ranks")
     if num_experts % ep_size:
         raise ValueError(f"{num_experts} experts do not split over ep_size {ep_size}")
-    per_rank = num_experts // ep_size
+    return exchange_experts(x, topk_ids, topk_weights, w_gate_up_local, w_down_local, num_experts, comm, 0,
+                            num_experts)  # fmt: skip
+
+
+def moe_experts_tp(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up_local: torch.Tensor,  # [E/ep, 2*I, H]
+    w_down_local: torch.Tensor,
+    num_experts: int,
+    ep_size: int,
+    tp_size: int,
+    tp_rank: int,
+) -> torch.Tensor:
+    """This TP rank's partial routed output [T, H]: the pairs of its column's experts, others 0."""
+    if num_experts % ep_size or ep_size % tp_size:
+        raise ValueError(f"{num_experts} experts, ep_size {ep_size}, tp_size {tp_size}: ep must split E and be a "
+                         "multiple of tp")  # fmt: skip
+    lo = tp_rank * (num_experts // tp_size)
+    hi = lo + num_experts // tp_size
+    if ep_size == tp_size:  # the whole column is here: no exchange (moe_experts_local skips other ranks' experts)
+        return moe_experts_local(x, topk_ids, topk_weights, w_gate_up_local, w_down_local, expert_offset=lo)
+    column = groups(tp_size)[1]
+    if column.Get_size() != ep_size // tp_size:
+        raise ValueError(f"column comm has {column.Get_size()} ranks, ep_size/tp_size = {ep_size // tp_size}")
+    return exchange_experts(x, topk_ids, topk_weights, w_gate_up_local, w_down_local, num_experts, column, lo, hi)
+
+
+def exchange_experts(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, K] global expert ids
+    topk_weights: torch.Tensor,  # [T, K]
+    w_gate_up_local: torch.Tensor,  # [(hi-lo)/size, 2*I, H]: this rank's experts
+    w_down_local: torch.Tensor,  # [(hi-lo)/size, H, I]
+    num_experts: int,
+    comm,
+    lo: int,
+    hi: int,
+) -> torch.Tensor:
+    """Experts [lo, hi) split evenly over `comm` (member i holds lo + [i*n, (i+1)*n)); pairs routed to experts
+    outside [lo, hi) are not sent and contribute 0. Returns [T, H] in x's dtype."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    per_rank = (hi - lo) // size
     if w_gate_up_local.shape[0] != per_rank or w_down_local.shape[0] != per_rank:
         raise ValueError(f"rank {rank} must hold {per_rank} experts, got {w_gate_up_local.shape[0]}")
     hidden = x.shape[1]
     num_slots = topk_ids.shape[1]
 
-    # Dispatch: one entry per (token, slot), grouped by destination rank.
+    # Dispatch: one entry per (token, slot) of an expert in [lo, hi), grouped by destination rank.
     ids = topk_ids.reshape(-1).long().cpu()
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
         raise ValueError(f"expert ids must lie in 0..{num_experts - 1}")
-    dest = ids // per_rank
-    order = torch.argsort(dest, stable=True)
+    pairs = torch.arange(ids.numel())
+    if lo > 0 or hi < num_experts:
+        pairs = pairs[(ids >= lo) & (ids < hi)]
+    dest = (ids[pairs] - lo) // per_rank
+    order = pairs[torch.argsort(dest, stable=True)]
     token_of_pair = order // num_slots
     send_rows = np.bincount(dest.numpy(), minlength=size).astype(np.int64)
     recv_rows = np.empty(size, dtype=np.int64)
-    comm.Alltoall(send_rows, recv_rows)
+    with timed():
+        comm.Alltoall(send_rows, recv_rows)
 
     rows = x.detach().cpu().float()[token_of_pair].numpy()
     recv_x = _alltoallv(comm, rows, send_rows, recv_rows, hidden)
@@ -86,7 +140,7 @@ def moe_experts_ep(
         torch.ones(n_recv, 1),
         w_gate_up_local.cpu(),
         w_down_local.cpu(),
-        expert_offset=rank * per_rank,
+        expert_offset=lo + rank * per_rank,
     )
 
     # Return: the reverse exchange brings each pair's result back in the order it was sent.

@@ -156,8 +156,16 @@ def moe_experts(
     w_down: torch.Tensor,
     num_experts: int,
     ep_size: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> torch.Tensor:
-    """Routed experts. ep_size > 1: this rank holds experts [rank*E/ep, (rank+1)*E/ep) and exchanges tokens."""
+    """Routed experts. tp_size 1, ep_size > 1: this rank holds experts [rank*E/ep, (rank+1)*E/ep) and exchanges
+    tokens. tp_size > 1: the output is this TP rank's partial sum (the model's TP all-reduce adds the columns);
+    see plugins/moe_ep.py `moe_experts_tp`."""
+    if tp_size > 1:
+        from plugins.moe_ep import moe_experts_tp
+
+        return moe_experts_tp(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts, ep_size, tp_size, tp_rank)
     if ep_size > 1:
         from plugins.moe_ep import moe_experts_ep
 
@@ -166,7 +174,7 @@ def moe_experts(
 
 
 @moe_experts.register_fake
-def _(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts, ep_size):
+def _(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts, ep_size, tp_size=1, tp_rank=0):
     return torch.empty_like(x)
 
 
