@@ -141,7 +141,8 @@ def join(engine, parallel: Parallel, collective_timeout: float, prog: str) -> Ra
         return None
     from plugins.collectives import groups  # lazy: imports torch
 
-    m = rank_mapping(rank, parallel, engine.model_cfg.n_routed_experts)
+    mc = engine.model_cfg
+    m = rank_mapping(rank, parallel, mc.n_routed_experts if mc.has_moe else 0)
     if m.world != world:
         raise ConfigError(f"the mapping is for world_size={m.world} but {world} rank(s) were launched: "
                           f"use mpirun -np {m.world}")  # fmt: skip

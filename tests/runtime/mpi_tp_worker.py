@@ -4,7 +4,8 @@ SOURCE: a checkpoint directory (torch executor, weights replicated over the TP g
 engine directory built with --tp-size (onnxruntime; its config gives TP and EP, the TP/EP arguments must match).
 Each DP leader serves its share of PROMPTS (chunked prefill, a shared prefix for prefix hits, requests
 arriving mid-run so batches mix prefill and decode); followers replay. For each K in KS (comma-separated) a
-fresh engine runs; rank 0 writes {"K": {"outputs": ..., "calls": [per-rank executor calls]}} to OUT.
+fresh engine runs; rank 0 writes {"K": {"outputs": ..., "calls": [per-rank executor calls], "heads": [per-rank q heads],
+"collective_seconds": [...]}} to OUT.
 MODE "ok": as above. MODE "kill": every rank writes its pid to OUT.pid<rank>, the leaders serve forever.
 MODE "idle": the leader idles (no step in progress) for 2.5 x the collective timeout after its second step:
 the followers' wait for the next step is not armed, so the run must still succeed.
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from plugins.collectives import collective_seconds
 from runtime.factory import create_engine
 from runtime.parallel import RanksDisagree, abort_on_error, lockstep_stream, mpi_world
 from runtime.sampling import SamplingParams
@@ -78,10 +80,13 @@ def run_one(source: Path, k: int, tp: int, ep: int, timeout: float, mode: str, c
                     n += 1
                     engine.add_request(first[n % len(first)], params, req_id=f"k{n}")
         role.stop()
-    gathered = comm.gather((outputs, role.num_calls), root=0)
+    attn = getattr(role.executor, "model", None)
+    heads = attn.layers[0].self_attn.num_heads if attn is not None else None  # torch executor: this rank's q heads
+    gathered = comm.gather((outputs, role.num_calls, heads, collective_seconds()), root=0)
     if rank != 0:
         return None
-    return {"outputs": {key: v for g in gathered for key, v in g[0].items()}, "calls": [g[1] for g in gathered]}
+    return {"outputs": {key: v for g in gathered for key, v in g[0].items()}, "calls": [g[1] for g in gathered],
+            "heads": [g[2] for g in gathered], "collective_seconds": [g[3] for g in gathered]}
 
 
 def main() -> None:

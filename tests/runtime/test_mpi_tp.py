@@ -55,7 +55,8 @@ def reference(checkpoint):
     return {i: o.output_ids for i, o in zip(ids, outs, strict=True)}
 
 
-@pytest.mark.parametrize("np_,tp,ep", [(2, 2, 2), (4, 2, 4), (4, 1, 4)], ids=["TP2-EP2", "DP2xTP2-EP4", "EP4"])
+@pytest.mark.parametrize("np_,tp,ep", [(2, 2, 2), (4, 2, 4), (4, 2, 2), (4, 1, 4)],
+                         ids=["TP2-EP2", "DP2xTP2-EP4", "DP2xTP2-EP2", "EP4"])  # fmt: skip
 def test_tp_outputs_equal_single_rank(checkpoint, reference, tmp_path, np_, tp, ep):
     out = tmp_path / "out.json"
     proc = launch(np_, checkpoint, out, "ok", tp, ep, "0,1,3")
@@ -66,6 +67,7 @@ def test_tp_outputs_equal_single_rank(checkpoint, reference, tmp_path, np_, tp, 
         calls = res["calls"]  # every follower ran exactly its leader's executor calls
         assert all(calls[r] == calls[r - r % tp] for r in range(np_)), (k, calls)
         assert min(calls) > 0
+        assert res["heads"] == [tiny_config().num_attention_heads // tp] * np_  # really sharded
 
 
 def test_idle_leader_does_not_trip_the_watchdog(checkpoint, tmp_path):
