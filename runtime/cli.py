@@ -67,6 +67,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--num-blocks", type=int, default=None)
     r.add_argument("--prefill-chunk", type=int, default=None, help="longest prefill chunk per step")
     r.add_argument("--no-prefix-caching", action="store_true")
+    r.add_argument("--tp-size", type=int, default=None,
+                   help="--checkpoint under mpirun: tensor-parallel group size (an engine records its own)")
     r.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="under mpirun: a rank blocked this long in a collective exits with one line (default 60)")
     p.add_argument("--json", action="store_true", help="JSON Lines output (see README)")
@@ -113,6 +115,7 @@ def run(args, rank: int = 0, world: int = 1) -> int:
         num_blocks=args.num_blocks, max_prefill_chunk=args.prefill_chunk,
         enable_prefix_caching=False if args.no_prefix_caching else None,
         commit_pass=False if args.no_commit_pass else None, collective_timeout=args.collective_timeout, prog=PROG,
+        tp_size=args.tp_size,
     )  # fmt: skip
     role = engine.rank_role
     if role is not None and not role.is_leader:  # a TP follower: replays the leader's calls, prints nothing

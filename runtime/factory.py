@@ -43,7 +43,7 @@ def create_engine(
     cuda_graphs: bool = False,
     threads: int | None = None,
     seed: int = 0,
-    tp_size: int = 1,
+    tp_size: int | None = None,
     ep_size: int | None = None,
     collective_timeout: float = DEFAULT_TIMEOUT_S,
     prog: str | None = None,
@@ -74,6 +74,9 @@ def create_engine(
             raise ConfigError(f"engine {engine_dir} was built for world_size={ecfg.world_size} but "
                               f"{world_size} rank(s) were launched: use mpirun -np {ecfg.world_size}")  # fmt: skip
         parallel = ecfg.parallel
+        if tp_size is not None and tp_size != parallel.tp_size:
+            raise ConfigError(f"--tp-size {tp_size}: engine {engine_dir} was built for tp_size={parallel.tp_size}; "
+                              "drop the flag (an engine records its mapping) or rebuild with mtp-build --tp-size")  # fmt: skip
         cfg = replace(engine_defaults(ecfg), **overrides)
         check_within_engine(cfg, ecfg.limits, ecfg.kv, ecfg.num_draft_tokens)
         model_cfg, tokenizer = ecfg.model, load_tokenizer(Path(engine_dir))
@@ -96,7 +99,7 @@ def create_engine(
             raise ConfigError(f"executor {executor!r} needs an engine directory; build one with mtp-build "
                               "or use --executor torch with --checkpoint")  # fmt: skip
         cfg = RuntimeConfig(**overrides)
-        parallel = Parallel(world_size, world_size if ep_size is None else ep_size, tp_size)
+        parallel = Parallel(world_size, world_size if ep_size is None else ep_size, tp_size or 1)
         ex, model_cfg = _torch_executor(checkpoint, cfg, rank, parallel, device, cuda_graphs)
         tokenizer = load_tokenizer(Path(checkpoint))
     if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:

@@ -19,6 +19,7 @@ rank whose peer stalls mid-step.
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,6 +180,11 @@ def _announcing_step(step, role: RankRole):
 
 def run_follower(role: RankRole, prog: str, debug: bool = False) -> int:
     """A follower's whole life after start-up: follow until STOP; a local failure ends the job (one line)."""
+    # A follower's life is driven by its leader: it leaves on STOP, or the launcher ends it when the leader
+    # exits. Ctrl-C / SIGTERM forwarded by mpirun must not kill it mid-drain (the serving leader drains, then
+    # sends STOP); blocked in MPI it could not run a Python handler anyway, so the signals are ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         role.follow()
     except BaseException as e:  # noqa: BLE001 - the leader cannot be told: end the job

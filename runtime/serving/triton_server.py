@@ -103,6 +103,8 @@ def parser() -> argparse.ArgumentParser:
                    help="on SIGTERM: seconds in-flight streams may run before they get a final error")
     p.add_argument("--log", type=Path, default=None, help="server log file (default: OUT/tritonserver.log)")
     p.add_argument("--generate-only", action="store_true", help="write the model repository and exit")
+    p.add_argument("--tp-size", type=int, default=None,
+                   help="--checkpoint under mpirun (--frontend openai): tensor-parallel group size")
     p.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="under mpirun (--frontend openai): a rank blocked this long in a collective exits (default 60)")
     return p

@@ -148,3 +148,103 @@ def test_tp_ranks_with_different_settings_exit_with_one_line(checkpoint, tmp_pat
         f"{PROG}: error: ranks disagree on runtime.num_draft_tokens: rank 0 has 1, rank 1 has 2; "
         "launch every rank with the same engine and flags"], proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+# ---------------------------------------------------------------------- the CLIs under mpirun (real TP shards)
+TINY = ROOT / "models" / "tiny"
+MTP_RUN, MTP_SERVE = (Path(sys.executable).parent / name for name in ("mtp-run", "mtp-serve"))
+RUN_ARGS = ["--prompt", "def main(", "--prompt", "import os", "--prompt", "class A:", "--max-tokens", "16", "--json",
+            "--num-draft-tokens", "2"]  # fmt: skip
+
+
+def _json_lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_mtp_run_tp2_equals_single_process():
+    """`mpirun -np 2 mtp-run --checkpoint tiny --tp-size 2`: each rank loads half the heads / MLP / vocab and all
+    experts split over the pair; ids and acceptance equal the single process; only the leader prints."""
+    tp = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", str(MTP_RUN), "--checkpoint", str(TINY),
+                         "--tp-size", "2", *RUN_ARGS], env=ENV, capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
+    single = subprocess.run([str(MTP_RUN), "--checkpoint", str(TINY), *RUN_ARGS], env=ENV, capture_output=True,
+                            text=True, timeout=240, cwd=ROOT)  # fmt: skip
+    assert tp.returncode == 0 and single.returncode == 0, tp.stderr[-2000:] + single.stderr[-2000:]
+    got, want = _json_lines(tp.stdout), _json_lines(single.stdout)
+    assert len(got) == 4, "the follower must not print"
+    for a, b in zip(got[:3], want[:3], strict=True):
+        assert a["output_ids"] == b["output_ids"] and a["accepted_per_step"] == b["accepted_per_step"]
+
+
+def _rank_pid(mpirun_pid: int, rank: int, timeout: float = 120) -> int:
+    """The pid of one rank: a child of mpirun whose environment says OMPI_COMM_WORLD_RANK=rank."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in Path(f"/proc/{mpirun_pid}/task/{mpirun_pid}/children").read_text().split():
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
+                return int(child)
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} never started")
+
+
+def _post(port: int, path: str, body: dict | None = None) -> dict:
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"content-type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_mtp_serve_openai_tp2_serves_idles_and_drains(tmp_path):
+    """`mpirun -np 2 mtp-serve --frontend openai --tp-size 2`: rank 0 serves HTTP, rank 1 follows; idling
+    past --collective-timeout trips nothing; greedy text equals the single process; SIGTERM to the leader
+    drains and stops the follower (every rank exits 0)."""
+    from runtime.serving.process import free_ports
+
+    port = free_ports(1)[0]
+    cmd = [str(MPIRUN), "-np", "2", "--oversubscribe", str(MTP_SERVE), "--frontend", "openai", "--checkpoint",
+           str(TINY), "--tp-size", "2", "--num-draft-tokens", "2", "--port", str(port), "--collective-timeout", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        leader = _rank_pid(proc.pid, 0)
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server never became ready"
+            try:
+                _post(port, "/v1/models")
+                break
+            except OSError:
+                time.sleep(0.5)
+        time.sleep(5)  # idle: no step in progress, so no deadline is armed anywhere
+        body = {"model": "tiny", "prompt": "def main(", "max_tokens": 16, "temperature": 0}
+        got = _post(port, "/v1/completions", body)["choices"][0]["text"]
+        want = create_engine(checkpoint=TINY, executor="torch", num_draft_tokens=2).generate(
+            ["def main("], SamplingParams(max_tokens=16))[0].text
+        assert got == want
+        os.kill(leader, signal.SIGTERM)  # mpirun does not forward SIGTERM: a drain is asked of the leader
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-2000:]
+        assert "mtp-serve: stopped (drained)" in out and "error" not in err, out + err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize("frontend", ["openai", "triton"])
+def test_mtp_serve_refuses_what_it_cannot_serve_under_mpirun(tmp_path, frontend):
+    """openai with 2 DP groups (one HTTP server per schedule is not built) / triton (its model lives outside the
+    MPI job): one line from rank 0, every rank exits 2."""
+    extra = ["--model-repo", str(tmp_path / "repo")] if frontend == "triton" else []
+    proc = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", str(MTP_SERVE), "--frontend", frontend,
+                           "--checkpoint", str(TINY), *extra], env=ENV, capture_output=True, text=True, timeout=240,
+                          cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = our_lines(proc.stderr, "mtp-serve")
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert ("2 data-parallel groups" if frontend == "openai" else "--frontend triton cannot run under mpirun") in lines[0]

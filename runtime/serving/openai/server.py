@@ -51,7 +51,8 @@ def create_serving_engine(args: Any):
                            executor=args.executor or ("onnxruntime" if args.engine else "torch"),
                            num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
                            num_blocks=args.num_blocks, rank=rank, world_size=world,
-                           collective_timeout=getattr(args, "collective_timeout", 60.0), prog="mtp-serve")  # fmt: skip
+                           collective_timeout=getattr(args, "collective_timeout", 60.0),
+                           tp_size=getattr(args, "tp_size", None), prog="mtp-serve")  # fmt: skip
     role = engine.rank_role
     if role is not None and role.mapping.dp > 1:
         raise EveryRankError(f"mtp-serve serves one TP group; this engine has {role.mapping.dp} data-parallel groups "
