@@ -15,6 +15,7 @@ import torch
 from models.config import ModelConfig
 from plugins.engine_format.config import Limits
 from plugins.engine_format.layout import KVLayout
+from plugins.engine_format.mapping import MappingError, check_model, check_parallel, local_kv_heads
 from plugins.kv_pool import DTYPE_CODES
 
 BACKENDS = ("onnxruntime", "tensorrt")
@@ -51,7 +52,8 @@ class BuildOptions:
     def kv_layout(self, cfg: ModelConfig) -> KVLayout:
         """The engine's KV layout (plugins/engine_format/layout.py computes the table width, lookahead included)."""
         return KVLayout.plan(
-            num_planes=cfg.num_hidden_layers + cfg.num_mtp_modules, num_kv_heads=cfg.num_key_value_heads,
+            num_planes=cfg.num_hidden_layers + cfg.num_mtp_modules,
+            num_kv_heads=local_kv_heads(cfg.num_key_value_heads, self.tp_size),  # each rank's pool: its KV heads
             head_dim=cfg.head_dim, dtype_code=DTYPE_CODES[self.torch_dtype], block_size=self.kv_block_size,
             max_batch=self.max_batch, max_seq_len=self.max_seq_len, num_draft_tokens=self.num_draft_tokens,
         )  # fmt: skip
@@ -75,13 +77,10 @@ class BuildOptions:
                 raise BuildError(f"{flag} must be >= 1, got {value}")
         if self.num_draft_tokens < 0:
             raise BuildError(f"--num-draft-tokens must be >= 0, got {self.num_draft_tokens}")
-        if self.tp_size > 1:
-            raise BuildError(
-                f"--tp-size {self.tp_size}: tensor parallelism is not supported yet; use data-parallel attention with "
-                "expert parallelism (--world-size N --ep-size N) or --tp-size 1"
-            )
-        if self.world_size % self.ep_size:
-            raise BuildError(f"--ep-size {self.ep_size} must divide --world-size {self.world_size}")
+        try:  # the mapping contract (docs/ARCHITECTURE.md §8): W % TP, EP in {1, W} (TP 1) or {TP, W}
+            check_parallel(self.world_size, self.ep_size, self.tp_size, flags=True)
+        except MappingError as e:
+            raise BuildError(str(e)) from None
         step_rows = self.max_batch * (1 + self.num_draft_tokens)
         if self.max_num_tokens < step_rows:
             raise BuildError(
@@ -112,13 +111,28 @@ class BuildOptions:
             )
         if self.ep_size > 1 and not cfg.has_moe:
             raise BuildError(f"--ep-size {self.ep_size} needs a MoE model; this checkpoint has no routed experts")
-        if cfg.has_moe and cfg.n_routed_experts % self.ep_size:
+        if self.tp_size > 1 and self.backend == "tensorrt":
             raise BuildError(
-                f"n_routed_experts={cfg.n_routed_experts} does not split over --ep-size {self.ep_size}; "
-                "choose an ep size that divides the expert count"
+                f"--tp-size {self.tp_size} --backend tensorrt: the NCCL collective plugins (plugins/trt_collectives.py) "
+                "are written but never run here; build TP engines with --backend onnxruntime"
             )
+        inter = [cfg.intermediate_size] if cfg.first_k_dense_replace or not cfg.has_moe else []
+        if cfg.has_moe and cfg.n_shared_experts:
+            inter.append(cfg.moe_intermediate_size * cfg.n_shared_experts)
+        try:
+            check_model(self.world_size, self.ep_size, self.tp_size, flags=True,
+                        num_experts=cfg.n_routed_experts if cfg.has_moe else 0, num_heads=cfg.num_attention_heads,
+                        num_kv_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size, mla=is_mla(cfg),
+                        inter_sizes=tuple(inter))  # fmt: skip
+        except MappingError as e:
+            raise BuildError(str(e)) from None
         if self.max_seq_len > cfg.max_position_embeddings:
             raise BuildError(
                 f"--max-seq-len {self.max_seq_len} exceeds the model's max_position_embeddings="
                 f"{cfg.max_position_embeddings}; lower --max-seq-len"
             )
+
+
+def is_mla(cfg: ModelConfig) -> bool:
+    """Multi-head latent attention (DeepSeek-V3 / GLM-4.7-Flash layout): refused with --tp-size > 1 for now."""
+    return bool(getattr(cfg, "kv_lora_rank", 0))

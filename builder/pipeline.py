@@ -12,6 +12,7 @@ Progress goes to a `Reporter` (the CLI draws it with rich; tests pass a silent o
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -28,8 +29,10 @@ import torch
 from builder import ort_build, trt_build, validate
 from builder.export import export_graph
 from builder.options import BuildError, BuildOptions
+from models import checkpoint as checkpoint_io  # read_model_config: a rank's mapping needs the expert count
 from models.checkpoint import CheckpointError, check_weights, checkpoint_hash, load_model, read_checkpoint, to_canonical
 from models.config import ModelConfig
+from models.sharding import local_shape
 from plugins.engine_format import (
     SCHEMA_VERSION,
     EngineConfig,
@@ -39,6 +42,7 @@ from plugins.engine_format import (
     rank_dir,
     write_engine_config,
 )
+from plugins.engine_format.mapping import RankMapping, rank_mapping
 from plugins.engine_format.names import installed_plugins
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -76,14 +80,14 @@ def _graph_names(cfg: ModelConfig, opts: BuildOptions) -> list[str]:
 
 
 def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, rep: Reporter) -> dict[str, Any]:
-    ep_rank = rank % opts.ep_size
-    model, _ = load_model(opts.checkpoint, opts.torch_dtype, ep_rank=ep_rank, ep_size=opts.ep_size)
+    mapping = _mapping(rank, opts, checkpoint_io.read_model_config(opts.checkpoint)[0])
+    model, _ = load_model(opts.checkpoint, opts.torch_dtype, mapping=mapping)
     rdir = work / rank_dir(rank)
     rdir.mkdir()
     graphs: dict[str, dict[str, str]] = {}
     for name in _graph_names(model.cfg, opts):
         t0 = time.perf_counter()
-        rep.step(f"rank {rank}: export {name} (experts {_expert_range(model.cfg, opts, ep_rank)})")
+        rep.step(f"rank {rank}: export {name} ({_shard_note(model.cfg, model.mapping)})")
         path = rdir / f"{name}.onnx"
         data = export_graph(name, model, layout.geometry(), layout.table_width, path)
         graphs[name] = {"onnx": str(path.relative_to(work)), "data": str(data.relative_to(work))}
@@ -91,11 +95,15 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
     return graphs
 
 
-def _expert_range(cfg: ModelConfig, opts: BuildOptions, ep_rank: int) -> str:
-    if not cfg.has_moe:
-        return "none"
-    n = cfg.n_routed_experts // opts.ep_size
-    return f"{ep_rank * n}..{(ep_rank + 1) * n - 1} of {cfg.n_routed_experts}"
+def _mapping(rank: int, opts: BuildOptions, cfg: ModelConfig) -> RankMapping:
+    """This rank's shards (plugins/engine_format/mapping.py); config.json keeps only `parallel`."""
+    experts = cfg.n_routed_experts if cfg.has_moe else 0
+    return rank_mapping(rank, Parallel(opts.world_size, opts.ep_size, opts.tp_size), experts)
+
+
+def _shard_note(cfg: ModelConfig, m: RankMapping) -> str:
+    experts = f"experts {m.expert_lo}..{m.expert_hi - 1} of {m.num_experts}" if cfg.has_moe else "no experts"
+    return experts if m.tp == 1 else f"tp rank {m.tp_rank}/{m.tp} of DP group {m.dp_rank}, {experts}"
 
 
 def _backend(opts: BuildOptions, work: Path, graphs: list[dict[str, dict[str, str]]], layout: KVLayout,
@@ -215,12 +223,9 @@ def _import(opts: BuildOptions, rep: Reporter) -> tuple[ModelConfig, str, str, i
         rep.step("no tokenizer.json in the checkpoint: the engine is ids-only (requests must be token ids; "
                  "text prompts will be refused)")  # fmt: skip
     elt = torch.empty((), dtype=opts.torch_dtype).element_size()
-    per_rank = sum(t.numel() // (opts.ep_size if _is_routed(n) else 1) for n, t in weights.items())
+    m = _mapping(0, opts, cfg)  # every rank holds the same amount (equal shards)
+    per_rank = sum(math.prod(local_shape(n, tuple(t.shape), cfg, m)) for n, t in weights.items())
     return ckpt.config, ckpt_hash, tokenizer, per_rank * elt
-
-
-def _is_routed(name: str) -> bool:
-    return name.endswith("mlp.w_gate_up") or name.endswith("mlp.w_down")
 
 
 def _make_work_dir(output: Path) -> Path:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.config import ModelConfig
-from plugins.engine_format.mapping import RankMapping
+from plugins.engine_format.mapping import RankMapping, local_kv_heads
 
 Slices = tuple[slice, ...]
 
@@ -32,11 +32,11 @@ class HeadSplit:
 
 def head_split(cfg: ModelConfig, m: RankMapping) -> HeadSplit:
     h, hkv, tp, t = cfg.num_attention_heads, cfg.num_key_value_heads, m.tp, m.tp_rank
-    q_heads = h // tp
+    q_heads, kv_heads = h // tp, local_kv_heads(hkv, tp)
     if hkv >= tp:
-        return HeadSplit(t * q_heads, q_heads, t * (hkv // tp), hkv // tp)
+        return HeadSplit(t * q_heads, q_heads, t * kv_heads, kv_heads)
     # Fewer KV heads than ranks: replicate; rank t's q heads all use KV head (first q head) // (q per KV head).
-    return HeadSplit(t * q_heads, q_heads, (t * q_heads) // (h // hkv), 1)
+    return HeadSplit(t * q_heads, q_heads, (t * q_heads) // (h // hkv), kv_heads)
 
 
 def _part(full: int, m: RankMapping) -> slice:

@@ -21,6 +21,7 @@ import onnx
 import torch
 from onnx.defs import OpSchema
 
+import plugins.engine_format.names as _names  # the TP collective nodes (own block below)
 from plugins.engine_format.names import DOMAIN, KV_WRITE, MOE_EXPERTS, PAGED_ATTENTION, PLUGIN_VERSION
 from plugins.engine_format.names import OPSET_VERSION as VERSION
 
@@ -48,6 +49,8 @@ PAGED_ATTENTION_ATTRS = [*_GEOMETRY, ("scale", _FLOAT, "softmax scale applied to
 MOE_EXPERTS_ATTRS: list[tuple[str, OpSchema.AttrType, str]] = [
     ("num_experts", _INT, "global number of routed experts"),
     ("ep_size", _INT, "expert-parallel group size; this rank holds num_experts/ep_size experts"),
+    ("tp_size", _INT, "tensor-parallel group size; > 1: the output is this rank's partial sum (see ARCHITECTURE §8)"),
+    ("tp_rank", _INT, "this rank's place in its TP group = its expert column"),
 ]
 _PLUGIN_ATTRS = [
     ("plugin_namespace", _STRING, "TensorRT plugin namespace (always 'mtp')"),
@@ -82,7 +85,7 @@ def _schema(
 
 
 def schemas() -> list[OpSchema]:
-    """The three plugin-node schemas (see docs/ENGINE_FORMAT.md for the semantics)."""
+    """The plugin-node schemas, TP collectives included (see docs/ENGINE_FORMAT.md for the semantics)."""
     index_types = [("I", _INTS, "per-request int32/int64 metadata"), ("B", _INTS, "block table ids")]
     return [
         _schema(
@@ -129,6 +132,7 @@ def schemas() -> list[OpSchema]:
             MOE_EXPERTS_ATTRS,
             [("T", _FLOATS, "activation/weight type"), ("I", _INTS, "expert ids"), ("W", _FLOATS, "weights")],
         ),  # fmt: skip
+        *collective_schemas(),
     ]
 
 
@@ -168,10 +172,12 @@ def _paged_attention(q, q_counts, kv_lens, block_tables, pool_ptr, after, plane:
     )  # fmt: skip
 
 
-def _moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts: int, ep_size: int):
+def _moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts: int, ep_size: int, tp_size: int = 1,
+                 tp_rank: int = 0):  # fmt: skip
     return _opset().MoeExperts(
-        x, topk_ids, topk_weights, w_gate_up, w_down, num_experts=num_experts, ep_size=ep_size, **_plugin_attrs()
-    )
+        x, topk_ids, topk_weights, w_gate_up, w_down, num_experts=num_experts, ep_size=ep_size, tp_size=tp_size,
+        tp_rank=tp_rank, **_plugin_attrs(),
+    )  # fmt: skip
 
 
 def custom_translation_table() -> dict[Any, Callable[..., Any]]:
@@ -183,4 +189,34 @@ def custom_translation_table() -> dict[Any, Callable[..., Any]]:
         torch.ops.mtp.kv_write.default: _kv_write,
         torch.ops.mtp.paged_attention.default: _paged_attention,
         torch.ops.mtp.moe_experts.default: _moe_experts,
+        **collective_translations(),
     }
+
+
+# --- Tensor-parallel collectives: AllReduce / AllGather (plugins/collectives.py; ENGINE_FORMAT "Collective nodes").
+COLLECTIVE_ATTRS: list[tuple[str, OpSchema.AttrType, str]] = [("tp_size", _INT, "ranks in the TP group (> 1)")]
+
+
+def collective_schemas() -> list[OpSchema]:
+    """AllReduce (sum over the TP comm) and AllGather (concatenate along the last axis, rank order)."""
+    floats = [("T", _FLOATS, "element type")]
+    return [
+        _schema(_names.ALL_REDUCE, "Sum of x over the TP group; same shape and type.", [("x", "T", "[...]")],
+                [("y", "T", "[...]")], COLLECTIVE_ATTRS, floats),
+        _schema(_names.ALL_GATHER, "x of every TP rank concatenated along the last axis, in rank order.",
+                [("x", "T", "[..., N]")], [("y", "T", "[..., tp_size * N]")], COLLECTIVE_ATTRS, floats),
+    ]  # fmt: skip
+
+
+def _all_reduce(x, tp_size: int):
+    return _opset().AllReduce(x, tp_size=tp_size, **_plugin_attrs())
+
+
+def _all_gather(x, tp_size: int):
+    return _opset().AllGather(x, tp_size=tp_size, **_plugin_attrs())
+
+
+def collective_translations() -> dict[Any, Callable[..., Any]]:
+    import plugins.collectives  # noqa: F401  (defines torch.ops.mtp.all_reduce / all_gather)
+
+    return {torch.ops.mtp.all_reduce.default: _all_reduce, torch.ops.mtp.all_gather.default: _all_gather}

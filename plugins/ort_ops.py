@@ -21,11 +21,11 @@ import torch
 from onnxruntime_extensions import PyOp, get_library_path, onnx_op
 
 import plugins.ops  # noqa: F401  (defines torch.ops.mtp.*)
-from plugins.engine_format.names import PLUGIN_NODES
-from plugins.onnx_export import DOMAIN, KV_WRITE_ATTRS, MOE_EXPERTS_ATTRS, PAGED_ATTENTION_ATTRS
+from plugins.engine_format.names import COLLECTIVE_NODES, PLUGIN_NODES
+from plugins.onnx_export import COLLECTIVE_ATTRS, DOMAIN, KV_WRITE_ATTRS, MOE_EXPERTS_ATTRS, PAGED_ATTENTION_ATTRS
 
 ORT_DOMAIN = "ai.onnx.contrib"
-PLUGIN_OPS = PLUGIN_NODES
+PLUGIN_OPS = (*PLUGIN_NODES, *COLLECTIVE_NODES)
 
 _ATTR_TYPES = {onnx.defs.OpSchema.AttrType.INT: PyOp.dt_int64, onnx.defs.OpSchema.AttrType.FLOAT: PyOp.dt_float}
 
@@ -82,9 +82,24 @@ def paged_attention_op(q, q_counts, kv_lens, block_tables, pool_ptr, after, **at
 def moe_experts_op(x, topk_ids, topk_weights, w_gate_up, w_down, **attrs):
     out = torch.ops.mtp.moe_experts(
         _t(x), _t(topk_ids), _t(topk_weights), _t(w_gate_up), _t(w_down),
-        int(attrs["num_experts"]), int(attrs["ep_size"]),
+        int(attrs["num_experts"]), int(attrs["ep_size"]), int(attrs["tp_size"]), int(attrs["tp_rank"]),
     )  # fmt: skip
     return out.numpy()
+
+
+# --- Tensor-parallel collectives: mpi4py over the TP comm (plugins/collectives.py), fp32 like every op here.
+@onnx_op(op_type="AllReduce", inputs=[_F32], outputs=[_F32], attrs=_attrs(COLLECTIVE_ATTRS))
+def all_reduce_op(x, **attrs):
+    from plugins.collectives import all_reduce_numpy
+
+    return all_reduce_numpy(x, int(attrs["tp_size"]))
+
+
+@onnx_op(op_type="AllGather", inputs=[_F32], outputs=[_F32], attrs=_attrs(COLLECTIVE_ATTRS))
+def all_gather_op(x, **attrs):
+    from plugins.collectives import all_gather_numpy
+
+    return all_gather_numpy(x, int(attrs["tp_size"]))
 
 
 def prepare_for_ort(model: onnx.ModelProto) -> onnx.ModelProto:

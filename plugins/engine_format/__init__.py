@@ -1,6 +1,6 @@
 """plugins/engine_format/: the engine format both the builder and the runtime depend on (neither imports the other).
 
-* `names`       plugin node names, their ONNX domain and versions (`installed_plugins`)
+* `names`       plugin node names, their ONNX domain and versions (`installed_plugins`), incl. the TP collective nodes
 * `layout`      `KVLayout` (pool geometry + block-table width) and `table_width`, the one width function
 * `graph_io`    the graph I/O specs (names, dtypes, dims) and `feeds`, which builds an executor's feed dict
 * `config`      `EngineConfig` (typed config.json) with `Limits`, `Parallel` and a JSON round trip

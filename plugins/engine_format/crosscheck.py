@@ -17,6 +17,7 @@ from onnx.helper import tensor_dtype_to_np_dtype
 from plugins.engine_format.config import EngineConfig
 from plugins.engine_format.graph_io import GRAPH_NAMES, SPECS
 from plugins.engine_format.layout import table_width
+from plugins.engine_format.mapping import MappingError, RankMapping, check_model, local_kv_heads, rank_mapping
 from plugins.engine_format.names import MOE_EXPERTS, POOL_NODES
 from plugins.engine_format.paths import EngineDirError, rank_dir
 from plugins.kv_pool import DTYPE_CODES
@@ -33,11 +34,12 @@ def _refuse(cfg: EngineConfig, what: str) -> EngineDirError:
 def check_consistent(cfg: EngineConfig) -> None:
     """config.json's fields agree with each other and with the model (no file is read)."""
     kv, lim, k, m = cfg.kv, cfg.limits, cfg.num_draft_tokens, cfg.model
+    _check_mapping(cfg)
     width = table_width(lim.max_seq_len, k, kv.block_size)
     want = {
         "kv.table_width": (kv.table_width, width),
         "kv.num_planes": (kv.num_planes, m.num_hidden_layers + m.num_mtp_modules),
-        "kv.num_kv_heads": (kv.num_kv_heads, m.num_key_value_heads),
+        "kv.num_kv_heads": (kv.num_kv_heads, local_kv_heads(m.num_key_value_heads, cfg.parallel.tp_size)),
         "kv.head_dim": (kv.head_dim, m.head_dim),
     }
     dtype = getattr(torch, cfg.dtype, None)
@@ -80,10 +82,10 @@ def check_against_graphs(cfg: EngineConfig) -> None:
             for kind in _ONNX_KINDS:
                 path = cfg.graph_file(rank, graph, kind)
                 if path is not None:
-                    _check_graph(cfg, graph, path, f"{rank_dir(rank)}/{path.name}")
+                    _check_graph(cfg, graph, path, f"{rank_dir(rank)}/{path.name}", rank)
 
 
-def _check_graph(cfg: EngineConfig, graph: str, path: Path, label: str) -> None:
+def _check_graph(cfg: EngineConfig, graph: str, path: Path, label: str, rank: int = 0) -> None:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # onnx raises DecodeError and others for a file that is not a model
@@ -105,7 +107,10 @@ def _check_graph(cfg: EngineConfig, graph: str, path: Path, label: str) -> None:
     kv = cfg.kv
     geometry = {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes,
                 "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim, "dtype": kv.dtype_code}  # fmt: skip
-    moe = {"num_experts": cfg.model.n_routed_experts, "ep_size": cfg.parallel.ep_size}
+    mapping = rank_mapping(rank, cfg.parallel, cfg.model.n_routed_experts if cfg.model.has_moe else 0)
+    moe = {"num_experts": cfg.model.n_routed_experts, "ep_size": cfg.parallel.ep_size, "tp_size": mapping.tp,
+           "tp_rank": mapping.tp_rank}  # fmt: skip
+    _check_shards(cfg, g, label, mapping)
     for node in g.node:
         want_attrs = geometry if node.op_type in POOL_NODES else moe if node.op_type == MOE_EXPERTS else None
         if want_attrs is None:
@@ -118,3 +123,40 @@ def _check_graph(cfg: EngineConfig, graph: str, path: Path, label: str) -> None:
                                    f"config.json gives {field}={value}")  # fmt: skip
         if node.op_type in POOL_NODES and not 0 <= attrs.get("plane", -1) < kv.num_planes:
             raise _refuse(cfg, f"{label}: {node.op_type} node writes plane {attrs.get('plane')} outside the pool")
+
+
+# --- Tensor-parallel mapping: `parallel` is a mapping the contract allows, and each rank's graph holds its shards.
+def _check_mapping(cfg: EngineConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    try:
+        check_model(p.world_size, p.ep_size, p.tp_size, num_experts=m.n_routed_experts if m.has_moe else 0,
+                    num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads, vocab_size=m.vocab_size,
+                    mla=bool(getattr(m, "kv_lora_rank", 0)))  # fmt: skip
+    except MappingError as e:
+        raise _refuse(cfg, f"parallel={p}: {e}") from None
+    if len(cfg.graphs) != p.world_size:
+        raise _refuse(cfg, f"{len(cfg.graphs)} rank graph sets for parallel.world_size={p.world_size}")
+
+
+def _check_shards(cfg: EngineConfig, g: onnx.GraphProto, label: str, mapping: RankMapping) -> None:
+    """Initializers named like canonical weights have the shape models/sharding.py gives this rank (a rank
+    built with another rank's or the full tensor would compute garbage, or fail deep in a GEMM)."""
+    from models.glm4_moe import Glm4MoeMTPModel  # the full shapes; models/ imports are heavy, keep them lazy
+    from models.sharding import local_shape
+
+    if not _FULL_SHAPES or _FULL_SHAPES[0][0] is not cfg.model:
+        with torch.device("meta"):
+            full = {k: tuple(v.shape) for k, v in Glm4MoeMTPModel(cfg.model).state_dict().items()}
+        _FULL_SHAPES[:] = [(cfg.model, full)]
+    full = _FULL_SHAPES[0][1]
+    for init in g.initializer:
+        name = init.name.removeprefix("model.")  # the graph wrappers hold the model as `.model`
+        if name in full:
+            want = local_shape(name, full[name], cfg.model, mapping)
+            got = tuple(init.dims)
+            if got != want:
+                raise _refuse(cfg, f"{label}: weight {init.name} has shape {list(got)}, rank {mapping.rank}'s shard "
+                                   f"under parallel={cfg.parallel} is {list(want)}")  # fmt: skip
+
+
+_FULL_SHAPES: list[tuple[object, dict[str, tuple[int, ...]]]] = []  # (model config, full shapes) of the last check

@@ -55,47 +55,69 @@ class RankMapping:
         return self.ep > self.tp
 
 
-def check_parallel(world: int, ep: int, tp: int) -> None:
+def _flag(name: str, flags: bool) -> str:
+    """Name a setting as the caller knows it: `--tp-size` for mtp-build, `tp_size` for config.json."""
+    return "--" + name.replace("_", "-") if flags else name
+
+
+def check_parallel(world: int, ep: int, tp: int, flags: bool = False) -> None:
     """Raise MappingError (one line, naming the fix) unless (W, EP, TP) is a mapping the contract allows."""
-    for name, value in (("world_size", world), ("ep_size", ep), ("tp_size", tp)):
+    w, e, t = (_flag(n, flags) for n in ("world_size", "ep_size", "tp_size"))
+    for name, value in ((w, world), (e, ep), (t, tp)):
         if value < 1:
             raise MappingError(f"{name} must be >= 1, got {value}")
     if world % tp:
-        raise MappingError(f"tp_size {tp} must divide world_size {world} (each TP group is tp_size ranks)")
+        raise MappingError(f"{t} {tp} must divide {w} {world} (each TP group is {t} consecutive ranks)")
     if tp == 1:
+        if world % ep:
+            raise MappingError(f"{e} {ep} must divide {w} {world}")
         if ep not in (1, world):
-            raise MappingError(f"ep_size {ep} with tp_size 1 must be 1 or world_size {world}")
+            raise MappingError(f"{e} {ep} with {t} 1 must be 1 (replicated experts) or {w} ({world})")
     elif ep not in (tp, world):
         raise MappingError(
-            f"ep_size {ep} with tp_size {tp} must be tp_size ({tp}) or world_size ({world}): routed experts are "
-            "always split over the TP group"
+            f"{e} {ep} with {t} {tp} must be {t} ({tp}) or {w} ({world}): routed experts are always split over "
+            "the TP group"
         )
 
 
+def local_kv_heads(num_kv_heads: int, tp: int) -> int:
+    """KV heads one TP rank holds (and its KV pool stores): split when >= tp, else the one its q heads use."""
+    return num_kv_heads // tp if num_kv_heads >= tp else 1
+
+
 def check_model(world: int, ep: int, tp: int, *, num_experts: int, num_heads: int, num_kv_heads: int,
-                vocab_size: int, mla: bool = False) -> None:  # fmt: skip
-    """The model-dependent rules of the contract (after `check_parallel`); one-line MappingError."""
-    check_parallel(world, ep, tp)
+                vocab_size: int, mla: bool = False, inter_sizes: tuple[int, ...] = (),
+                flags: bool = False) -> None:  # fmt: skip
+    """The model-dependent rules of the contract (after `check_parallel`); one-line MappingError.
+
+    `inter_sizes`: the dense MLP and shared-expert intermediate sizes (column-parallel: must split over tp).
+    """
+    check_parallel(world, ep, tp, flags)
+    e, t = _flag("ep_size", flags), _flag("tp_size", flags)
     if num_experts and num_experts % ep:
-        raise MappingError(f"n_routed_experts={num_experts} does not split over ep_size {ep}; choose an ep size "
+        raise MappingError(f"n_routed_experts={num_experts} does not split over {e} {ep}; choose an ep size "
                            "that divides the expert count")  # fmt: skip
     if tp == 1:
         return
     if mla:
-        raise MappingError(f"tp_size {tp}: tensor parallelism for MLA attention is not supported yet; use tp_size 1 "
-                           "(data-parallel attention with --ep-size)")  # fmt: skip
+        raise MappingError(f"{t} {tp}: tensor parallelism for MLA attention is not supported yet; use {t} 1 "
+                           "(data-parallel attention with expert parallelism)")  # fmt: skip
     if num_heads % tp:
-        raise MappingError(f"num_attention_heads={num_heads} does not split over tp_size {tp}; choose a tp size "
+        raise MappingError(f"num_attention_heads={num_heads} does not split over {t} {tp}; choose a tp size "
                            "that divides the head count")  # fmt: skip
     if num_kv_heads >= tp and num_kv_heads % tp:
-        raise MappingError(f"num_key_value_heads={num_kv_heads} does not split over tp_size {tp}; choose a tp size "
-                           "that divides it (or one larger than it: KV heads are then replicated)")  # fmt: skip
+        raise MappingError(f"num_key_value_heads={num_kv_heads} does not split over {t} {tp}; choose a tp size "
+                           "that divides it (or a multiple of it: KV heads are then replicated)")  # fmt: skip
     if num_kv_heads < tp and tp % num_kv_heads:
-        raise MappingError(f"num_key_value_heads={num_kv_heads} cannot be replicated over tp_size {tp}; choose a tp "
+        raise MappingError(f"num_key_value_heads={num_kv_heads} cannot be replicated over {t} {tp}; choose a tp "
                            "size that is a multiple of the KV head count")  # fmt: skip
     if vocab_size % tp:
-        raise MappingError(f"vocab_size={vocab_size} does not split over tp_size {tp} (vocab-parallel embedding and "
+        raise MappingError(f"vocab_size={vocab_size} does not split over {t} {tp} (vocab-parallel embedding and "
                            "lm_head); choose a tp size that divides it")  # fmt: skip
+    for inter in inter_sizes:
+        if inter % tp:
+            raise MappingError(f"MLP intermediate size {inter} does not split over {t} {tp} (column-parallel "
+                               "gate/up); choose a tp size that divides it")  # fmt: skip
 
 
 def rank_mapping(rank: int, parallel: Parallel, num_experts: int = 0) -> RankMapping:

@@ -23,6 +23,15 @@ TRT_PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION)
 POOL_NODES = (KV_WRITE, PAGED_ATTENTION)
 
 
+# Tensor-parallel collectives (plugins/collectives.py semantics; docs/ENGINE_FORMAT.md "Collective nodes"):
+# AllReduce sums over the TP comm, AllGather concatenates along the last axis in rank order; attribute tp_size.
+# Emitted only into tp_size > 1 graphs; TensorRT plugins in plugins/trt_collectives.py (NCCL).
+ALL_REDUCE = "AllReduce"
+ALL_GATHER = "AllGather"
+COLLECTIVE_NODES = (ALL_REDUCE, ALL_GATHER)
+
+
 def installed_plugins() -> dict[str, Any]:
     """Plugin names and versions this installation executes (what an engine must have been built with)."""
-    return {"namespace": DOMAIN, "onnx_opset": OPSET_VERSION, "nodes": {name: PLUGIN_VERSION for name in PLUGIN_NODES}}
+    nodes = {name: PLUGIN_VERSION for name in (*PLUGIN_NODES, *COLLECTIVE_NODES)}
+    return {"namespace": DOMAIN, "onnx_opset": OPSET_VERSION, "nodes": nodes}

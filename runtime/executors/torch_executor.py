@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
+from plugins.engine_format.mapping import local_kv_heads  # TP: the pool holds this rank's KV heads
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
 from runtime.executors.cuda_graphs import GraphedFunction
@@ -29,8 +30,8 @@ class TorchExecutor:
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
         self.geom = KVPoolGeometry(
-            model.num_kv_planes, num_blocks, block_size,  # under TP the pool holds this rank's KV heads only
-            getattr(model.layers[0].self_attn, "num_kv_heads", cfg.num_key_value_heads), cfg.head_dim,
+            model.num_kv_planes, num_blocks, block_size, local_kv_heads(cfg.num_key_value_heads, model.mapping.tp),
+            cfg.head_dim,
             {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[self.dtype],
         )  # fmt: skip
         self.pool = allocate_pool(self.geom, self.device)

@@ -26,7 +26,7 @@ def _args(ckpt, out, **kw) -> list[str]:
     [
         (dict(max_num_tokens=8), r"--max-num-tokens 8 is smaller than max_batch\*\(1\+K\) = 4\*\(1\+2\) = 12"),
         (dict(num_draft_tokens=4), "--num-draft-tokens 4 must be smaller than --kv-block-size 4"),
-        (dict(tp_size=2), "tensor parallelism is not supported yet"),
+        (dict(tp_size=2), "--tp-size 2 must divide --world-size 1"),
         (dict(world_size=2, ep_size=3), "--ep-size 3 must divide --world-size 2"),
         (dict(max_seq_len=4096), "exceeds the model's max_position_embeddings=512"),
         (dict(world_size=3, ep_size=3), "n_routed_experts=4 does not split over --ep-size 3"),

@@ -43,7 +43,7 @@ def _refused(path: Path, message: str, capsys) -> None:
             dict(model__hidden_size=64, model__num_attention_heads=8),
             "declares hidden float32\\[.tokens., 32\\], the config implies float32\\[.tokens., 64\\]",
         ),
-        (dict(parallel__ep_size=2), "MoeExperts node was built with ep_size=1"),
+        (dict(parallel__ep_size=2), "ep_size 2 must divide world_size 1"),  # plugins/engine_format/mapping.py
         (dict(kv__block_size="4"), "lacks or mistypes field .*kv.block_size='4' is not an int"),
     ],
     ids=[

@@ -48,7 +48,7 @@ def test_rank_mapping_follows_the_contract() -> None:
 @pytest.mark.parametrize(
     "world, ep, tp, kw, message",
     [
-        (3, 1, 2, {}, "tp_size 2 must divide world_size 3"),
+            (3, 1, 2, {}, "tp_size 2 must divide world_size 3"),
         (4, 1, 2, {}, "ep_size 1 with tp_size 2 must be tp_size (2) or world_size (4)"),
         (2, 2, 2, {"num_heads": 5}, "num_attention_heads=5 does not split over tp_size 2"),
         (4, 4, 4, {"num_heads": 6}, "num_attention_heads=6 does not split over tp_size 4"),

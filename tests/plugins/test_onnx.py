@@ -118,7 +118,8 @@ def test_export_emits_plugin_nodes_and_runs_in_ort() -> None:
     assert attrs["KvWrite"] == {"plane": 1, **GEOM.attrs(), "rope_dim": 4, "rope_theta": pytest.approx(10000.0),
                                 "plugin_namespace": b"mtp", "plugin_version": b"1"}  # fmt: skip
     assert attrs["PagedAttention"]["scale"] == pytest.approx(0.35)
-    assert attrs["MoeExperts"] == {"num_experts": 4, "ep_size": 1, "plugin_namespace": b"mtp", "plugin_version": b"1"}
+    assert attrs["MoeExperts"] == {"num_experts": 4, "ep_size": 1, "tp_size": 1, "tp_rank": 0, "plugin_namespace": b"mtp",
+                                   "plugin_version": b"1"}  # fmt: skip
     assert (DOMAIN, 1) in {(o.domain, o.version) for o in model.opset_import}
     # The written count feeds attention, so the write cannot be pruned or reordered after its reader.
     assert plugin_nodes["KvWrite"].output[0] in plugin_nodes["PagedAttention"].input
