@@ -36,11 +36,16 @@ def prompts() -> tuple[list[list[int]], list[list[int]]]:
 
 
 def run_one(source: Path, k: int, tp: int, ep: int, timeout: float, mode: str, comm) -> dict | None:
-    kwargs = (dict(engine_dir=source) if (source / "config.json").is_file() and (source / "manifest.json").is_file()
-              else dict(checkpoint=source, executor="torch", tp_size=tp, ep_size=ep))  # fmt: skip
+    if (source / "manifest.json").is_file():  # an engine: its limits and KV layout are its own
+        kwargs: dict = dict(engine_dir=source, max_prefill_chunk=SETTINGS["max_prefill_chunk"])
+    else:
+        kwargs = dict(checkpoint=source, executor="torch", tp_size=tp, ep_size=ep, **SETTINGS)
     _, rank, world = mpi_world()
     engine = create_engine(**kwargs, rank=rank, world_size=world, num_draft_tokens=k, collective_timeout=timeout,
-                           prog=PROG, **SETTINGS)  # fmt: skip
+                           prog=PROG)  # fmt: skip
+    if kwargs.get("engine_dir"):
+        par = engine.rank_role.executor.config.parallel if engine.rank_role else None
+        assert par is not None and (par.tp_size, par.ep_size) == (tp, ep), f"engine mapping {par} != tp={tp} ep={ep}"
     role = engine.rank_role
     assert role is not None
     if mode == "kill":

@@ -29,6 +29,7 @@ from tests.runtime.mpi_tp_worker import SETTINGS, prompts
 from tests.runtime.test_mpi_lockstep import ENV, MPIRUN, ROOT, _alive, our_lines, pytestmark  # noqa: F401
 
 WORKER = ROOT / "tests/runtime/mpi_tp_worker.py"
+TINY = ROOT / "models" / "tiny"
 PROG = "mpi_tp_worker"
 
 
@@ -44,8 +45,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint):
+def single_rank_outputs(checkpoint) -> dict[str, list[int]]:
     """Single rank, K=0, no chunking: the greedy output ids of every prompt (lossless: any K, chunk, batch)."""
     engine = create_engine(checkpoint=checkpoint, executor="torch", num_draft_tokens=0,
                            **{**SETTINGS, "max_prefill_chunk": 64})  # fmt: skip
@@ -53,6 +53,26 @@ def reference(checkpoint):
     outs = engine.generate(first + late, SamplingParams(max_tokens=12))
     ids = [f"a{i}" for i in range(len(first))] + [f"b{i}" for i in range(len(late))]
     return {i: o.output_ids for i, o in zip(ids, outs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return single_rank_outputs(checkpoint)
+
+
+def build(out: Path, world: int, tp: int, ep: int) -> Path:
+    from builder import cli as build_cli
+
+    assert build_cli.main(["--checkpoint", str(TINY), "--output", str(out), "--world-size", str(world), "--tp-size",
+                           str(tp), "--ep-size", str(ep), "--num-draft-tokens", "3", "--max-seq-len", "128",
+                           "--max-batch", "4"]) == 0  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2_engine(tmp_path_factory):
+    """The shipped tiny model built with --tp-size 2 (onnxruntime, AllReduce/AllGather nodes)."""
+    return build(tmp_path_factory.mktemp("tp2") / "engine", 2, 2, 2)
 
 
 @pytest.mark.parametrize("np_,tp,ep", [(2, 2, 2), (4, 2, 4), (4, 2, 2), (4, 1, 4)],
@@ -68,6 +88,19 @@ def test_tp_outputs_equal_single_rank(checkpoint, reference, tmp_path, np_, tp, 
         assert all(calls[r] == calls[r - r % tp] for r in range(np_)), (k, calls)
         assert min(calls) > 0
         assert res["heads"] == [tiny_config().num_attention_heads // tp] * np_  # really sharded
+
+
+@pytest.mark.parametrize("np_,tp,ep", [(2, 2, 2), (4, 2, 4)], ids=["TP2", "DP2xTP2-EP4"])
+def test_tp_onnxruntime_engines_equal_single_rank(tp2_engine, tmp_path, np_, tp, ep):
+    """Engines built by `mtp-build --tp-size`: each rank runs its own shard graphs under onnxruntime."""
+    engine = tp2_engine if np_ == 2 else build(tmp_path / "engine", np_, tp, ep)
+    out = tmp_path / "out.json"
+    proc = launch(np_, engine, out, "ok", tp, ep, "0,1,3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = single_rank_outputs(TINY)
+    for k, res in json.loads(out.read_text()).items():
+        assert res["outputs"] == want, f"K={k}"
+        assert all(res["calls"][r] == res["calls"][r - r % tp] for r in range(np_)), (k, res["calls"])
 
 
 def test_idle_leader_does_not_trip_the_watchdog(checkpoint, tmp_path):
@@ -151,7 +184,6 @@ def test_tp_ranks_with_different_settings_exit_with_one_line(checkpoint, tmp_pat
 
 
 # ---------------------------------------------------------------------- the CLIs under mpirun (real TP shards)
-TINY = ROOT / "models" / "tiny"
 MTP_RUN, MTP_SERVE = (Path(sys.executable).parent / name for name in ("mtp-run", "mtp-serve"))
 RUN_ARGS = ["--prompt", "def main(", "--prompt", "import os", "--prompt", "class A:", "--max-tokens", "16", "--json",
             "--num-draft-tokens", "2"]  # fmt: skip
@@ -161,11 +193,13 @@ def _json_lines(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-def test_mtp_run_tp2_equals_single_process():
-    """`mpirun -np 2 mtp-run --checkpoint tiny --tp-size 2`: each rank loads half the heads / MLP / vocab and all
-    experts split over the pair; ids and acceptance equal the single process; only the leader prints."""
-    tp = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", str(MTP_RUN), "--checkpoint", str(TINY),
-                         "--tp-size", "2", *RUN_ARGS], env=ENV, capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
+@pytest.mark.parametrize("source", ["engine", "checkpoint"])
+def test_mtp_run_tp2_equals_single_process(tp2_engine, source):
+    """`mpirun -np 2 mtp-run --engine TP2` (onnxruntime shard graphs) and `--checkpoint tiny --tp-size 2` (torch,
+    sharded at load): ids and acceptance equal the single process; only the leader prints."""
+    model = ["--engine", str(tp2_engine)] if source == "engine" else ["--checkpoint", str(TINY), "--tp-size", "2"]
+    tp = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", str(MTP_RUN), *model, *RUN_ARGS], env=ENV,
+                        capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
     single = subprocess.run([str(MTP_RUN), "--checkpoint", str(TINY), *RUN_ARGS], env=ENV, capture_output=True,
                             text=True, timeout=240, cwd=ROOT)  # fmt: skip
     assert tp.returncode == 0 and single.returncode == 0, tp.stderr[-2000:] + single.stderr[-2000:]
@@ -200,15 +234,15 @@ def _post(port: int, path: str, body: dict | None = None) -> dict:
         return json.loads(r.read())
 
 
-def test_mtp_serve_openai_tp2_serves_idles_and_drains(tmp_path):
-    """`mpirun -np 2 mtp-serve --frontend openai --tp-size 2`: rank 0 serves HTTP, rank 1 follows; idling
+def test_mtp_serve_openai_tp2_serves_idles_and_drains(tp2_engine):
+    """`mpirun -np 2 mtp-serve --frontend openai --engine TP2`: rank 0 serves HTTP, rank 1 follows; idling
     past --collective-timeout trips nothing; greedy text equals the single process; SIGTERM to the leader
     drains and stops the follower (every rank exits 0)."""
     from runtime.serving.process import free_ports
 
     port = free_ports(1)[0]
-    cmd = [str(MPIRUN), "-np", "2", "--oversubscribe", str(MTP_SERVE), "--frontend", "openai", "--checkpoint",
-           str(TINY), "--tp-size", "2", "--num-draft-tokens", "2", "--port", str(port), "--collective-timeout", "2"]  # fmt: skip
+    cmd = [str(MPIRUN), "-np", "2", "--oversubscribe", str(MTP_SERVE), "--frontend", "openai", "--engine",
+           str(tp2_engine), "--num-draft-tokens", "2", "--port", str(port), "--collective-timeout", "2"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         leader = _rank_pid(proc.pid, 0)
