@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,7 @@ def test_timeout_must_be_positive():
 
 SCRIPT = """
 import time
+from pathlib import Path
 from runtime.watchdog import Watchdog
 dog = Watchdog({timeout}, rank=3, prog="mtp-run")
 with dog.guard("a quick one"):
@@ -57,3 +59,14 @@ def test_a_wait_past_the_deadline_is_one_line_and_exit_1():
 def test_waits_within_the_deadline_do_not_fire():
     proc = _run(timeout=2, sleep=0.2)
     assert proc.returncode == 0 and proc.stdout.strip() == "survived" and not proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("prog", ["mtp-run", "mtp-serve"])
+def test_bad_collective_timeout_flag_is_one_line(prog):
+    bin_dir = Path(sys.executable).parent
+    extra = ["--prompt", "x"] if prog == "mtp-run" else ["--frontend", "openai"]
+    proc = subprocess.run([str(bin_dir / prog), "--checkpoint", str(ROOT / "models" / "tiny"), *extra,
+                           "--collective-timeout", "0"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"{prog}: error: --collective-timeout 0: must be > 0 seconds"]
