@@ -1,13 +1,15 @@
-"""Multi-rank driving under mpirun: data-parallel attention + expert-parallel MoE (design: docs/ARCHITECTURE.md).
+"""Multi-rank driving under mpirun: the DP lockstep of the schedulers (design: docs/ARCHITECTURE.md §8).
 
-Each rank serves its own share of the requests with its own engine; MoE layers exchange tokens with
-all-to-all inside the forwards, so all ranks step in lockstep: before each step they agree (allreduce)
-whether any rank still has work, and an idle rank runs dummy forwards (runtime/engine.py). Sampling
-decisions are per request and each request lives on exactly one rank, so they are made once.
+Each DP group (a TP group: runtime/tp_group.py; with TP1 a single rank) serves its own share of the requests;
+its leader runs the engine. MoE layers exchange tokens with all-to-all inside the forwards, so the leaders
+step in lockstep: before each step they agree (allreduce over the leaders comm) whether any group still has
+work, and an idle leader runs dummy forwards (runtime/engine.py), which its followers replay. Sampling
+decisions are per request and each request lives in exactly one group, so they are made once.
 
 No path may hang silently:
 * at start-up the ranks allgather their settings fingerprint (runtime/fingerprint.py); on any difference
   every rank raises the same `RanksDisagree` (rank 0 prints it) instead of entering mismatched collectives;
+* a collective that waits past --collective-timeout ends its rank with one line (runtime/watchdog.py);
 * a rank that fails prints one line and exits non-zero; the launcher then terminates the others, which are
   blocked in a collective (see `exit_failed_rank`).
 
@@ -112,13 +114,13 @@ def describe(error: BaseException) -> str:
 def abort_on_error(fn: Callable[[], T], prog: str = "mtp", debug: bool = False) -> T:
     """Run fn(); a multi-rank failure becomes one line and a non-zero exit of the job (no silent hang).
 
-    A single process re-raises (the caller prints it), and so does RanksDisagree, which every rank raises
-    together and can exit from normally.
+    A single process re-raises (the caller prints it), and so does an EveryRankError (RanksDisagree), which
+    every rank raises together and can exit from normally.
     """
     comm, rank, size = mpi_world()
     try:
         return fn()
-    except (SystemExit, RanksDisagree):
+    except (SystemExit, EveryRankError):
         raise
     except BaseException as e:  # noqa: BLE001 - we re-raise or exit
         if size <= 1:
