@@ -93,11 +93,15 @@ def run(args: Any) -> int:
     role = engine.rank_role
     if role is not None and not role.is_leader:  # replays the leader's executor calls until it shuts down
         return run_follower(role, "mtp-serve")
+    st: ServeState | None = None
     try:
-        return _serve(args, build_state(args, engine))
+        st = build_state(args, engine)
+        return _serve(args, st)
     finally:
-        if role is not None:
-            role.stop()  # the followers exit with us, whatever ended the server
+        if role is not None:  # the followers exit with us, whatever ended the server
+            if st is not None and st.loop.thread_alive:  # it may still step: a STOP now would race its broadcasts; end the job
+                exit_failed_rank(rank, RuntimeError("the engine loop did not stop; ending the job"), "mtp-serve")
+            role.stop()
 
 
 def _serve(args: Any, st: ServeState) -> int:
