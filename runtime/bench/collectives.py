@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MAPPINGS = {"1 rank": (1, 1, 1), "TP2": (2, 2, 2), "DP2xTP2/EP4": (4, 2, 4), "EP4": (4, 1, 4)}  # (W, TP, EP)
-K, BATCH, MAX_TOKENS, PROMPT_LEN = 2, 4, 24, 48
+K, BATCH, MAX_TOKENS, PROMPT_LEN = 2, 4, 48, 48
 PREFILL_ROWS = 256  # one prefill chunk's activation rows (max_prefill_chunk below)
 REPS = 200
 
@@ -149,9 +149,28 @@ def run_mapping(model: str, world: int, tp: int, ep: int, port: int, timeout: in
     return summarize(json.loads(lines[0].removeprefix("BENCH_RESULT ")))
 
 
+def combine(rounds: list[dict]) -> dict:
+    """One configuration over its rounds: medians, with the spread of the share (the VM's noise is large)."""
+    shares = [r["collective_share_median"] for r in rounds]
+    out = {"rounds": len(rounds), "steps_per_round": rounds[0]["steps"],
+           "step_ms_median": _median([r["step_ms_median"] for r in rounds]),
+           "collective_share_median": _median(shares), "collective_share_min": min(shares),
+           "collective_share_max": max(shares),
+           "command_bcast_share_median": _median([r["command_bcast_share_median"] for r in rounds]),
+           "per_round": rounds}  # fmt: skip
+    if rounds[0]["latency"]:
+        out["latency_us_median"] = {
+            size: {lib: _median([r["latency"][size][f"{lib}_us"] for r in rounds]) for lib in ("mpi4py", "gloo")}
+            | {"bytes": rounds[0]["latency"][size]["bytes"]}
+            for size in rounds[0]["latency"]
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench-collectives", description=__doc__.splitlines()[0])
     p.add_argument("--models", default="tiny,deep", help="directories under models/ (default tiny,deep)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds over every configuration, interleaved (default 3)")
     p.add_argument("--output", type=Path, default=ROOT / "bench_results" / "collectives.json")
     p.add_argument("--timeout", type=int, default=900, help="seconds per mpirun launch")
     p.add_argument("--worker", nargs=4, metavar=("MODEL", "TP", "EP", "GLOO_PORT"), help=argparse.SUPPRESS)
@@ -162,22 +181,30 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from runtime.serving.process import free_ports
 
+    raw: dict[tuple[str, str], list[dict]] = {}
+    for rnd in range(args.rounds):
+        for model in args.models.split(","):
+            for name, (world, tp, ep) in MAPPINGS.items():
+                res = run_mapping(model, world, tp, ep, free_ports(1)[0], args.timeout)
+                raw.setdefault((model, name), []).append(res)
+                print(f"round {rnd + 1} {model:5s} {name:12s} step {res['step_ms_median']:7.1f} ms  collectives "
+                      f"{100 * res['collective_share_median']:5.1f}%  command bcast "
+                      f"{100 * res['command_bcast_share_median']:4.1f}%", flush=True)  # fmt: skip
     results: dict = {}
-    for model in args.models.split(","):
-        for name, (world, tp, ep) in MAPPINGS.items():
-            t0 = time.perf_counter()
-            results.setdefault(model, {})[name] = res = run_mapping(model, world, tp, ep, free_ports(1)[0],
-                                                                    args.timeout)  # fmt: skip
-            print(f"{model:5s} {name:12s} step {res['step_ms_median']:7.1f} ms  collectives "
-                  f"{100 * res['collective_share_median']:5.1f}%  command bcast "
-                  f"{100 * res['command_bcast_share_median']:4.1f}%  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    doc = {"command": "python -m runtime.bench.collectives " + " ".join(argv or sys.argv[1:]),
+    for (model, name), rounds in raw.items():
+        results.setdefault(model, {})[name] = combine(rounds)
+    doc = {"command": "python -m runtime.bench.collectives " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads_per_rank": 1},
            "workload": {"K": K, "requests_per_dp_group": BATCH, "prompt_tokens": PROMPT_LEN, "max_tokens": MAX_TOKENS,
                         "prefill_rows": PREFILL_ROWS, "latency_reps": REPS},
            "results": results}  # fmt: skip
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(doc, indent=1) + "\n")
+    for model, by_name in results.items():
+        for name, r in by_name.items():
+            print(f"{model:5s} {name:12s} step {r['step_ms_median']:7.1f} ms  collectives "
+                  f"{100 * r['collective_share_median']:5.1f}% ({100 * r['collective_share_min']:.0f}-"
+                  f"{100 * r['collective_share_max']:.0f}%)")  # fmt: skip
     print(f"wrote {args.output}")
     return 0
 
