@@ -4,7 +4,7 @@ SOURCE: a checkpoint directory (torch executor, weights replicated over the TP g
 engine directory built with --tp-size (onnxruntime; its config gives TP and EP, the TP/EP arguments must match).
 Each DP leader serves its share of PROMPTS (chunked prefill, a shared prefix for prefix hits, requests
 arriving mid-run so batches mix prefill and decode); followers replay. For each K in KS (comma-separated) a
-fresh engine runs; rank 0 writes {"K": {"outputs": ..., "calls": [per-rank executor calls], "heads": [per-rank q heads],
+fresh engine runs ("auto": the leaders agree on each step's k over the leaders comm); rank 0 writes {"K": {"outputs": ..., "calls": [per-rank executor calls], "heads": [per-rank q heads],
 "collective_seconds": [...]}} to OUT.
 MODE "ok": as above. MODE "kill": every rank writes its pid to OUT.pid<rank>, the leaders serve forever.
 MODE "idle": the leader idles (no step in progress) for 2.5 x the collective timeout after its second step:
@@ -35,7 +35,7 @@ def prompts() -> tuple[list[list[int]], list[list[int]]]:
     return base, late
 
 
-def run_one(source: Path, k: int, tp: int, ep: int, timeout: float, mode: str, comm) -> dict | None:
+def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: str, comm) -> dict | None:
     if (source / "manifest.json").is_file():  # an engine: its limits and KV layout are its own
         kwargs: dict = dict(engine_dir=source, max_prefill_chunk=SETTINGS["max_prefill_chunk"])
     else:
@@ -96,7 +96,7 @@ def run_one(source: Path, k: int, tp: int, ep: int, timeout: float, mode: str, c
 
 def main() -> None:
     source, out_path, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    tp, ep, ks = int(sys.argv[4]), int(sys.argv[5]), [int(k) for k in sys.argv[6].split(",")]
+    tp, ep, ks = int(sys.argv[4]), int(sys.argv[5]), [k if k == "auto" else int(k) for k in sys.argv[6].split(",")]
     timeout = float(os.environ.get("MTP_TEST_COLLECTIVE_TIMEOUT", "60"))
     os.environ["OUT"] = out_path
     comm, rank, _ = mpi_world()

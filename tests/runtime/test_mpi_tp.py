@@ -2,10 +2,11 @@
 every executor call (runtime/tp_group.py); outputs equal the single-rank run; a killed, stalled or differently
 configured rank ends every rank with one line. Every launch has a timeout, so a hang fails the test.
 
-Mappings (tests/runtime/mpi_tp_worker.py, the tiny 4-expert checkpoint, weights replicated over the TP group,
-torch executor): TP2 (= TP2 with EP2: with 2 ranks the contract puts the routed experts on both), DP2 x TP2
-with EP4 (4 ranks: two schedules in DP lockstep over the leaders comm, experts exchanged over all ranks),
-and EP4 without TP; each runs K = 0, 1 and 3 with chunked prefill (8-token chunks), a prefix hit and late
+Mappings (tests/runtime/mpi_tp_worker.py, a random tiny 4-expert checkpoint sharded at load per the mapping
+contract, torch executor; and `mtp-build --tp-size` onnxruntime engines of models/tiny): TP2 (= TP2 with EP2: with 2 ranks the contract puts the routed experts on both), DP2 x TP2
+with EP4 (4 ranks: two schedules in DP lockstep over the leaders comm, experts exchanged over each column),
+DP2 x TP2 with EP2 (no expert exchange) and EP4 without TP; each runs K = 0, 1 and 3 (DP2 x TP2/EP4 also
+`auto`, agreed over the leaders comm) with chunked prefill (8-token chunks), a prefix hit and late
 arrivals that mix prefill and decode in one batch.
 """
 
@@ -75,11 +76,12 @@ def tp2_engine(tmp_path_factory):
     return build(tmp_path_factory.mktemp("tp2") / "engine", 2, 2, 2)
 
 
-@pytest.mark.parametrize("np_,tp,ep", [(2, 2, 2), (4, 2, 4), (4, 2, 2), (4, 1, 4)],
+@pytest.mark.parametrize("np_,tp,ep,ks", [(2, 2, 2, "0,1,3"), (4, 2, 4, "0,1,3,auto"), (4, 2, 2, "0,1,3"),
+                                         (4, 1, 4, "0,1,3")],
                          ids=["TP2-EP2", "DP2xTP2-EP4", "DP2xTP2-EP2", "EP4"])  # fmt: skip
-def test_tp_outputs_equal_single_rank(checkpoint, reference, tmp_path, np_, tp, ep):
+def test_tp_outputs_equal_single_rank(checkpoint, reference, tmp_path, np_, tp, ep, ks):
     out = tmp_path / "out.json"
-    proc = launch(np_, checkpoint, out, "ok", tp, ep, "0,1,3")
+    proc = launch(np_, checkpoint, out, "ok", tp, ep, ks)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     for k, res in results.items():
