@@ -49,9 +49,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--kv-block-size", type=int, default=16)
     p.add_argument("--num-draft-tokens", type=int, default=2, help="K: MTP draft depths per step")
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--ep-size", type=int, default=1)
-    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--world-size", type=int, default=1, help="ranks W (mpirun -np W); one graph set per rank")
+    p.add_argument("--ep-size", type=int, default=1,
+                   help="ranks the routed experts are split over: 1 or W (tp 1), tp-size or W (tp > 1)")  # fmt: skip
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel group size (divides W; W/tp data-parallel groups); docs/ARCHITECTURE.md §8")  # fmt: skip
     p.add_argument("--force", action="store_true",
                    help="replace an --output engine directory that is incomplete or from another version (never a "
                    "directory mtp-build did not write, never the checkpoint)")  # fmt: skip

@@ -270,7 +270,8 @@ def load_model(
         raise CheckpointError(f"n_routed_experts={cfg.n_routed_experts} does not split over ep_size={ep_size}")
     check_weights(cfg, weights, path)
     if mapping is None:
-        mapping = rank_mapping(ep_rank, Parallel(ep_size, ep_size, 1), cfg.n_routed_experts if cfg.has_moe else 0)
+        rank = ep_rank if ep_size > 1 else 0  # replicated experts: every rank loads the same (rank-0) shards
+        mapping = rank_mapping(rank, Parallel(ep_size, ep_size, 1), cfg.n_routed_experts if cfg.has_moe else 0)
     with torch.device("meta"):
         model = Glm4MoeMTPModel(cfg, mapping=mapping)
     expected = dict(model.state_dict())

@@ -3,6 +3,7 @@
 * `names`       plugin node names, their ONNX domain and versions (`installed_plugins`), incl. the TP collective nodes
 * `layout`      `KVLayout` (pool geometry + block-table width) and `table_width`, the one width function
 * `graph_io`    the graph I/O specs (names, dtypes, dims) and `feeds`, which builds an executor's feed dict
+* `mapping`     `RankMapping`: a rank's TP / DP / EP place derived from `Parallel`, and the mapping rules
 * `config`      `EngineConfig` (typed config.json) with `Limits`, `Parallel` and a JSON round trip
 * `paths`       `safe_path`: engine paths must stay inside the engine directory; `EngineDirError`
 * `directory`   writing config.json + manifest.json (sha256 of every file, config included), `load_engine_config`

@@ -56,3 +56,18 @@ def test_tp_forward_equals_single_rank(world, ep, tp, mode) -> None:
     code, out = run_mpi(world, "tests.models.mpi_tp_worker", str(world), str(ep), str(tp), mode, timeout=300)
     assert code == 0, out[-4000:]
     assert "TP_MODEL_RESULT failures=0" in out, out[-4000:]
+
+
+def test_load_model_keeps_todays_ep_arguments():
+    """Callers passing (ep_rank, ep_size) get today's slices: ep_size 1 on any rank = everything; EP2 = halves."""
+    from pathlib import Path
+
+    from models.checkpoint import load_model
+
+    tiny = Path(__file__).resolve().parents[2] / "models" / "tiny"
+    full, _ = load_model(tiny)
+    replicated, _ = load_model(tiny, ep_rank=1, ep_size=1)  # a DP rank > 0 with replicated experts
+    half, _ = load_model(tiny, ep_rank=1, ep_size=2)
+    w = full.layers[1].mlp.w_down
+    assert torch.equal(replicated.layers[1].mlp.w_down, w)
+    assert torch.equal(half.layers[1].mlp.w_down, w[w.shape[0] // 2 :])

@@ -52,6 +52,7 @@ def main() -> int:
                     np_gat = collectives.all_gather_numpy(inputs[rank], tp)
                     if not (np.allclose(np_red, ref_red, atol=1e-6) and np.array_equal(np_gat, ref_gat)):
                         failures.append(f"tp{tp} numpy {shape}")
+    failures += _moe_tp_cases(rank, size)
     if collectives.collective_seconds() <= 0.0:
         failures.append("collective_seconds did not grow")
     for f in failures:
@@ -60,6 +61,37 @@ def main() -> int:
     if rank == 0:
         print(f"COLLECTIVES_RESULT failures={total} ranks={size}", flush=True)
     return 1 if total else 0
+
+
+def _moe_tp_cases(rank: int, size: int) -> list[str]:
+    """mtp::moe_experts with tp_size > 1, all-reduced over the TP comm, equals moe_experts_ref (contract of
+    docs/ARCHITECTURE.md §8): EP == TP (no exchange) and EP == W (column exchange, uneven and empty DP groups)."""
+    import plugins.ops  # noqa: F401  (torch.ops.mtp.moe_experts)
+    from plugins.engine_format.config import Parallel
+    from plugins.engine_format.mapping import rank_mapping
+    from plugins.reference import moe_experts_ref
+
+    out: list[str] = []
+    num_experts, hidden, inter, top_k = 8, 16, 8, 3
+    for tp in [t for t in (2, 4) if size % t == 0]:
+        for ep in sorted({tp, size}):
+            m = rank_mapping(rank, Parallel(size, ep, tp), num_experts)
+            gen = torch.Generator().manual_seed(4321)
+            w_gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.2
+            w_down = torch.randn(num_experts, hidden, inter, generator=gen) * 0.2
+            group = torch.Generator().manual_seed(77 + m.dp_rank)  # one batch per DP group, shared by its TP ranks
+            tokens = [6, 0, 3, 9][m.dp_rank]
+            x = torch.randn(tokens, hidden, generator=group)
+            ids = torch.argsort(torch.rand(tokens, num_experts, generator=group), dim=1)[:, :top_k]
+            weights = torch.rand(tokens, top_k, generator=group)
+            lo, hi = m.expert_lo, m.expert_hi
+            part = torch.ops.mtp.moe_experts(x, ids, weights, w_gate_up[lo:hi], w_down[lo:hi], num_experts, ep, tp,
+                                             m.tp_rank)  # fmt: skip
+            got = torch.ops.mtp.all_reduce(part, tp)
+            want = moe_experts_ref(x, ids, weights, w_gate_up, w_down)
+            if got.shape != want.shape or not torch.allclose(got, want, atol=1e-5):
+                out.append(f"moe tp{tp} ep{ep}")
+    return out
 
 
 if __name__ == "__main__":  # python -m tests.plugins.mpi_collectives_worker, under mpirun
