@@ -6,7 +6,7 @@ TINY    := models/tiny
 DEEP    := models/deep
 ENGINE  := engines/deep
 
-.PHONY: install test lint demo bench bench-peers soak tiny-model deep-model gpu-check clean
+.PHONY: install test lint demo bench bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	python3 -m venv .venv
@@ -45,6 +45,10 @@ LLAMA_BINS    := llama-speculative-simple llama-completion llama-tokenize
 bench: $(STAMP)
 	$(PY) -m runtime.bench --checkpoint $(BENCH_CKPT) --engine $(BENCH_ENGINE) --threads $(BENCH_THREADS) \
 		--llama-cpp $(LLAMA_BUILD)/bin
+
+# Share of step time in collectives at 1/2/4 ranks (TP2, DP2xTP2/EP4, EP4) + mpi4py vs gloo (docs/PERFORMANCE.md).
+bench-collectives: $(STAMP)
+	$(PY) -m runtime.bench.collectives --output bench_results/collectives.json
 
 $(LLAMA_SRC)/CMakeLists.txt:
 	mkdir -p $(PEERS)

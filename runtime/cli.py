@@ -4,7 +4,9 @@
     mpirun -np 2 mtp-run --engine DIR_EP2 --prompts-file prompts.txt --json
 
 --json prints JSON Lines: one object per request, then {"summary": {...}} (format in README.md).
-Under mpirun each rank serves prompts[rank::world_size] and only rank 0 prints (it gathers the rest).
+Under mpirun the world size and mapping come from the engine (docs/RUNTIME.md, "Multi-rank mappings"): the
+leader of DP group d serves prompts[d::dp_size], its TP followers replay its executor calls, and only
+rank 0 prints (it gathers the other leaders' results). --collective-timeout arms the watchdog.
 
 Errors are one line on stderr (`--debug` adds the traceback): exit 2 for bad input, 1 for a rejected
 request or an internal error, 130 for Ctrl-C (a single process still prints every finished request).
@@ -24,8 +26,10 @@ from pathlib import Path
 from runtime.admission import RequestError, validate_params
 from runtime.config import ConfigError
 from runtime.factory import EXECUTORS, create_engine
-from runtime.parallel import RanksDisagree, describe, exit_failed_rank, lockstep_stream, mpi_world
+from runtime.parallel import EveryRankError, describe, exit_failed_rank, lockstep_stream, mpi_world
 from runtime.sampling import SamplingParams
+from runtime.tp_group import run_follower
+from runtime.watchdog import DEFAULT_TIMEOUT_S, check_timeout
 
 PROG = "mtp-run"
 # Errors that mean the user's input (flags, files, engine directory) is wrong: one line, exit 2.
@@ -63,6 +67,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--num-blocks", type=int, default=None)
     r.add_argument("--prefill-chunk", type=int, default=None, help="longest prefill chunk per step")
     r.add_argument("--no-prefix-caching", action="store_true")
+    r.add_argument("--tp-size", type=int, default=None,
+                   help="--checkpoint under mpirun: tensor-parallel group size (an engine records its own)")
+    r.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="under mpirun: a rank blocked this long in a collective exits with one line (default 60)")
     p.add_argument("--json", action="store_true", help="JSON Lines output (see README)")
     p.add_argument("--debug", action="store_true", help="print the Python traceback of an error")
     return p
@@ -86,13 +94,14 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def run(args, comm=None, rank: int = 0, world: int = 1) -> int:
+def run(args, rank: int = 0, world: int = 1) -> int:
     executor = args.executor or ("onnxruntime" if args.engine else "torch")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens, stop=tuple(args.stop), acceptance=args.acceptance)  # fmt: skip
     # Checked before the engine loads (seconds): the flags are the same for every prompt, so a bad one is
     # a bad command line, not N rejected requests. No end_id comes from the CLI, so the vocab bound is moot.
     validate_params(params, vocab_size=2**63)
+    check_timeout(args.collective_timeout)
     prompts = read_prompts(args)
     if executor == "tensorrt":
         from runtime.executors.trt_executor import tensorrt_runtime_missing
@@ -105,20 +114,25 @@ def run(args, comm=None, rank: int = 0, world: int = 1) -> int:
         num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch, max_num_tokens=args.max_num_tokens,
         num_blocks=args.num_blocks, max_prefill_chunk=args.prefill_chunk,
         enable_prefix_caching=False if args.no_prefix_caching else None,
-        commit_pass=False if args.no_commit_pass else None,
+        commit_pass=False if args.no_commit_pass else None, collective_timeout=args.collective_timeout, prog=PROG,
+        tp_size=args.tp_size,
     )  # fmt: skip
-    mine = list(range(rank, len(prompts), world))
+    role = engine.rank_role
+    if role is not None and not role.is_leader:  # a TP follower: replays the leader's calls, prints nothing
+        return run_follower(role, PROG, args.debug)
+    dp_rank, dp_size = (role.mapping.dp_rank, role.mapping.dp) if role is not None else (0, 1)
+    mine = list(range(dp_rank, len(prompts), dp_size))
     ids, errors = {}, {}
     for i in mine:
         try:
             ids[engine.add_request(prompts[i], params, req_id=f"prompt-{i}")] = i
         except RequestError as e:  # rejected alone; the others run
             errors[i] = str(e)
-    stream_live = not args.json and rank == 0 and world == 1 and len(prompts) == 1
+    stream_live = not args.json and world == 1 and len(prompts) == 1
     t0 = time.perf_counter()
     finals, shown, interrupted = {}, "", False
     try:
-        for out in lockstep_stream(engine, comm):
+        for out in lockstep_stream(engine):
             if stream_live and out.new_token_ids and out.text.startswith(shown):
                 sys.stdout.write(out.text[len(shown) :])  # print only the new text (a stop string may cut it back)
                 shown = out.text
@@ -131,11 +145,13 @@ def run(args, comm=None, rank: int = 0, world: int = 1) -> int:
         interrupted = True  # a single process keeps what finished and prints it below
         errors.update({i: "interrupted (Ctrl-C) before it finished" for i in mine if i not in finals})
     wall = time.perf_counter() - t0
+    if role is not None:
+        role.stop()  # the followers leave follow() and exit 0
     records = [_record(prompts[i], finals.get(i), errors.get(i)) for i in mine]
     summary = engine.metrics.summary(wall, len(mine))
-    if comm is not None and world > 1:
-        gathered = comm.gather((mine, records, summary, engine.metrics, wall), root=0)
-        if rank != 0:
+    if role is not None and dp_size > 1:  # one record set per DP group, from its leader
+        gathered = role.leaders_comm.gather((mine, records, summary, engine.metrics, wall), root=0)
+        if dp_rank != 0:
             return 0
         order = [i for g in gathered for i in g[0]]
         records = [r for _, r in sorted(zip(order, [r for g in gathered for r in g[1]], strict=True), key=lambda x: x[0])]
@@ -190,10 +206,10 @@ def _print(records: list[dict], summary: dict, as_json: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    comm, rank, world = mpi_world()
+    _, rank, world = mpi_world()
     try:
-        return run(args, comm, rank, world)
-    except RanksDisagree as e:  # raised on every rank alike: all exit 2, rank 0 says why
+        return run(args, rank, world)
+    except EveryRankError as e:  # raised on every rank alike: all exit 2, rank 0 says why
         if rank == 0:
             print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

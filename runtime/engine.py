@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -47,6 +48,9 @@ from runtime.sampling import (
     sample,
 )
 from runtime.scheduler import ScheduledRequest, Scheduler
+
+if TYPE_CHECKING:
+    from runtime.tp_group import RankRole
 
 __all__ = ["LLMEngine", "RequestError", "RequestOutput"]
 
@@ -73,12 +77,10 @@ class LLMEngine:
         self._exec_seconds = 0.0  # executor time within the current step
         # --num-draft-tokens auto: self.k is the maximum, the controller picks each step's k (draft_length.py)
         self.draft_length = DraftLengthController(self.k) if cfg.auto_draft_tokens and self.k else None
-        self._gather = None  # multi-rank: every rank's StepSample, so all ranks decide from the same numbers
-        if self.draft_length is not None and lockstep:
-            from runtime.parallel import mpi_world  # lazy: parallel imports this module
-
-            comm, _, size = mpi_world()
-            self._gather = comm.allgather if comm is not None and size > 1 else None
+        # Multi-rank (set by runtime/tp_group.join from create_engine): this rank's RankRole, and with several
+        # DP groups the leaders comm's allgather of every leader's StepSample, so all decide from the same numbers
+        self.rank_role: RankRole | None = None
+        self.lockstep_gather: Callable[[np.ndarray], list[np.ndarray]] | None = None
         # auto's cost of a draft length k is a cycle: the draft loop that made k drafts plus the next step
         self._prev_draft = (0.0, 0.0, 0.0)  # the previous step's draft loop: (wall seconds, depths, requests)
         self._cycle = (0.0, 0.0, 0.0, 0.0)  # the last finished cycle: (seconds, depths, requests, verify rows)
@@ -183,8 +185,8 @@ class LLMEngine:
         ctl = self.draft_length
         if ctl is None:
             return self.k
-        if self._gather is not None:
-            sample = combine(self._gather(sample.to_array(self.k)), self.k)
+        if self.lockstep_gather is not None:
+            sample = combine(self.lockstep_gather(sample.to_array(self.k)), self.k)
         ctl.observe(sample)
         return ctl.choose(sample.num_drafting, sample.base_rows, sample.remaining)
 

@@ -6,14 +6,19 @@ and the benchmarks all call `create_engine`.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from plugins.engine_format import EngineConfig, KVLayout, Limits, load_engine_config
+from plugins.engine_format.config import Parallel
+from plugins.engine_format.mapping import MappingError, check_model, rank_mapping
 from runtime.config import ConfigError, RuntimeConfig
 from runtime.engine import LLMEngine
 from runtime.executors.base import Executor
+from runtime.tp_group import join
+from runtime.watchdog import DEFAULT_TIMEOUT_S
 
 EXECUTORS = ("onnxruntime", "torch", "tensorrt")
 
@@ -38,6 +43,10 @@ def create_engine(
     cuda_graphs: bool = False,
     threads: int | None = None,
     seed: int = 0,
+    tp_size: int | None = None,
+    ep_size: int | None = None,
+    collective_timeout: float = DEFAULT_TIMEOUT_S,
+    prog: str | None = None,
     **overrides,
 ) -> LLMEngine:
     """Args:
@@ -47,6 +56,9 @@ def create_engine(
         device, cuda_graphs: torch executor only ("cuda" + cuda_graphs=True replays captured graphs).
         threads: onnxruntime intra-op threads (default: what the engine recorded); torch uses torch.set_num_threads.
         seed: engine seed; an unseeded request samples from a generator derived from (seed, request id).
+        tp_size, ep_size: the mapping of a checkpoint run (an engine directory records its own): the weights
+            are sharded at load per the mapping contract (ep_size default: world_size).
+        collective_timeout, prog: multi-rank only: the watchdog's deadline and the program its line names.
         overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...); num_draft_tokens="auto"
             picks the draft length per step, up to the engine's built K (runtime/draft_length.py).
     """
@@ -61,6 +73,10 @@ def create_engine(
         if ecfg.world_size != world_size:
             raise ConfigError(f"engine {engine_dir} was built for world_size={ecfg.world_size} but "
                               f"{world_size} rank(s) were launched: use mpirun -np {ecfg.world_size}")  # fmt: skip
+        parallel = ecfg.parallel
+        if tp_size is not None and tp_size != parallel.tp_size:
+            raise ConfigError(f"--tp-size {tp_size}: engine {engine_dir} was built for tp_size={parallel.tp_size}; "
+                              "drop the flag (an engine records its mapping) or rebuild with mtp-build --tp-size")  # fmt: skip
         cfg = replace(engine_defaults(ecfg), **overrides)
         check_within_engine(cfg, ecfg.limits, ecfg.kv, ecfg.num_draft_tokens)
         model_cfg, tokenizer = ecfg.model, load_tokenizer(Path(engine_dir))
@@ -75,7 +91,7 @@ def create_engine(
             ex = TrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)
         else:
             checkpoint = checkpoint or ecfg.checkpoint["path"]
-            ex, model_cfg = _torch_executor(checkpoint, cfg, rank, ecfg.parallel.ep_size, device, cuda_graphs)
+            ex, model_cfg = _torch_executor(checkpoint, cfg, rank, parallel, device, cuda_graphs)
     else:
         if checkpoint is None:
             raise ConfigError("give --engine DIR (built by mtp-build) or --checkpoint DIR (torch executor)")
@@ -83,11 +99,14 @@ def create_engine(
             raise ConfigError(f"executor {executor!r} needs an engine directory; build one with mtp-build "
                               "or use --executor torch with --checkpoint")  # fmt: skip
         cfg = RuntimeConfig(**overrides)
-        ex, model_cfg = _torch_executor(checkpoint, cfg, rank, world_size, device, cuda_graphs)
+        parallel = Parallel(world_size, world_size if ep_size is None else ep_size, tp_size or 1)
+        ex, model_cfg = _torch_executor(checkpoint, cfg, rank, parallel, device, cuda_graphs)
         tokenizer = load_tokenizer(Path(checkpoint))
     if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:
         cfg = replace(cfg, num_draft_tokens=0)  # the checkpoint has no MTP module: plain decoding
     engine = LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1, seed=seed)
+    if world_size > 1:  # collective: every rank agrees on the settings here (RanksDisagree on every rank)
+        join(engine, parallel, collective_timeout, prog or Path(sys.argv[0]).stem or "mtp")
     if engine.draft_length is not None and (executor == "onnxruntime" or (executor == "torch" and device == "cpu")):
         engine.draft_clock = time.process_time  # CPU executors: auto's costs in CPU work, immune to other jobs
     return engine
@@ -121,11 +140,21 @@ def check_within_engine(cfg: RuntimeConfig, lim: Limits, kv: KVLayout, k: int) -
                           f"{kv.table_width}; lower max_seq_len or num_draft_tokens")  # fmt: skip
 
 
-def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, ep_size: int, device: str, cuda_graphs: bool):
-    from models.checkpoint import load_model
+def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, parallel: Parallel, device: str, cuda_graphs: bool):
+    """The model sliced to this rank's shards (TP heads / MLP / vocab, EP experts: the mapping contract)."""
+    from models.checkpoint import load_model, read_model_config
     from runtime.executors.torch_executor import TorchExecutor
 
-    model, _ = load_model(checkpoint, ep_rank=rank, ep_size=ep_size)
+    mc = read_model_config(checkpoint)[0]
+    experts = mc.n_routed_experts if mc.has_moe else 0
+    w, ep, tp = parallel.world_size, parallel.ep_size, parallel.tp_size
+    try:
+        check_model(w, ep, tp, num_experts=experts, num_heads=mc.num_attention_heads,
+                    num_kv_heads=mc.num_key_value_heads, vocab_size=mc.vocab_size)  # fmt: skip
+        mapping = rank_mapping(rank, parallel, experts)
+    except MappingError as e:
+        raise ConfigError(f"{e} (--checkpoint {checkpoint})") from None
+    model, _ = load_model(checkpoint, mapping=mapping)
     executor = TorchExecutor(model, cfg.num_blocks, cfg.block_size, device=device, cuda_graphs=cuda_graphs,
                              max_batch=cfg.max_batch, num_draft_tokens=cfg.num_draft_tokens,
                              max_blocks_per_request=cfg.max_blocks_per_request)  # fmt: skip

@@ -1,7 +1,7 @@
 """The settings every rank of a lockstep (mpirun) job must share, and the first field where two ranks differ.
 
 Ranks exchange tokens inside every MoE layer, so they must issue the same collectives in the same order:
-same model layers, same draft depth k, same limits, same executor. A rank launched with other settings
+same model layers, same draft depth k, same limits, same executor, same rank mapping (tp/ep/world size). A rank launched with other settings
 (say another --num-draft-tokens) would otherwise block forever in a mismatched collective. This module is
 pure: `settings_fingerprint` flattens the engine's dataclasses into a dict of dotted keys, and
 `first_difference` compares the gathered dicts; runtime/parallel.py does the allgather.
@@ -29,9 +29,10 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value if isinstance(value, int | float | str | bool | None) else repr(value)
 
 
-def settings_fingerprint(engine) -> dict[str, Any]:
-    """Dotted keys -> plain values: model.*, runtime.*, executor, engine.* (engine-directory executors)."""
-    out: dict[str, Any] = {"executor": type(engine.executor).__name__}
+def settings_fingerprint(engine, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Dotted keys -> plain values: model.*, runtime.*, executor, engine.* (engine-directory executors), plus
+    `extra` (the launch-wide settings: the rank mapping parallel.*, the collective timeout)."""
+    out: dict[str, Any] = {"executor": type(engine.executor).__name__, **(extra or {})}
     _flatten("model", engine.model_cfg, out)
     _flatten("runtime", engine.cfg, out)
     engine_cfg = getattr(engine.executor, "config", None)  # the EngineConfig of onnxruntime / tensorrt

@@ -1,13 +1,15 @@
-"""Multi-rank driving under mpirun: data-parallel attention + expert-parallel MoE (design: docs/ARCHITECTURE.md).
+"""Multi-rank driving under mpirun: the DP lockstep of the schedulers (design: docs/ARCHITECTURE.md §8).
 
-Each rank serves its own share of the requests with its own engine; MoE layers exchange tokens with
-all-to-all inside the forwards, so all ranks step in lockstep: before each step they agree (allreduce)
-whether any rank still has work, and an idle rank runs dummy forwards (runtime/engine.py). Sampling
-decisions are per request and each request lives on exactly one rank, so they are made once.
+Each DP group (a TP group: runtime/tp_group.py; with TP1 a single rank) serves its own share of the requests;
+its leader runs the engine. MoE layers exchange tokens with all-to-all inside the forwards, so the leaders
+step in lockstep: before each step they agree (allreduce over the leaders comm) whether any group still has
+work, and an idle leader runs dummy forwards (runtime/engine.py), which its followers replay. Sampling
+decisions are per request and each request lives in exactly one group, so they are made once.
 
 No path may hang silently:
 * at start-up the ranks allgather their settings fingerprint (runtime/fingerprint.py); on any difference
   every rank raises the same `RanksDisagree` (rank 0 prints it) instead of entering mismatched collectives;
+* a collective that waits past --collective-timeout ends its rank with one line (runtime/watchdog.py);
 * a rank that fails prints one line and exits non-zero; the launcher then terminates the others, which are
   blocked in a collective (see `exit_failed_rank`).
 
@@ -32,8 +34,12 @@ T = TypeVar("T")
 LAUNCHER_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE")
 
 
-class RanksDisagree(ConfigError):
-    """Raised on EVERY rank with the same message, so all ranks exit together without an abort."""
+class EveryRankError(ConfigError):
+    """Raised on EVERY rank with the same message, so all ranks exit together without an abort (rank 0 prints)."""
+
+
+class RanksDisagree(EveryRankError):
+    """The start-up settings agreement failed (runtime/fingerprint.py names the first difference)."""
 
 
 def launched_by_mpi() -> bool:
@@ -52,24 +58,27 @@ def mpi_world():
     return comm, comm.Get_rank(), comm.Get_size()
 
 
-def agree_on_settings(engine: LLMEngine, comm) -> None:
-    """Allgather every rank's settings fingerprint; raise RanksDisagree on every rank if any differs."""
+def agree_on_settings(engine: LLMEngine, comm, extra: dict | None = None) -> None:
+    """Allgather every rank's settings fingerprint (+ extra: the mapping); raise RanksDisagree on every rank
+    if any differs. Called once at start-up by runtime/tp_group.join, over COMM_WORLD (followers included)."""
     if comm is None or comm.Get_size() == 1:
         return
-    problem = first_difference(comm.allgather(settings_fingerprint(engine)))
+    problem = first_difference(comm.allgather(settings_fingerprint(engine, extra)))
     if problem is not None:
         raise RanksDisagree(problem)
 
 
-def lockstep_stream(engine: LLMEngine, comm) -> Iterator[RequestOutput]:
-    """Check the ranks agree, then step until no rank has work; every rank calls step() equally often."""
-    agree_on_settings(engine, comm)
+def lockstep_stream(engine: LLMEngine) -> Iterator[RequestOutput]:
+    """A leader's stream: step until no DP group has work; every leader calls step() equally often.
+
+    The busy check runs over the leaders comm (runtime/tp_group.py; armed by the watchdog) and only with
+    several DP groups; the ranks agreed on their settings when the engine was created (create_engine).
+    """
+    role = engine.rank_role
+    leaders = role if role is not None and role.mapping.dp > 1 else None
     while True:
         busy = engine.has_unfinished()
-        if comm is None or comm.Get_size() == 1:
-            if not busy:
-                return
-        elif not comm.allreduce(int(busy)):
+        if not (leaders.leaders_allreduce(int(busy)) if leaders is not None else busy):
             return
         yield from engine.step()
 
@@ -105,13 +114,13 @@ def describe(error: BaseException) -> str:
 def abort_on_error(fn: Callable[[], T], prog: str = "mtp", debug: bool = False) -> T:
     """Run fn(); a multi-rank failure becomes one line and a non-zero exit of the job (no silent hang).
 
-    A single process re-raises (the caller prints it), and so does RanksDisagree, which every rank raises
-    together and can exit from normally.
+    A single process re-raises (the caller prints it), and so does an EveryRankError (RanksDisagree), which
+    every rank raises together and can exit from normally.
     """
     comm, rank, size = mpi_world()
     try:
         return fn()
-    except (SystemExit, RanksDisagree):
+    except (SystemExit, EveryRankError):
         raise
     except BaseException as e:  # noqa: BLE001 - we re-raise or exit
         if size <= 1:

@@ -25,8 +25,10 @@ from string import Template
 
 from runtime.draft_length import parse_num_draft_tokens
 from runtime.factory import EXECUTORS
+from runtime.parallel import launched_by_mpi, mpi_world
 from runtime.serving.openai.cli_args import add_openai_args
 from runtime.serving.process import MODEL_NAME, ServeError, TritonServer, free_ports, port_is_free
+from runtime.watchdog import DEFAULT_TIMEOUT_S
 
 __all__ = ["MODEL_NAME", "ServeError", "TritonServer", "free_ports", "main", "port_is_free", "write_model_repo"]
 TEMPLATE_DIR = Path(__file__).resolve().parent / "triton_model"
@@ -101,6 +103,10 @@ def parser() -> argparse.ArgumentParser:
                    help="on SIGTERM: seconds in-flight streams may run before they get a final error")
     p.add_argument("--log", type=Path, default=None, help="server log file (default: OUT/tritonserver.log)")
     p.add_argument("--generate-only", action="store_true", help="write the model repository and exit")
+    p.add_argument("--tp-size", type=int, default=None,
+                   help="--checkpoint under mpirun (--frontend openai): tensor-parallel group size")
+    p.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="under mpirun (--frontend openai): a rank blocked this long in a collective exits (default 60)")
     return p
 
 
@@ -108,6 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.drain_timeout < 0:
         print(f"mtp-serve: error: --drain-timeout {args.drain_timeout:g}: must be >= 0", file=sys.stderr)
+        return 2
+    if not args.collective_timeout > 0:
+        print(f"mtp-serve: error: --collective-timeout {args.collective_timeout:g}: must be > 0 seconds",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.frontend == "triton" and launched_by_mpi() and mpi_world()[2] > 1:
+        # The model runs inside tritonserver's Python-backend stub, a process outside the MPI job: followers
+        # would have no leader to replay. Every rank refuses alike; rank 0 says why.
+        if mpi_world()[1] == 0:
+            print("mtp-serve: error: --frontend triton cannot run under mpirun (its model runs in tritonserver's "
+                  "Python-backend stub, outside the MPI job); use --frontend openai for multi-rank engines",
+                  file=sys.stderr)  # fmt: skip
         return 2
     if args.frontend == "openai":
         from runtime.serving.openai.server import run

@@ -28,7 +28,7 @@ def main() -> None:
         return k
 
     engine._choose_draft_length = record
-    outputs = {o.req_id: o.output_ids for o in lockstep_stream(engine, comm) if o.finished}
+    outputs = {o.req_id: o.output_ids for o in lockstep_stream(engine) if o.finished}
     gathered = comm.gather((outputs, chosen), root=0)
     if rank == 0:
         merged = {k: v for d, _ in gathered for k, v in d.items()}

@@ -41,9 +41,9 @@ def main() -> None:
         with open(f"{out_path}.pid{rank}", "w") as f:
             f.write(str(os.getpid()))
         engine.add_request(prompts[0], SamplingParams(max_tokens=10), req_id=f"r{rank}-0")
-        for n, _ in enumerate(o for o in lockstep_stream(engine, comm) if o.finished):
+        for n, _ in enumerate(o for o in lockstep_stream(engine) if o.finished):
             engine.add_request(prompts[n % 3], SamplingParams(max_tokens=10), req_id=f"r{rank}-{n + 1}")
-    outputs = {o.req_id: o.output_ids for o in lockstep_stream(engine, comm) if o.finished}
+    outputs = {o.req_id: o.output_ids for o in lockstep_stream(engine) if o.finished}
     gathered = comm.gather(outputs, root=0)
     if rank == 0:
         merged = {k: v for d in gathered for k, v in d.items()}

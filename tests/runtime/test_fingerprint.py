@@ -20,3 +20,12 @@ def test_fingerprint_covers_model_runtime_and_executor():
         "ranks disagree on model.num_hidden_layers: rank 0 has ")
     missing = {k: v for k, v in fp.items() if k != "executor"}
     assert "rank 1 has '<missing>'" in first_difference([fp, missing])
+
+
+def test_the_launch_mapping_is_part_of_the_fingerprint():
+    """A rank launched with another --collective-timeout or mapping is named at start-up, not in a hang."""
+    engine = make_engine(2)
+    a = settings_fingerprint(engine, {"parallel.tp_size": 2, "watchdog.collective_timeout": 60.0})
+    b = settings_fingerprint(engine, {"parallel.tp_size": 2, "watchdog.collective_timeout": 5.0})
+    assert first_difference([a, b]) == ("ranks disagree on watchdog.collective_timeout: rank 0 has 60.0, rank 1 "
+                                        "has 5.0; launch every rank with the same engine and flags")  # fmt: skip

@@ -78,6 +78,10 @@ class EngineLoop:
         return self._thread.is_alive() and not self._draining
 
     @property
+    def thread_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def num_in_flight(self) -> int:
         return self._num_in_flight
 

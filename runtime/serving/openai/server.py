@@ -35,17 +35,34 @@ def load_chat_template(directory: Path | None):
     return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
 
 
-def build_state(args: Any) -> ServeState:
+def create_serving_engine(args: Any):
+    """The engine of this rank. Under mpirun (a TP engine, `mpirun -np TP mtp-serve --frontend openai`) rank 0
+    serves HTTP and every other rank is a follower; several DP groups would need an HTTP server per leader
+    and are refused (the same on every rank, so every rank exits 2 and rank 0 prints the line)."""
     from runtime.factory import create_engine
+    from runtime.parallel import EveryRankError, mpi_world
 
     if args.torch_threads:
         import torch
 
         torch.set_num_threads(args.torch_threads)
+    _, rank, world = mpi_world()
     engine = create_engine(engine_dir=args.engine, checkpoint=args.checkpoint,
                            executor=args.executor or ("onnxruntime" if args.engine else "torch"),
                            num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
-                           num_blocks=args.num_blocks)  # fmt: skip
+                           num_blocks=args.num_blocks, rank=rank, world_size=world,
+                           collective_timeout=getattr(args, "collective_timeout", 60.0),
+                           tp_size=getattr(args, "tp_size", None), prog="mtp-serve")  # fmt: skip
+    role = engine.rank_role
+    if role is not None and role.mapping.dp > 1:
+        raise EveryRankError(f"mtp-serve serves one TP group; this engine has {role.mapping.dp} data-parallel groups "
+                          f"(world_size {role.mapping.world}, tp_size {role.mapping.tp}): rebuild it with "
+                          f"--world-size equal to --tp-size, or use mtp-run")  # fmt: skip
+    return engine
+
+
+def build_state(args: Any, engine=None) -> ServeState:
+    engine = engine if engine is not None else create_serving_engine(args)
     metrics = ServeMetrics()
     max_queue = args.max_queue if args.max_queue is not None else 4 * engine.cfg.max_batch + 64
     loop = EngineLoop(engine, max_queue, on_step=metrics.engine.update)
@@ -57,15 +74,39 @@ def build_state(args: Any) -> ServeState:
 
 
 def run(args: Any) -> int:
-    import uvicorn
-
     from runtime.config import ConfigError
+    from runtime.parallel import EveryRankError, exit_failed_rank, mpi_world
+    from runtime.tp_group import run_follower
 
+    _, rank, world = mpi_world()
     try:
-        st = build_state(args)
+        engine = create_serving_engine(args)
+    except EveryRankError as e:  # raised alike on every rank: all exit 2, rank 0 says why
+        if rank == 0:
+            print(f"mtp-serve: error: {e}", file=sys.stderr)
+        return 2
     except (ConfigError, ValueError, OSError) as e:
+        if world > 1:  # this rank alone: the others wait in a start-up collective, so end the job
+            exit_failed_rank(rank, e, "mtp-serve", code=2)
         print(f"mtp-serve: error: {e}", file=sys.stderr)
         return 2
+    role = engine.rank_role
+    if role is not None and not role.is_leader:  # replays the leader's executor calls until it shuts down
+        return run_follower(role, "mtp-serve")
+    st: ServeState | None = None
+    try:
+        st = build_state(args, engine)
+        return _serve(args, st)
+    finally:
+        if role is not None:  # the followers exit with us, whatever ended the server
+            if st is not None and st.loop.thread_alive:  # it may still step: a STOP now would race its broadcasts; end the job
+                exit_failed_rank(rank, RuntimeError("the engine loop did not stop; ending the job"), "mtp-serve")
+            role.stop()
+
+
+def _serve(args: Any, st: ServeState) -> int:
+    import uvicorn
+
     drained = [True]
 
     @contextlib.asynccontextmanager

@@ -1,0 +1,130 @@
+"""The collective watchdog: a rank blocked in a collective past `--collective-timeout` exits with one line.
+
+A collective whose partner stalled (or died without the launcher noticing) blocks forever inside MPI. Each
+rank therefore arms a deadline around every collective-bearing wait (the leaders' lockstep allreduce and
+draft-length allgather, every executor call, a follower's wait for the leader's next call within a step);
+one daemon thread checks the deadline a few times a second and, past it, prints
+
+    mtp-run: error: [rank 1] step 17: main forward did not complete within 60 s (another rank stalled or died); exiting
+
+and leaves at once (os._exit, as runtime/parallel.exit_failed_rank: MPI_Finalize would block on the stalled
+peer), so the launcher ends the job. Arming is two attribute writes, so it costs nothing per call.
+
+Idle waits are NOT armed: a serving leader with no requests issues no collective, and its followers wait
+for the next step's first call with the deadline off (the leader tells them a step ended). A rank that
+dies while idle ends the job through the launcher (Open MPI terminates the job when a rank exits non-zero).
+Start-up (loading, the settings agreement) is not armed either: load times legitimately differ.
+
+Fault injection (tests only, docs/RELIABILITY.md): `MTP_FAULT_STALL=RANK:STEP:SECONDS` makes rank RANK sleep
+SECONDS inside the main forward of its step STEP (counted from 1), where its own deadline is armed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+DEFAULT_TIMEOUT_S = 60.0
+FAULT_ENV = "MTP_FAULT_STALL"
+EXIT_CODE = 1
+
+
+@dataclass(frozen=True)
+class Stall:
+    """An injected stall: rank `rank` sleeps `seconds` in the main forward of step `step`."""
+
+    rank: int
+    step: int
+    seconds: float
+
+
+def parse_stall(text: str | None) -> Stall | None:
+    """`RANK:STEP:SECONDS` -> Stall; None for unset/empty. Bad text is a ValueError naming the format."""
+    if not text:
+        return None
+    try:
+        rank, step, seconds = text.split(":")
+        return Stall(int(rank), int(step), float(seconds))
+    except ValueError:
+        raise ValueError(f"{FAULT_ENV}={text!r}: expected RANK:STEP:SECONDS, e.g. 1:5:30") from None
+
+
+def check_timeout(seconds: float) -> float:
+    if not seconds > 0:
+        raise ValueError(f"--collective-timeout {seconds:g}: must be > 0 seconds")
+    return float(seconds)
+
+
+class Watchdog:
+    """One per rank. `guard(what)` arms the deadline around a wait; `step` names the step in the message."""
+
+    def __init__(self, timeout_s: float, rank: int, prog: str = "mtp", poll_s: float | None = None) -> None:
+        self.timeout_s = check_timeout(timeout_s)
+        self.rank, self.prog = rank, prog
+        self.step = 0  # the step being executed (1-based; 0 = before the first step)
+        self._what: str | None = None
+        self._deadline: float | None = None
+        self._poll = poll_s if poll_s is not None else min(0.25, self.timeout_s / 4)
+        self.stall = parse_stall(os.environ.get(FAULT_ENV))
+        threading.Thread(target=self._watch, name="mtp-collective-watchdog", daemon=True).start()
+
+    def arm(self, what: str) -> None:
+        self._what = what
+        self._deadline = time.monotonic() + self.timeout_s
+
+    def disarm(self) -> None:
+        self._deadline = None
+
+    def guard(self, what: str) -> _Guard:
+        return _Guard(self, what)
+
+    def guarded(self, fn, what: str):
+        """fn wrapped so that every call is armed (the leaders comm's allreduce / allgather)."""
+
+        def call(*args, **kwargs):
+            with self.guard(what):
+                return fn(*args, **kwargs)
+
+        return call
+
+    def maybe_stall(self) -> None:
+        """The test-only fault: sleep inside an armed main forward of the configured rank and step."""
+        s = self.stall
+        if s is not None and s.rank == self.rank and s.step == self.step:
+            time.sleep(s.seconds)
+
+    def message(self, what: str) -> str:
+        return (f"{self.prog}: error: [rank {self.rank}] step {self.step}: {what} did not complete within "
+                f"{self.timeout_s:g} s (another rank stalled or died); exiting")  # fmt: skip
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self._poll)
+            deadline, what = self._deadline, self._what
+            if deadline is not None and time.monotonic() > deadline and what is not None:
+                self._fire(what)
+
+    def _fire(self, what: str) -> None:
+        print(self.message(what), file=sys.stderr)
+        sys.stderr.flush()
+        if "OMPI_COMM_WORLD_SIZE" not in os.environ:  # not Open MPI: its job-ending on a non-zero exit is not given
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(EXIT_CODE)
+        os._exit(EXIT_CODE)
+
+
+class _Guard:
+    __slots__ = ("dog", "what")
+
+    def __init__(self, dog: Watchdog, what: str) -> None:
+        self.dog, self.what = dog, what
+
+    def __enter__(self) -> None:
+        self.dog.arm(self.what)
+
+    def __exit__(self, *exc) -> None:
+        self.dog.disarm()
