@@ -29,6 +29,7 @@ import torch
 from builder import ort_build, trt_build, validate
 from builder.export import export_graph
 from builder.options import BuildError, BuildOptions
+from builder.rank_process import run_in_child
 from models.checkpoint import (
     CheckpointError,
     check_weights,
@@ -102,7 +103,7 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
         data = export_graph(name, model, layout.geometry(), layout.table_width, path)
         graphs[name] = {"onnx": str(path.relative_to(work)), "data": str(data.relative_to(work))}
         rep.done(f"rank {rank}: {name}.onnx", time.perf_counter() - t0)
-    del model  # this rank's weights go before the next rank's are read: one rank's share in memory at a time
+    del model  # single-rank builds run this in-process; multi-rank ones run each rank in its own child
     gc.collect()
     return graphs
 
@@ -290,7 +291,11 @@ def _build(opts: BuildOptions, rep: Reporter) -> BuildResult:
 
 def _write_engine(opts: BuildOptions, work: Path, rep: Reporter, ckpt_cfg: ModelConfig, ckpt_hash: str,
                   tokenizer: str, layout: KVLayout) -> EngineConfig:  # fmt: skip
-    graphs = [_export_rank(r, opts, work, layout, rep) for r in range(opts.world_size)]
+    if opts.world_size == 1:
+        graphs = [_export_rank(0, opts, work, layout, rep)]
+    else:  # one child per rank: each rank's weights leave memory with it (builder/rank_process.py says why)
+        graphs = [run_in_child(_export_rank, (r, opts, work, layout), rep, f"rank {r}'s export")
+                  for r in range(opts.world_size)]  # fmt: skip
     backend_info = _backend(opts, work, graphs, layout, rep)
     rep.step("write config + checksums")
     cfg = EngineConfig(

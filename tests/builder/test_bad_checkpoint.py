@@ -181,3 +181,12 @@ def test_checkpoint_that_is_a_file(tmp_path, capsys):
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"x")
     refused(capsys, f, tmp_path / "engine", r"checkpoint .*model\.safetensors is a file, not a directory")
+
+
+def test_nan_in_another_ranks_expert_fails_the_multi_rank_build_in_one_line(ckpt, tmp_path, capsys):
+    """Rank 1's export runs in a child process (builder/rank_process.py): the NaN only rank 1 reads still
+    comes back as mtp-build's one-line error, exit 2, with nothing left behind."""
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"  # expert 3 of 4: EP rank 1's
+    _edit_tensors(ckpt, lambda t: t[name].view(-1)[:2].fill_(float("nan")))
+    refused(capsys, ckpt, tmp_path / "out", rf"tensor {re.escape(name)} in model\.safetensors has 2 NaN/Inf",
+            "--world-size", "2", "--ep-size", "2")  # fmt: skip

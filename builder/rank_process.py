@@ -1,0 +1,80 @@
+"""Run one rank's load + export in a child process, so that rank's weights leave memory with it.
+
+Why: torch.onnx's exporter keeps references to the weights of the graphs it exported (its IR wraps the torch
+tensors), so in one process every exported rank's share stayed resident until the build ended (measured on an
+848 MiB EP4 checkpoint: peak 1.6 GiB, about the whole fp32 model, instead of one rank's share). A child per
+rank bounds a multi-rank build's peak RSS by one rank's share plus the exporter's own work
+(docs/CHECKPOINTS.md has the figures).
+
+The child is spawned (not forked: a forked OpenMP runtime can deadlock the child) and reports its progress
+lines, its result or its exception over a pipe; the parent shows the progress on its own reporter. If the
+parent is interrupted (BuildInterrupted) or the child dies, the child is killed and the build fails as usual,
+with its temporary directory removed by the caller.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from builder.options import BuildError
+
+T = TypeVar("T")
+
+
+class _PipeReporter:
+    """The child's Reporter: forwards each progress line to the parent."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def step(self, name: str) -> None:
+        self.conn.send(("step", name))
+
+    def done(self, what: str, seconds: float) -> None:
+        self.conn.send(("done", what, seconds))
+
+
+def _child(conn, fn: Callable[..., Any], args: tuple) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent handles it
+    try:
+        conn.send(("ok", fn(*args, _PipeReporter(conn))))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, which raises it
+        try:
+            conn.send(("error", e))
+        except Exception:  # an exception that does not pickle: its text is enough
+            conn.send(("error", BuildError(f"{type(e).__name__}: {e}")))
+    finally:
+        conn.close()
+
+
+def run_in_child(fn: Callable[..., T], args: tuple, rep, what: str) -> T:
+    """fn(*args, reporter) in a spawned child; its progress goes to `rep`, its exception is re-raised here."""
+    ctx = mp.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(sender, fn, args), daemon=True)
+    proc.start()
+    sender.close()
+    try:
+        while True:
+            try:
+                msg = receiver.recv()
+            except EOFError:
+                proc.join()
+                raise BuildError(f"{what} died with exit code {proc.exitcode} (killed for memory?); rerun with "
+                                 "fewer ranks per build machine or more memory") from None  # fmt: skip
+            if msg[0] == "step":
+                rep.step(msg[1])
+            elif msg[0] == "done":
+                rep.done(msg[1], msg[2])
+            elif msg[0] == "ok":
+                return msg[1]
+            else:
+                raise msg[1]
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        receiver.close()
