@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from models.config import ModelConfig
-from models.mla import kv_geometry_fields
+from models.config import ModelConfig, kv_geometry_fields
 from plugins.engine_format.config import Limits
 from plugins.engine_format.layout import KVLayout
 from plugins.engine_format.mapping import MappingError, check_model, check_parallel, local_kv_heads
@@ -125,7 +124,7 @@ class BuildOptions:
         try:
             check_model(self.world_size, self.ep_size, self.tp_size, flags=True,
                         num_experts=cfg.n_routed_experts if cfg.has_moe else 0, num_heads=cfg.num_attention_heads,
-                        num_kv_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size, mla=is_mla(cfg),
+                        num_kv_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size, mla=cfg.is_mla,
                         inter_sizes=tuple(inter))  # fmt: skip
         except MappingError as e:
             raise BuildError(str(e)) from None
@@ -134,8 +133,3 @@ class BuildOptions:
                 f"--max-seq-len {self.max_seq_len} exceeds the model's max_position_embeddings="
                 f"{cfg.max_position_embeddings}; lower --max-seq-len"
             )
-
-
-def is_mla(cfg: ModelConfig) -> bool:
-    """Multi-head latent attention (DeepSeek-V3 / GLM-4.7-Flash layout): refused with --tp-size > 1 for now."""
-    return bool(getattr(cfg, "kv_lora_rank", 0))

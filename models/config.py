@@ -352,3 +352,10 @@ class _Fields:
         if not isinstance(value, bool):
             raise self._bad(key, "true or false", value)
         return value
+
+
+def kv_geometry_fields(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(num_kv_heads, head_dim, kv_kind) of the KV pool `cfg` needs: one latent row for MLA, K/V per head for GQA."""
+    if cfg.is_mla:
+        return 1, cfg.qk_rope_head_dim + cfg.kv_lora_rank, 1
+    return cfg.num_key_value_heads, cfg.head_dim, 0

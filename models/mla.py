@@ -22,19 +22,15 @@ from torch import nn
 
 import plugins.mla_ops  # noqa: F401  (registers torch.ops.mtp.mla_kv_write / mla_paged_attention)
 from models.config import ModelConfig
+from models.config import (
+    kv_geometry_fields as kv_geometry_fields,  # re-exported: the pool geometry rule lives in config.py
+)
 from models.feed_forward import fuse_linears
 from models.glm4_moe import PagedKV, RMSNorm, StepMeta
 from plugins.rope import RopeTable, apply_rope_freq, rope_parameters, rope_table_freq, yarn_softmax_scale
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
-
-
-def kv_geometry_fields(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(num_kv_heads, head_dim, kv_kind) of the KV pool `cfg` needs: one latent row for MLA, K/V per head for GQA."""
-    if cfg.is_mla:
-        return 1, cfg.qk_rope_head_dim + cfg.kv_lora_rank, 1
-    return cfg.num_key_value_heads, cfg.head_dim, 0
 
 
 def mla_rope(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

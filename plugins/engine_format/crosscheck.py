@@ -14,7 +14,7 @@ import onnx
 import torch
 from onnx.helper import tensor_dtype_to_np_dtype
 
-from models.config import ModelConfig
+from models.config import ModelConfig, kv_geometry_fields
 from plugins.engine_format.config import EngineConfig
 from plugins.engine_format.graph_io import GRAPH_NAMES, SPECS
 from plugins.engine_format.layout import KVLayout, table_width
@@ -66,16 +66,10 @@ def check_consistent(cfg: EngineConfig) -> None:
 
 
 def _pool_rows(m: ModelConfig, tp_size: int = 1) -> dict[str, int]:
-    """The kv fields the model fixes: the pool kind and its row shape.
-
-    An MLA model (kv_lora_rank > 0) caches one latent row [k_pe ; c_kv] per position: kv_kind 1, one "KV head"
-    of qk_rope_head_dim + kv_lora_rank values. The MLA fields are read with getattr so that this check does not
-    depend on which ModelConfig fields a GQA-only model package defines.
-    """
-    rank = int(getattr(m, "kv_lora_rank", 0) or 0)
-    if rank > 0:
-        return {"kv_kind": 1, "num_kv_heads": 1, "head_dim": int(getattr(m, "qk_rope_head_dim", 0)) + rank}
-    return {"kv_kind": 0, "num_kv_heads": local_kv_heads(m.num_key_value_heads, tp_size), "head_dim": m.head_dim}
+    """The kv fields the model fixes: the pool kind and the row shape one rank holds (the same rule the builder
+    and the torch executor size their pools with: models/config.py `kv_geometry_fields` + `local_kv_heads`)."""
+    heads, head_dim, kind = kv_geometry_fields(m)
+    return {"kv_kind": kind, "num_kv_heads": local_kv_heads(heads, tp_size), "head_dim": head_dim}
 
 
 def _check_profiles(cfg: EngineConfig) -> None:
@@ -163,7 +157,7 @@ def _check_mapping(cfg: EngineConfig) -> None:
     try:
         check_model(p.world_size, p.ep_size, p.tp_size, num_experts=m.n_routed_experts if m.has_moe else 0,
                     num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads, vocab_size=m.vocab_size,
-                    mla=bool(getattr(m, "kv_lora_rank", 0)))  # fmt: skip
+                    mla=m.is_mla)  # fmt: skip
     except MappingError as e:
         raise _refuse(cfg, f"parallel={p}: {e}") from None
     if len(cfg.graphs) != p.world_size:

@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import torch
 
+from models.config import kv_geometry_fields
 from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
-from models.mla import kv_geometry_fields
 from plugins.engine_format.mapping import local_kv_heads  # TP: the pool holds this rank's KV heads
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput

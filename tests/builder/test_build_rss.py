@@ -9,6 +9,7 @@ the exporter kept every exported rank's weights and this build peaked at 1,639 M
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,16 +21,12 @@ import pytest
 import torch
 
 from models.checkpoint import default_mapping, index_checkpoint, plan_weights, rank_weight_bytes
-from models.testing import tiny_config
 from tests.builder.conftest import write_tokenizer
-from tests.models.test_streaming_import import write_sharded
+from tests.models.test_streaming_import import BIG, write_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
-CFG = tiny_config(vocab_size=8192, hidden_size=1024, intermediate_size=1024, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=128, moe_intermediate_size=512,
-                  n_routed_experts=64, num_experts_per_tok=4, n_group=4, topk_group=2,
-                  max_position_embeddings=4096)  # fmt: skip
+CFG = dataclasses.replace(BIG, num_hidden_layers=4)  # the streaming-import test's model, 4 layers: 848 MiB
 SLACK = 128 * MiB  # the exporter's and ORT's own working memory, allocator rounding
 
 # Runs one mtp-build and prints the peak RSS of its largest process (it and the children it waited for).
