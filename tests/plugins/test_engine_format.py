@@ -182,7 +182,6 @@ def test_pool_node_attributes_must_match_config_kv_gqa_and_mla():
 def test_config_kv_kind_round_trip_and_default():
     """kv.kv_kind is written by every new build; a config.json from before it existed means 0 (GQA)."""
     from dataclasses import asdict
-    from types import SimpleNamespace
 
     from plugins.engine_format.config import _ints
     from plugins.engine_format.crosscheck import _pool_rows
@@ -198,6 +197,7 @@ def test_config_kv_kind_round_trip_and_default():
         _ints(KVLayout, {**old, "kv_kind": "1"}, "kv")
     assert _pool_rows(tiny_config()) == {"kv_kind": 0, "num_kv_heads": tiny_config().num_key_value_heads,
                                          "head_dim": tiny_config().head_dim}  # fmt: skip
-    # The MLA model config (models/ on the mla-model branch) has these fields; only they are read.
-    deepseek = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, num_key_value_heads=128, head_dim=64)
+    from models.testing import tiny_mla_config
+
+    deepseek = tiny_mla_config(kv_lora_rank=512, qk_rope_head_dim=64, head_dim=64)  # DeepSeek-V3: 64 + 512
     assert _pool_rows(deepseek) == {"kv_kind": 1, "num_kv_heads": 1, "head_dim": 576}
