@@ -44,8 +44,7 @@ from models.checkpoint_files import read_model_config as read_model_config  # re
 from models.config import ModelConfig, mla_hf_fields
 from models.glm4_moe import Glm4MoeMTPModel
 from models.sharding import shard_slice
-from plugins.engine_format.config import Parallel
-from plugins.engine_format.mapping import RankMapping, rank_mapping
+from plugins.mapping import Parallel, RankMapping, rank_mapping
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +320,7 @@ def load_model(
 ) -> tuple[Glm4MoeMTPModel, CheckpointIndex]:
     """Build one rank's model from a checkpoint directory, reading only the tensors (slices) that rank keeps.
 
-    `mapping` (plugins/engine_format/mapping.py) gives the rank's TP/EP shards; without it, (ep_rank, ep_size)
+    `mapping` (plugins/mapping.py) gives the rank's TP/EP shards; without it, (ep_rank, ep_size)
     is the TP1 expert-parallel mapping. Every name/shape check runs on the index first; then each tensor is
     read once, converted to `dtype` and its file mapping dropped before the next (peak memory: this rank's
     weights plus about one tensor).

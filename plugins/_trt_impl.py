@@ -20,10 +20,10 @@ import tensorrt as trt
 import torch
 from onnx.defs import OpSchema
 
-from plugins.engine_format.names import KV_WRITE, MLA_KV_WRITE, MLA_PAGED_ATTENTION, PAGED_ATTENTION
 from plugins.kv_pool import KVPoolGeometry
 from plugins.mla_ops import mla_geometry
 from plugins.mla_triton import mla_kv_write_triton, mla_paged_attention_triton
+from plugins.names import KV_WRITE, MLA_KV_WRITE, MLA_PAGED_ATTENTION, PAGED_ATTENTION
 from plugins.onnx_export import (
     DOMAIN,
     KV_WRITE_ATTRS,

@@ -21,8 +21,8 @@ import onnx
 import torch
 from onnx.defs import OpSchema
 
-import plugins.engine_format.names as _names  # the TP collective nodes (own block below)
-from plugins.engine_format.names import (
+import plugins.names as _names  # the TP collective nodes (own block below)
+from plugins.names import (
     DOMAIN,
     KV_WRITE,
     MLA_KV_WRITE,
@@ -31,7 +31,7 @@ from plugins.engine_format.names import (
     PAGED_ATTENTION,
     PLUGIN_VERSION,
 )
-from plugins.engine_format.names import OPSET_VERSION as VERSION
+from plugins.names import OPSET_VERSION as VERSION
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 _INTS = ["tensor(int32)", "tensor(int64)"]

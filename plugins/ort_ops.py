@@ -23,7 +23,7 @@ from onnxruntime_extensions import PyOp, get_library_path, onnx_op
 
 import plugins.mla_ops  # noqa: F401  (defines torch.ops.mtp.mla_*)
 import plugins.ops  # noqa: F401  (defines torch.ops.mtp.*)
-from plugins.engine_format.names import COLLECTIVE_NODES, PLUGIN_NODES
+from plugins.names import COLLECTIVE_NODES, PLUGIN_NODES
 from plugins.onnx_export import (
     COLLECTIVE_ATTRS,
     DOMAIN,

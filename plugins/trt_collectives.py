@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from plugins._trt_impl import _FLOAT_TYPES, _as_tensor, _fields, _read_fields
-from plugins.engine_format.names import ALL_GATHER, ALL_REDUCE, DOMAIN, PLUGIN_VERSION
+from plugins.names import ALL_GATHER, ALL_REDUCE, DOMAIN, PLUGIN_VERSION
 from plugins.onnx_export import COLLECTIVE_ATTRS
 
 _TP_GROUPS: dict[int, Any] = {}

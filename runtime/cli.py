@@ -11,7 +11,7 @@ rank 0 prints (it gathers the other leaders' results). --collective-timeout arms
 Errors are one line on stderr (`--debug` adds the traceback): exit 2 for bad input, 1 for a rejected
 request or an internal error, 130 for Ctrl-C (a single process still prints every finished request).
 Under mpirun a failing rank prints one line naming itself and the job ends; ranks started with different
-settings all exit with one line naming the first differing field (runtime/parallel.py).
+settings all exit with one line naming the first differing field (runtime/multirank/parallel.py).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import time
 import traceback
 from pathlib import Path
 
-from runtime.admission import RequestError, validate_params
-from runtime.config import ConfigError
+from runtime.core.admission import RequestError, validate_params
+from runtime.core.config import ConfigError
+from runtime.core.sampling import SamplingParams
 from runtime.factory import EXECUTORS, create_engine
-from runtime.parallel import EveryRankError, describe, exit_failed_rank, lockstep_stream, mpi_world
-from runtime.sampling import SamplingParams
-from runtime.tp_group import run_follower
-from runtime.watchdog import DEFAULT_TIMEOUT_S, check_timeout
+from runtime.multirank.parallel import EveryRankError, describe, exit_failed_rank, lockstep_stream, mpi_world
+from runtime.multirank.tp_group import run_follower
+from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S, check_timeout
 
 PROG = "mtp-run"
 # Errors that mean the user's input (flags, files, engine directory) is wrong: one line, exit 2.

@@ -11,14 +11,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from plugins.engine_format import EngineConfig, KVLayout, Limits, load_engine_config
-from plugins.engine_format.config import Parallel
-from plugins.engine_format.mapping import MappingError, check_model, rank_mapping
-from runtime.config import ConfigError, RuntimeConfig
-from runtime.engine import LLMEngine
+from models.engine_format import EngineConfig, KVLayout, Limits, load_engine_config
+from plugins.mapping import MappingError, Parallel, check_model, rank_mapping
+from runtime.core.config import ConfigError, RuntimeConfig
+from runtime.core.engine import LLMEngine
 from runtime.executors.base import Executor
-from runtime.tp_group import join
-from runtime.watchdog import DEFAULT_TIMEOUT_S
+from runtime.multirank.tp_group import join
+from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S
 
 EXECUTORS = ("onnxruntime", "torch", "tensorrt")
 
@@ -60,7 +59,7 @@ def create_engine(
             are sharded at load per the mapping contract (ep_size default: world_size).
         collective_timeout, prog: multi-rank only: the watchdog's deadline and the program its line names.
         overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...); num_draft_tokens="auto"
-            picks the draft length per step, up to the engine's built K (runtime/draft_length.py).
+            picks the draft length per step, up to the engine's built K (runtime/core/draft_length.py).
     """
     if executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")

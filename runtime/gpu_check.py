@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from runtime.bench.report import first_mismatch
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "tiny"
 PROMPTS = ["def main(argv=None):\n    ", "class Stack:\n    def push(self, item):\n        ", "import os\n\n\n",

@@ -7,7 +7,7 @@ For each model (models/tiny, models/deep) and mapping (1 rank; TP2; DP2 x TP2 wi
 `mpirun -np W --oversubscribe python -m runtime.bench.collectives --worker ...` (torch executor, weights sharded at
 load, 1 thread per rank, greedy, K=2). Every leader times each engine.step() and the growth of
 plugins.collectives.collective_seconds() (TP all-reduce / all-gather and the MoE all-to-all) over it, plus the
-TP command broadcast (runtime/tp_group.py) and the DP lockstep check; followers report their whole-run share.
+TP command broadcast (runtime/multirank/tp_group.py) and the DP lockstep check; followers report their whole-run share.
 Medians over steps. Then, in the same processes (2 and 4 ranks), mpi4py `Allreduce` and torch.distributed gloo
 `all_reduce` on the activation of a decode step and of a prefill chunk, interleaved call by call, medians.
 
@@ -44,9 +44,9 @@ def worker(model: str, tp: int, ep: int, gloo_port: int) -> None:
 
     torch.set_num_threads(1)
     from plugins.collectives import collective_seconds
+    from runtime.core.sampling import SamplingParams
     from runtime.factory import create_engine
-    from runtime.parallel import lockstep_stream, mpi_world
-    from runtime.sampling import SamplingParams
+    from runtime.multirank.parallel import lockstep_stream, mpi_world
 
     comm, rank, world = mpi_world()
     engine = create_engine(checkpoint=ROOT / "models" / model, executor="torch", rank=rank, world_size=world,

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.config import ConfigError
-from runtime.engine import LLMEngine
-from runtime.metrics import Metrics
-from runtime.sampling import SamplingParams
+from runtime.core.config import ConfigError
+from runtime.core.engine import LLMEngine
+from runtime.core.metrics import Metrics
+from runtime.core.sampling import SamplingParams
 
 # Fallback prompt files when the checkpoint has no training_report.json (relative to the stdlib root).
 FALLBACK_FILES = ("json/decoder.py", "textwrap.py", "shlex.py", "fnmatch.py", "colorsys.py", "bisect.py",

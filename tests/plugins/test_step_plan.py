@@ -13,7 +13,7 @@ import torch
 
 import plugins.ops as ops
 import plugins.step_plan as step_plan
-from models.glm4_moe import PagedKV, StepMeta
+from models.layers import PagedKV, StepMeta
 from models.testing import random_model, tiny_config
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 from plugins.reference import kv_write_ref, moe_experts_ref

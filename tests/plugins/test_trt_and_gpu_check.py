@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.engine_format import names
 from plugins import trt_plugins
-from plugins.engine_format import names
 
 ROOT = Path(__file__).resolve().parents[2]
 

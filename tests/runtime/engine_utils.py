@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from models.testing import random_model, tiny_config
-from runtime.config import RuntimeConfig
-from runtime.engine import LLMEngine
+from runtime.core.config import RuntimeConfig
+from runtime.core.engine import LLMEngine
 from runtime.executors.torch_executor import TorchExecutor
 
 _MODELS: dict = {}

@@ -5,9 +5,9 @@ rank 0 writes every request's output ids and every rank's choices to OUT as JSON
 import json
 import sys
 
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.parallel import abort_on_error, lockstep_stream, mpi_world
-from runtime.sampling import SamplingParams
+from runtime.multirank.parallel import abort_on_error, lockstep_stream, mpi_world
 from tests.runtime.engine_utils import random_prompts
 
 

@@ -12,9 +12,9 @@ import json
 import os
 import sys
 
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.parallel import RanksDisagree, abort_on_error, lockstep_stream, mpi_world
-from runtime.sampling import SamplingParams
+from runtime.multirank.parallel import RanksDisagree, abort_on_error, lockstep_stream, mpi_world
 from tests.runtime.engine_utils import random_prompts
 
 

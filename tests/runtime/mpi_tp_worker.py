@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 from plugins.collectives import collective_seconds
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.parallel import RanksDisagree, abort_on_error, lockstep_stream, mpi_world
-from runtime.sampling import SamplingParams
-from runtime.tp_group import run_follower
+from runtime.multirank.parallel import RanksDisagree, abort_on_error, lockstep_stream, mpi_world
+from runtime.multirank.tp_group import run_follower
 from tests.runtime.engine_utils import random_prompts
 
 PROG = "mpi_tp_worker"

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from runtime.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams
 from tests.runtime.engine_utils import RecordingExecutor, make_engine, random_prompts
 
 

@@ -9,8 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from runtime.draft_length import DraftLengthController, StepSample, combine, parse_num_draft_tokens
-from runtime.sampling import SamplingParams
+from runtime.core.draft_length import DraftLengthController, StepSample, combine, parse_num_draft_tokens
+from runtime.core.sampling import SamplingParams
 from tests.runtime.engine_utils import make_engine, random_prompts
 
 K_MAX = 3
@@ -156,7 +156,7 @@ def test_auto_with_forced_length_changes_keeps_the_invariants():
 
 
 def test_conditional_acceptance_counts_only_steps_that_reached_the_depth():
-    from runtime.metrics import Metrics
+    from runtime.core.metrics import Metrics
 
     m = Metrics(3)
     m.record_verify(3, 2, 3)  # depths 0, 1 accepted, 2 rejected

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams
 from tests.runtime.engine_utils import cached_model, make_engine, random_prompts
 
 PROMPTS = random_prompts((5, 13, 9, 22, 3, 17), seed=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams
 from tests.runtime.engine_utils import RecordingExecutor, make_engine
 
 _REFERENCE: dict[tuple[int, ...], list[int]] = {}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.request import ChunkCarry
-from runtime.sampling import SamplingParams
+from runtime.core.request import ChunkCarry
+from runtime.core.sampling import SamplingParams
 from tests.runtime.engine_utils import make_engine, random_prompts
 
 PROMPTS = random_prompts((6, 11, 4, 9), seed=7)

@@ -1,6 +1,6 @@
 """The lockstep settings fingerprint (pure): what ranks compare at start-up, and the one-line difference."""
 
-from runtime.fingerprint import first_difference, settings_fingerprint
+from runtime.multirank.fingerprint import first_difference, settings_fingerprint
 from tests.runtime.engine_utils import make_engine
 
 

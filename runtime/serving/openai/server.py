@@ -40,7 +40,7 @@ def create_serving_engine(args: Any):
     serves HTTP and every other rank is a follower; several DP groups would need an HTTP server per leader
     and are refused (the same on every rank, so every rank exits 2 and rank 0 prints the line)."""
     from runtime.factory import create_engine
-    from runtime.parallel import EveryRankError, mpi_world
+    from runtime.multirank.parallel import EveryRankError, mpi_world
 
     if args.torch_threads:
         import torch
@@ -74,9 +74,9 @@ def build_state(args: Any, engine=None) -> ServeState:
 
 
 def run(args: Any) -> int:
-    from runtime.config import ConfigError
-    from runtime.parallel import EveryRankError, exit_failed_rank, mpi_world
-    from runtime.tp_group import run_follower
+    from runtime.core.config import ConfigError
+    from runtime.multirank.parallel import EveryRankError, exit_failed_rank, mpi_world
+    from runtime.multirank.tp_group import run_follower
 
     _, rank, world = mpi_world()
     try:

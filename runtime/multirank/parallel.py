@@ -1,15 +1,15 @@
 """Multi-rank driving under mpirun: the DP lockstep of the schedulers (design: docs/ARCHITECTURE.md §8).
 
-Each DP group (a TP group: runtime/tp_group.py; with TP1 a single rank) serves its own share of the requests;
+Each DP group (a TP group: runtime/multirank/tp_group.py; with TP1 a single rank) serves its own share of the requests;
 its leader runs the engine. MoE layers exchange tokens with all-to-all inside the forwards, so the leaders
 step in lockstep: before each step they agree (allreduce over the leaders comm) whether any group still has
-work, and an idle leader runs dummy forwards (runtime/engine.py), which its followers replay. Sampling
+work, and an idle leader runs dummy forwards (runtime/core/engine.py), which its followers replay. Sampling
 decisions are per request and each request lives in exactly one group, so they are made once.
 
 No path may hang silently:
-* at start-up the ranks allgather their settings fingerprint (runtime/fingerprint.py); on any difference
+* at start-up the ranks allgather their settings fingerprint (runtime/multirank/fingerprint.py); on any difference
   every rank raises the same `RanksDisagree` (rank 0 prints it) instead of entering mismatched collectives;
-* a collective that waits past --collective-timeout ends its rank with one line (runtime/watchdog.py);
+* a collective that waits past --collective-timeout ends its rank with one line (runtime/multirank/watchdog.py);
 * a rank that fails prints one line and exits non-zero; the launcher then terminates the others, which are
   blocked in a collective (see `exit_failed_rank`).
 
@@ -25,9 +25,9 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import NoReturn, TypeVar
 
-from runtime.config import ConfigError
-from runtime.engine import LLMEngine, RequestOutput
-from runtime.fingerprint import first_difference, settings_fingerprint
+from runtime.core.config import ConfigError
+from runtime.core.engine import LLMEngine, RequestOutput
+from runtime.multirank.fingerprint import first_difference, settings_fingerprint
 
 T = TypeVar("T")
 # Set by every launcher we support: Open MPI (mpirun / prterun), PMIx launchers (srun --mpi=pmix), MPICH hydra.
@@ -39,7 +39,7 @@ class EveryRankError(ConfigError):
 
 
 class RanksDisagree(EveryRankError):
-    """The start-up settings agreement failed (runtime/fingerprint.py names the first difference)."""
+    """The start-up settings agreement failed (runtime/multirank/fingerprint.py names the first difference)."""
 
 
 def launched_by_mpi() -> bool:
@@ -71,7 +71,7 @@ def agree_on_settings(engine: LLMEngine, comm, extra: dict | None = None) -> Non
 def lockstep_stream(engine: LLMEngine) -> Iterator[RequestOutput]:
     """A leader's stream: step until no DP group has work; every leader calls step() equally often.
 
-    The busy check runs over the leaders comm (runtime/tp_group.py; armed by the watchdog) and only with
+    The busy check runs over the leaders comm (runtime/multirank/tp_group.py; armed by the watchdog) and only with
     several DP groups; the ranks agreed on their settings when the engine was created (create_engine).
     """
     role = engine.rank_role

@@ -1,11 +1,11 @@
 """LLMEngine: continuous batching + the exact MTP speculative step, over any executor.
 
 One `step()` is plan, then apply; the phases run in this order and no other:
-  1. schedule   which requests forward how many tokens (runtime/scheduler.py)
+  1. schedule   which requests forward how many tokens (runtime/core/scheduler.py)
   2. verify     one main forward over the packed batch (plan_main); main KV appended inside
   3. accept     greedy / exact-match / rejection sampling -> a_r accepted drafts + one main token;
-                then this step's draft length k (fixed K, or `auto`: runtime/draft_length.py, same on all ranks)
-  4. plan       plan_step (runtime/mtp_plan.py, pure): commit input, chunk carries, rewinds (bases),
+                then this step's draft length k (fixed K, or `auto`: runtime/core/draft_length.py, same on all ranks)
+  4. plan       plan_step (runtime/core/mtp_plan.py, pure): commit input, chunk carries, rewinds (bases),
                 emitted tokens and draft rows, all from the verify results before any state changes
                 (with k = 0 depth 0's entry at base-1 is carried, then written by a later commit)
   5. commit     one packed varlen write of the MTP plane from main hiddens (the plan's commit input)
@@ -30,16 +30,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from models.config import ModelConfig
-from runtime.admission import RequestError, validate_params, validate_prompt, validate_request_id
-from runtime.block_pool import NULL_BLOCK_ID
-from runtime.config import ConfigError, RuntimeConfig
-from runtime.draft_length import DraftLengthController, StepSample, combine
-from runtime.executors.base import DraftInput, Executor, MainInput
-from runtime.kv_manager import KVCacheManager
-from runtime.metrics import Metrics
-from runtime.mtp_plan import MainPlan, RequestUpdate, StepPlan, plan_draft, plan_main, plan_step, table_array
-from runtime.request import Request, RequestOutput, RequestStatus, request_rng
-from runtime.sampling import (
+from runtime.core.admission import RequestError, validate_params, validate_prompt, validate_request_id
+from runtime.core.block_pool import NULL_BLOCK_ID
+from runtime.core.config import ConfigError, RuntimeConfig
+from runtime.core.draft_length import DraftLengthController, StepSample, combine
+from runtime.core.kv_manager import KVCacheManager
+from runtime.core.metrics import Metrics
+from runtime.core.mtp_plan import MainPlan, RequestUpdate, StepPlan, plan_draft, plan_main, plan_step, table_array
+from runtime.core.request import Request, RequestOutput, RequestStatus, request_rng
+from runtime.core.sampling import (
     SamplingParams,
     accept_exact_match,
     accept_greedy,
@@ -47,10 +46,11 @@ from runtime.sampling import (
     probs_from_logits,
     sample,
 )
-from runtime.scheduler import ScheduledRequest, Scheduler
+from runtime.core.scheduler import ScheduledRequest, Scheduler
+from runtime.executors.base import DraftInput, Executor, MainInput
 
 if TYPE_CHECKING:
-    from runtime.tp_group import RankRole
+    from runtime.multirank.tp_group import RankRole
 
 __all__ = ["LLMEngine", "RequestError", "RequestOutput"]
 

@@ -4,7 +4,7 @@ Ranks exchange tokens inside every MoE layer, so they must issue the same collec
 same model layers, same draft depth k, same limits, same executor, same rank mapping (tp/ep/world size). A rank launched with other settings
 (say another --num-draft-tokens) would otherwise block forever in a mismatched collective. This module is
 pure: `settings_fingerprint` flattens the engine's dataclasses into a dict of dotted keys, and
-`first_difference` compares the gathered dicts; runtime/parallel.py does the allgather.
+`first_difference` compares the gathered dicts; runtime/multirank/parallel.py does the allgather.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The KV layout of an engine: pool geometry plus block-table width, computed once by `table_width`.
 
 The builder computes a `KVLayout` from its options and records it in config.json (`kv`); the runtime
-reads it back and sizes every block table with the same `table_width` function (runtime/config.py),
+reads it back and sizes every block table with the same `table_width` function (runtime/core/config.py),
 so the width the graphs and TensorRT profiles were built for and the width the scheduler can produce
 cannot disagree (they once did: ceil(L/B) in the builder vs ceil((L+2k)/B) in the runtime).
 """
@@ -22,7 +22,7 @@ def table_width(max_seq_len: int, num_draft_tokens: int, block_size: int) -> int
     """Blocks a request may own: max_seq_len positions plus the MTP lookahead.
 
     A step verifying k drafts at the last position before max_seq_len writes main KV up to
-    max_seq_len - 1 + k and MTP KV up to k - 1 positions further (runtime/scheduler.py
+    max_seq_len - 1 + k and MTP KV up to k - 1 positions further (runtime/core/scheduler.py
     `lookahead_tokens`), so 2k positions past max_seq_len bound every write.
     """
     return cdiv(max_seq_len + 2 * num_draft_tokens, block_size)

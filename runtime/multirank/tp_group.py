@@ -13,7 +13,7 @@ The command stream on the TP comm, leader -> followers (pickled bcast):
     (STEP_END, step)              the leader finished a step: the next wait may be idle (not armed)
     (STOP,)                       leave follow(): the leader is done (end of mtp-run, server shutdown)
 A leader that fails exits at once (runtime/parallel.exit_failed_rank); the launcher then ends its
-followers, which are blocked in the bcast, and the collective watchdog (runtime/watchdog.py) ends any
+followers, which are blocked in the bcast, and the collective watchdog (runtime/multirank/watchdog.py) ends any
 rank whose peer stalls mid-step.
 """
 
@@ -24,11 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from plugins.engine_format.config import Parallel
-from plugins.engine_format.mapping import RankMapping, rank_mapping
-from runtime.config import ConfigError
-from runtime.parallel import agree_on_settings, exit_failed_rank, mpi_world
-from runtime.watchdog import Watchdog
+from plugins.mapping import Parallel, RankMapping, rank_mapping
+from runtime.core.config import ConfigError
+from runtime.multirank.parallel import agree_on_settings, exit_failed_rank, mpi_world
+from runtime.multirank.watchdog import Watchdog
 
 CALL, STEP_END, STOP = "call", "step_end", "stop"
 # What each executor call is called in the watchdog's message.
