@@ -79,7 +79,7 @@ deep-model: $(STAMP)  # ~35 min on one core; docs/DEEP_MODEL.md
 
 gpu-check: $(STAMP)
 	$(PY) -m plugins.gpu_check
-	$(PY) -m runtime.gpu_check
+	$(PY) -m runtime.bench.gpu_check
 
 clean:
 	rm -rf .venv engines build

@@ -9,8 +9,10 @@ cannot disagree (they once did: ceil(L/B) in the builder vs ceil((L+2k)/B) in th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from plugins.kv_pool import KVPoolGeometry
+if TYPE_CHECKING:  # plugins.kv_pool imports torch; the control plane reads layouts without it
+    from plugins.kv_pool import KVPoolGeometry
 
 
 def cdiv(a: int, b: int) -> int:
@@ -55,6 +57,8 @@ class KVLayout:
 
     def geometry(self, num_blocks: int | None = None) -> KVPoolGeometry:
         """The pool geometry, optionally with another block count (only the ORT executor may change it)."""
+        from plugins.kv_pool import KVPoolGeometry
+
         blocks = self.num_blocks if num_blocks is None else num_blocks
         return KVPoolGeometry(self.num_planes, blocks, self.block_size, self.num_kv_heads, self.head_dim,
                               self.dtype_code, self.kv_kind)  # fmt: skip

@@ -2,7 +2,7 @@
 
 Padded draft rows (count 0, block table -1) and padded verify requests (q_count 0) must leave the live
 rows' outputs and every KV plane exactly as the unpadded forward does. (The graph capture itself needs a
-GPU: runtime/gpu_check.py.)
+GPU: runtime/bench/gpu_check.py.)
 """
 
 from __future__ import annotations
