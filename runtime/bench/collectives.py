@@ -58,7 +58,7 @@ def worker(model: str, tp: int, ep: int, gloo_port: int) -> None:
     steps: list[tuple[float, float, float]] = []  # per leader step: (wall, collective seconds, command bcast)
     t_run = time.perf_counter()
     c_run = collective_seconds()
-    if ranks.is_follower:
+    if role is not None and ranks.is_follower:
         role.follow()
     else:
         gen = torch.Generator().manual_seed(5)

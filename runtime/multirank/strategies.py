@@ -3,8 +3,9 @@
 Chosen once at start-up by `rank_strategy`, before the engine exists; the engine then only calls the hooks of
 runtime/core/ranks.py `RankStrategy`. Nothing outside the engine assigns to the engine.
 
-* `Lockstep`   a rank that runs the engine in a job with several DP groups: the busy check and the draft-length
-               agreement over the leaders comm, dummy forwards when idle (invariant 9)
+* `Lockstep`   a rank that runs the engine in a multi-rank job: executor calls armed by the watchdog; with several DP
+               groups the busy check and the draft-length agreement over the leaders comm, dummy forwards when idle
+               (invariant 9)
 * `TPLeader`   a TP group's leader: a `Lockstep` (when there are several DP groups) whose executor broadcasts every
                call to the followers first and whose steps are announced to them
 * `TPFollower` a TP follower: never steps an engine; `follow` replays the leader's calls until STOP
@@ -36,6 +37,10 @@ class Lockstep(RankStrategy):
         self.lockstep = m.dp > 1  # with one DP group the followers replay whatever the leader runs
         self.dp_rank, self.dp_size = m.dp_rank, m.dp
 
+    def executor(self, executor: Executor) -> Executor:
+        """Every call armed by the watchdog (the MoE exchange inside is a collective); a TP leader's also broadcast."""
+        return LeaderExecutor(self.role)
+
     def begin_step(self) -> None:
         self.role.dog.step += 1
 
@@ -54,9 +59,6 @@ class Lockstep(RankStrategy):
 
 class TPLeader(Lockstep):
     """Leader of a TP group: every executor call is broadcast to the followers, and each step's end announced."""
-
-    def executor(self, executor: Executor) -> Executor:
-        return LeaderExecutor(self.role)
 
     def end_step(self) -> None:
         role = self.role
