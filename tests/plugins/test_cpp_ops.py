@@ -230,7 +230,7 @@ class _Layer(torch.nn.Module):
         return att * 2.0, moe + 1.0, n
 
 
-def test_ops_run_under_torch_compile_fullgraph_like_eager() -> None:
+def _layer_inputs():
     geom = KVPoolGeometry(2, 9, 16, 2, 32)
     gen = torch.Generator().manual_seed(1)
     counts, starts = torch.tensor([2, 0, 3], dtype=torch.int32), torch.tensor([17, 0, 30], dtype=torch.int32)
@@ -238,15 +238,38 @@ def test_ops_run_under_torch_compile_fullgraph_like_eager() -> None:
     k, v = torch.randn(6, 2, 32, generator=gen), torch.randn(6, 2, 32, generator=gen)
     q, x = torch.randn(6, 8, 32, generator=gen), torch.randn(6, 256, generator=gen)
     ids, w = torch.randint(0, 8, (6, 2), generator=gen), torch.rand(6, 2, generator=gen)
+    return geom, (k, v, q, x, ids, w, counts, starts, starts + counts, tables)
+
+
+def _same_as_eager(run) -> None:
+    """run(layer, args + (pool_ptr,)) gives the eager outputs and leaves the same pool."""
+    geom, args = _layer_inputs()
     layer = _Layer(geom)
     outs = []
-    for fn in (layer, torch.compile(layer, fullgraph=True)):
+    for fn in (layer, run(layer, args)):
         pool = filled_pool(geom, seed=2)
         with torch.inference_mode():
-            outs.append((*fn(k, v, q, x, ids, w, counts, starts, starts + counts, tables, pool_address(pool)), pool))
-    for eager, compiled in zip(outs[0], outs[1], strict=True):
-        torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
+            outs.append((*fn(*args, pool_address(pool)), pool))
+    for eager, other in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(other, eager, atol=1e-6, rtol=1e-6)
     assert int(outs[1][2][0]) == 5
+
+
+def test_ops_run_under_torch_compile_fullgraph_like_eager() -> None:
+    _same_as_eager(lambda layer, args: torch.compile(layer, fullgraph=True))
+
+
+@pytest.mark.slow
+def test_ops_run_in_an_aotinductor_package_like_eager(tmp_path) -> None:
+    """The package calls the ops through AOTInductor's C++ proxy executor (the dispatcher, no Python)."""
+
+    def package(layer, args):
+        geom_ptr = pool_address(allocate_pool(layer.geom))
+        program = torch.export.export(layer, (*args, geom_ptr))
+        path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "layer.pt2"))
+        return torch._inductor.aoti_load_package(path)
+
+    _same_as_eager(package)
 
 
 def test_metadata_rewritten_in_place_is_read_afresh() -> None:
