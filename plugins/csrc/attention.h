@@ -1,0 +1,148 @@
+// Causal paged attention over one pool plane, shared by paged_attention.cpp (GQA) and
+// mla_paged_attention.cpp (absorbed MLA: one latent "KV head", keys = the latent, values = its c_kv part).
+//
+// Per request r and KV head g, the n_q * group queries of that head are attended together: each key row is
+// read from the pool once (converted to fp32 once) and dotted with every query that sees it; query j sits at
+// kv_lens[r] - q_counts[r] + j and sees keys 0..that. Scores, softmax and the weighted value sum are fp32,
+// each query row computed alone (the same operations whatever the batch). Rows past sum(q_counts) are zeros;
+// a query that sees no key (kv_len < q_count) is zeros too. Semantics: plugins/reference.py.
+#pragma once
+
+#include "common.h"
+
+namespace mtp {
+
+struct AttendArgs {
+  const void* q;  // [T, Hq, dk]
+  void* out;      // [T, Hq, dv]
+  int64_t rows;   // T
+  const Ints* q_counts;
+  const Ints* kv_lens;
+  const Ints* tables;
+  int64_t num_requests, cols;
+  int64_t kv_heads, group, dk, dv;
+  int64_t value_kv, value_offset;  // value row = pool.row(value_kv, ...) + value_offset elements
+  float scale;
+  const PoolPlane* pool;
+  const char* op;
+};
+
+// Validates the per-request metadata before any kernel runs (one-line ValueErrors, never a bad read).
+inline void check_attend(const AttendArgs& a) {
+  int64_t total = 0, max_len = 0;
+  for (int64_t r = 0; r < a.num_requests; ++r) {
+    const int64_t n_q = (*a.q_counts)[r], n_kv = (*a.kv_lens)[r];
+    TORCH_CHECK_VALUE(n_q >= 0 && n_kv >= 0, a.op, ": q_counts and kv_lens must be >= 0");
+    total += n_q;
+    if (n_q == 0) continue;
+    max_len = std::max(max_len, n_kv);
+  }
+  TORCH_CHECK_VALUE(total <= a.rows, a.op, ": q_counts sum to ", total, " rows but q has ", a.rows);
+  TORCH_CHECK_VALUE(max_len == 0 || (max_len - 1) / a.pool->block_size < a.cols, a.op, ": kv_lens up to ", max_len,
+                    " need more than the ", a.cols, " block-table columns given (block size ", a.pool->block_size,
+                    "); pass wider block tables");
+  for (int64_t r = 0; r < a.num_requests; ++r) {
+    if ((*a.q_counts)[r] == 0) continue;
+    const int64_t used = ((*a.kv_lens)[r] + a.pool->block_size - 1) / a.pool->block_size;
+    for (int64_t c = 0; c < used; ++c)
+      TORCH_CHECK_VALUE((*a.tables)[r * a.cols + c] < a.pool->num_blocks, a.op, ": block id ",
+                        (*a.tables)[r * a.cols + c], " (request ", r, ") is outside the pool's ", a.pool->num_blocks,
+                        " blocks");
+  }
+}
+
+constexpr int kTile = 4;  // keys (values) read per pass over the queries
+
+template <class V, class P>
+MTP_INLINE int key_tile(const AttendArgs& a, int64_t r, int64_t g, int64_t p0, int64_t n, int64_t kv, int64_t offset,
+                        int64_t width, float* buf, const float** rows) {
+  const int nk = static_cast<int>(std::min<int64_t>(kTile, n - p0));
+  const int64_t bs = a.pool->block_size;
+  for (int i = 0; i < nk; ++i) {
+    const int64_t p = p0 + i;
+    int64_t block = (*a.tables)[r * a.cols + p / bs];
+    if (block < 0) block = 0;  // a hole inside kv_len reads the null block (outside the contract)
+    const P* src = reinterpret_cast<const P*>(a.pool->row(kv, block, p % bs, g)) + offset;
+    if constexpr (std::is_same_v<P, float>) {
+      rows[i] = src;
+    } else {
+      V::to_f32(src, buf + i * width, width);
+      rows[i] = buf + i * width;
+    }
+  }
+  return nk;
+}
+
+template <class V, class Q, class P>
+void attend(const AttendArgs& a) {
+  const Q* q = static_cast<const Q*>(a.q);
+  Q* out = static_cast<Q*>(a.out);
+  const int64_t hq = a.kv_heads * a.group;
+  const int64_t q_row = hq * a.dk, out_row = hq * a.dv, width = std::max(a.dk, a.dv);
+  int64_t row0 = 0;
+  for (int64_t r = 0; r < a.num_requests; ++r) {
+    const int64_t n_q = (*a.q_counts)[r], n_kv = (*a.kv_lens)[r];
+    if (n_q == 0) continue;
+    const int64_t first = n_kv - n_q;  // position of query 0; query j sees keys 0..first+j
+    const int64_t rows_g = n_q * a.group;
+    float* qf = scratch(0, rows_g * a.dk + kTile * width + rows_g);
+    float* kbuf = qf + rows_g * a.dk;
+    float* sums = kbuf + kTile * width;
+    float* s = scratch(1, rows_g * std::max<int64_t>(n_kv, 1));
+    float* acc = scratch(2, rows_g * a.dv);
+    const float* tile[kTile];
+    float part[kTile];
+    for (int64_t g = 0; g < a.kv_heads; ++g) {
+      for (int64_t j = 0; j < n_q; ++j)
+        for (int64_t h = 0; h < a.group; ++h)
+          V::to_f32(q + (row0 + j) * q_row + (g * a.group + h) * a.dk, qf + (j * a.group + h) * a.dk, a.dk);
+      // scores of a tile of keys against every query that sees its first key (the rest of a row is ignored)
+      for (int64_t p0 = 0; p0 < n_kv; p0 += kTile) {
+        const int64_t j0 = std::max<int64_t>(0, p0 - first);
+        if (j0 >= n_q) break;
+        const int nk = key_tile<V, P>(a, r, g, p0, n_kv, 0, 0, a.dk, kbuf, tile);
+        for (int64_t jh = j0 * a.group; jh < rows_g; ++jh) {
+          dot_n<V>(nk, tile, qf + jh * a.dk, a.dk, part);
+          for (int i = 0; i < nk; ++i) s[jh * n_kv + p0 + i] = part[i] * a.scale;
+        }
+      }
+      // softmax numerators and sums over each query's visible keys
+      for (int64_t jh = 0; jh < rows_g; ++jh) {
+        const int64_t len = std::min(first + jh / a.group + 1, n_kv);
+        if (len <= 0) { sums[jh] = 0.0f; continue; }
+        float* row = s + jh * n_kv;
+        float m = row[0];
+        for (int64_t p = 1; p < len; ++p) m = std::max(m, row[p]);
+        V::exp_sub(row, m, len);
+        float sum = 0.0f;
+        for (int64_t p = 0; p < len; ++p) sum += row[p];
+        sums[jh] = sum;
+      }
+      // weighted values, a tile of value rows at a time, each query's sum in key order
+      std::fill(acc, acc + rows_g * a.dv, 0.0f);
+      for (int64_t p0 = 0; p0 < n_kv; p0 += kTile) {
+        const int64_t j0 = std::max<int64_t>(0, p0 - first);
+        if (j0 >= n_q) break;
+        const int nk = key_tile<V, P>(a, r, g, p0, n_kv, a.value_kv, a.value_offset, a.dv, kbuf, tile);
+        for (int64_t jh = j0 * a.group; jh < rows_g; ++jh) {
+          const int seen = static_cast<int>(std::min<int64_t>(nk, first + jh / a.group + 1 - p0));
+          axpy_n<V>(seen, s + jh * n_kv + p0, tile, acc + jh * a.dv, a.dv);
+        }
+      }
+      for (int64_t j = 0; j < n_q; ++j)
+        for (int64_t h = 0; h < a.group; ++h) {
+          const int64_t jh = j * a.group + h;
+          const float* src = acc + jh * a.dv;
+          Q* dst = out + (row0 + j) * out_row + (g * a.group + h) * a.dv;
+          const float sum = sums[jh];
+          for (int64_t d = 0; d < a.dv; ++d) dst[d] = from_f32<Q>(sum == 0.0f ? 0.0f : src[d] / sum);  // sum >= 1 or NaN
+        }
+    }
+    row0 += n_q;
+  }
+  if (row0 < a.rows) std::memset(static_cast<void*>(out + row0 * out_row), 0, (a.rows - row0) * out_row * sizeof(Q));
+}
+
+MTP_ISA_KERNEL(run_attend, attend)
+
+}  // namespace mtp
