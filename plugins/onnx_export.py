@@ -12,6 +12,9 @@ only prefers a registered plugin over other resolutions when `plugin_namespace` 
 
 from __future__ import annotations
 
+import plugins.collectives  # noqa: F401  (kernels of the ops the graphs contain)
+import plugins.mla_ops  # noqa: F401
+import plugins.ops  # noqa: F401
 from plugins.names import DOMAIN, PLUGIN_VERSION
 from plugins.op_backends import custom_translation_table, register_onnx_schema
 from plugins.op_spec import SPECS

@@ -3,7 +3,7 @@
 * torch        the schema (defined here unless a kernel library already defined it: then it must be the same)
                and the fake from the spec's shape rule; kernels register themselves (C++, Triton, Python)
 * ONNX         the node schema in domain `mtp` and the exporter's translation of `torch.ops.mtp.<op>`
-* ONNX Runtime an onnxruntime-extensions Python op that calls the torch op (or the spec's numpy implementation)
+* ONNX Runtime an onnxruntime-extensions Python op that calls the torch op (or its numpy kernel in ORT_KERNELS)
 * TensorRT     the format checks (op_spec.accepts, called by plugins/_trt_impl.py)
 
 `install(spec)` does the torch, ONNX and ONNX Runtime parts for one spec; `install_all()` for every registered spec.
@@ -17,17 +17,21 @@ from typing import Any
 
 import torch
 
+import plugins.cpp_ops  # noqa: F401  (the C++ kernel library defines its ops' schemas first)
 from plugins.names import DOMAIN, OPSET_VERSION, PLUGIN_VERSION
 from plugins.op_spec import FLOAT, FP32, INDEX, INT64, SPECS, OpSpec
 
 _installed: set[str] = set()
+# Ops whose ONNX Runtime kernel is not their torch op: numpy functions (inputs..., attrs...) -> output, set by the
+# module that owns the op before plugins/ort_ops.py installs the ORT ops (the collectives: plugins/collectives.py).
+ORT_KERNELS: dict[str, Callable[..., Any]] = {}
 
 
 def install(spec: OpSpec, cpu: Callable[..., torch.Tensor] | None = None) -> None:
     """Make `spec` an op of every backend (idempotent). cpu: a Python CPU kernel, for ops without a C++ one."""
     if spec.op in _installed:
         return
-    _torch(spec, cpu)
+    define_torch(spec, cpu)
     register_onnx_schema(spec)
     _ort(spec)
     _installed.add(spec.op)
@@ -39,7 +43,9 @@ def install_all() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- torch
-def _torch(spec: OpSpec, cpu: Callable[..., torch.Tensor] | None) -> None:
+def define_torch(spec: OpSpec, kernel: Callable[..., torch.Tensor] | None = None, key: str = "CPU") -> None:
+    """The torch op of `spec`: its schema (unless a kernel library defined it: then it must be the spec's), its
+    fake, and optionally a Python kernel for dispatch key `key` ("CompositeExplicitAutograd": any device)."""
     qualname = f"mtp::{spec.op}"
     packet = getattr(torch.ops.mtp, spec.op) if _schema_exists(qualname) else None
     if packet is None:
@@ -47,8 +53,8 @@ def _torch(spec: OpSpec, cpu: Callable[..., torch.Tensor] | None) -> None:
     elif _normal(str(packet.default._schema)) != _normal(f"mtp::{spec.torch_schema}"):
         raise RuntimeError(f"{qualname} is defined as {packet.default._schema}, but its spec says "
                            f"mtp::{spec.torch_schema} (plugins/op_spec.py is the one source)")  # fmt: skip
-    if cpu is not None:
-        torch.library.impl(qualname, "CPU")(cpu)
+    if kernel is not None and not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key):
+        torch.library.impl(qualname, key)(kernel)
     if not _has_fake(qualname):
         names = [a.name for a in spec.attrs]
         n = len(spec.inputs)
@@ -144,11 +150,8 @@ def translation(spec: OpSpec) -> Callable[..., Any]:
 
 
 def custom_translation_table() -> dict[Any, Callable[..., Any]]:
-    """`custom_translation_table=` for `torch.onnx.export(..., dynamo=True)`: every spec's op -> its node."""
-    import plugins.collectives  # noqa: F401  (the collective ops' CPU kernels)
-    import plugins.mla_ops  # noqa: F401
-    import plugins.ops  # noqa: F401
-
+    """`custom_translation_table=` for `torch.onnx.export(..., dynamo=True)`: every spec's op -> its node (the
+    kernels' modules must be imported first: plugins/onnx_export.py does)."""
     install_all()
     return {getattr(torch.ops.mtp, s.op).default: translation(s) for s in SPECS.values()}
 
@@ -169,8 +172,8 @@ def _ort(spec: OpSpec) -> None:
 
     def run(*inputs, **attrs):
         values = [a.kind(attrs[a.name]) for a in spec.attrs]
-        if spec.ort is not None:
-            return spec.ort(*inputs, *values)
+        if spec.op in ORT_KERNELS:
+            return ORT_KERNELS[spec.op](*inputs, *values)
         tensors = [torch.from_numpy(np.ascontiguousarray(x)) for x in inputs]
         return getattr(torch.ops.mtp, spec.op)(*tensors, *values).numpy()
 

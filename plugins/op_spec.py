@@ -64,7 +64,6 @@ class OpSpec:
     attrs: tuple[Attr, ...]
     outputs: tuple[Tensor, ...]
     shape: Callable[..., torch.Tensor]  # the fake: shape(*inputs, **attrs) -> the output (fake tensors)
-    ort: Callable | None = None  # an ONNX Runtime implementation on numpy arrays; None: call the torch op
     tensorrt: bool = True  # has a TensorRT plugin (plugins/trt_plugins.py)
 
     @property
@@ -164,30 +163,18 @@ register(OpSpec(
 ))  # fmt: skip
 
 
-# Tensor-parallel collectives (plugins/collectives.py: mpi4py on CPU; plugins/trt_collectives.py: NCCL).
-def _ort_all_reduce(x, tp_size):
-    from plugins.collectives import all_reduce_numpy
-
-    return all_reduce_numpy(x, int(tp_size))
-
-
-def _ort_all_gather(x, tp_size):
-    from plugins.collectives import all_gather_numpy
-
-    return all_gather_numpy(x, int(tp_size))
-
-
+# Tensor-parallel collectives (plugins/collectives.py: mpi4py on CPU, numpy kernels for ONNX Runtime too;
+# plugins/trt_collectives.py: NCCL).
 _TP_SIZE = _int("tp_size", "ranks in the TP group (> 1)")
 register(OpSpec(
     "all_reduce", ALL_REDUCE, "Sum of x over the TP group; same shape and type.",
     (Tensor("x", FLOAT, "[...]"),), (_TP_SIZE,), (Tensor("y", FLOAT, "[...]"),), _like_first,
-    ort=_ort_all_reduce, tensorrt=False,  # its TensorRT plugin is plugins/trt_collectives.py (NCCL)
+    tensorrt=False,  # its TensorRT plugin is plugins/trt_collectives.py (NCCL)
 ))  # fmt: skip
 register(OpSpec(
     "all_gather", ALL_GATHER, "x of every TP rank concatenated along the last axis, in rank order.",
     (Tensor("x", FLOAT, "[..., N]"),), (_TP_SIZE,), (Tensor("y", FLOAT, "[..., tp_size * N]"),),
-    lambda x, tp_size: x.new_empty((*x.shape[:-1], x.shape[-1] * tp_size)),
-    ort=_ort_all_gather, tensorrt=False,
+    lambda x, tp_size: x.new_empty((*x.shape[:-1], x.shape[-1] * tp_size)), tensorrt=False,
 ))  # fmt: skip
 
 

@@ -22,7 +22,8 @@ NEW_OP = '''
 import numpy as np
 import torch
 
-from plugins.op_backends import custom_translation_table, install
+from plugins.op_backends import install
+from plugins.onnx_export import custom_translation_table
 from plugins.op_spec import FLOAT, INDEX, Attr, OpSpec, Tensor, register
 
 spec = register(OpSpec(
@@ -89,9 +90,9 @@ def test_tensorrt_format_checks_follow_the_dtype_classes():
 
 
 def test_a_kernel_library_with_another_schema_is_refused():
-    from plugins.op_backends import _torch
+    from plugins.op_backends import define_torch
 
     spec = SPECS["kv_write"]
     wrong = OpSpec(spec.op, spec.node, spec.doc, spec.inputs[:-1], spec.attrs, spec.outputs, spec.shape)
     with pytest.raises(RuntimeError, match="plugins/op_spec.py is the one source"):
-        _torch(wrong, None)
+        define_torch(wrong)
