@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
+SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "mimo")
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
 ROPE_TYPES = ("default", "yarn")
 
@@ -113,8 +113,7 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                "(MiMo and Qwen3-Next layouts are planned additions to models/checkpoint.py's table)"
+                f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if hf.get(k) is None]
@@ -132,7 +131,10 @@ class ModelConfig:
             raise ConfigError(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
         rf = _Fields(rope, prefix="rope_parameters.")
         mla = _mla_fields(model_type, f, rf, rope_type)
+        if model_type == "mimo":
+            _check_mimo(hf)
         n_experts = f.integer("n_routed_experts", 0, minimum=0)
+        mimo = model_type == "mimo"
         cfg = cls(
             model_type=model_type,
             vocab_size=f.integer("vocab_size"),
@@ -145,8 +147,8 @@ class ModelConfig:
             rms_norm_eps=f.number("rms_norm_eps", 1e-5),
             rope_theta=rf.number("rope_theta", f.number("rope_theta", 10000.0)),
             partial_rotary_factor=rf.number("partial_rotary_factor",
-                                            f.number("partial_rotary_factor", 1.0 if mla else 0.5)),  # fmt: skip
-            attention_bias=f.flag("attention_bias", False),
+                                            f.number("partial_rotary_factor", 1.0 if mla or mimo else 0.5)),  # fmt: skip
+            attention_bias=mimo or f.flag("attention_bias", False),  # Qwen2 (MiMo's trunk): q/k/v always biased
             use_qk_norm=f.flag("use_qk_norm", False),
             first_k_dense_replace=_first_k_dense(hf, f, 1 if n_experts else 0),
             moe_intermediate_size=f.integer("moe_intermediate_size", 0, minimum=0),
@@ -286,6 +288,16 @@ def mla_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         k = cfg.first_k_dense_replace if cfg.has_moe else cfg.num_hidden_layers
         out["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (cfg.num_hidden_layers - k)
     return out
+
+
+def _check_mimo(hf: dict[str, Any]) -> None:
+    """MiMo = a Qwen2 trunk: refuse what its import does not implement (sliding-window attention)."""
+    if hf.get("use_sliding_window"):
+        raise ConfigError("use_sliding_window=true is not supported for mimo (full attention only); set it to false")
+    types = hf.get("layer_types")
+    if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
+        raise ConfigError(f"mimo layer_types must all be 'full_attention', got {types!r}; sliding-window layers "
+                          "are not supported")  # fmt: skip
 
 
 def _first_k_dense(hf: dict[str, Any], f: _Fields, default: int) -> int:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.checkpoint import save_hf_checkpoint, to_hf_config
+from models.checkpoint_hybrid import model_class
 from models.config import ModelConfig
 from models.fp8 import SCALE_SUFFIX, quantize
 from models.glm4_moe import Glm4MoeMTPModel
@@ -76,7 +77,7 @@ def init_random(model: Glm4MoeMTPModel, seed: int = 0, std: float = 0.1, norm_no
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> Glm4MoeMTPModel:
-    model = Glm4MoeMTPModel(cfg)
+    model = model_class(cfg)(cfg)
     init_random(model, seed)
     return model.eval()
 
@@ -218,3 +219,44 @@ def quantize_checkpoint_fp8(src: str | Path, dst: str | Path) -> None:
     for f in src.iterdir():
         if f.name not in ("model.safetensors", "config.json") and f.is_file():
             shutil.copyfile(f, dst / f.name)
+
+
+# --- MiMo (Qwen2 trunk + model.mtp_layers.{j}.*) checkpoints written by transformers' Qwen2 -----------------
+
+MIMO_BASE = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, eos_token_id=None, bos_token_id=None,
+)  # fmt: skip
+
+
+def make_mimo_checkpoint(path: str | Path, seed: int = 0, num_mtp: int = 1, **overrides) -> dict:
+    """A tiny random MiMo checkpoint: the trunk saved by transformers' Qwen2ForCausalLM.save_pretrained (transformers
+    has no MiMo class; MiMo's trunk IS Qwen2), config.json turned into MiMo's (`model_type: mimo`,
+    `num_nextn_predict_layers`), plus MTP layer j at model.mtp_layers.{j}.* as released (a Qwen2 decoder block's
+    tensors + token_layernorm, hidden_layernorm, input_proj [H, 2H], final_layernorm). Returns the HF config dict."""
+    import transformers
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    hf_cfg = transformers.Qwen2Config(**{**MIMO_BASE, **overrides})
+    g = torch.Generator().manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+    _randomize(model, g)
+    path = Path(path)
+    model.save_pretrained(str(path))
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    h = hf_cfg.hidden_size
+    for j in range(num_mtp):
+        block = Qwen2DecoderLayer(hf_cfg, 0).eval()
+        _randomize(block, g)
+        prefix = f"model.mtp_layers.{j}."
+        tensors.update({prefix + k: v.clone() for k, v in block.state_dict().items()})
+        for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+            tensors[f"{prefix}{norm}.weight"] = 1.0 + 0.1 * torch.randn(h, generator=g)
+        tensors[f"{prefix}input_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    hf = json.loads((path / "config.json").read_text())
+    hf.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=num_mtp)
+    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return hf
