@@ -41,7 +41,7 @@ from models.checkpoint_files import (
     weight_files,
 )
 from models.checkpoint_files import read_model_config as read_model_config  # re-exported: callers import it here
-from models.checkpoint_hybrid import HYBRID_LAYOUTS, model_class
+from models.checkpoint_hybrid import HYBRID_LAYOUTS, LAYOUT_NOTES, model_class
 from models.config import ModelConfig, mla_hf_fields
 from models.glm4_moe import Glm4MoeMTPModel
 from models.sharding import shard_slice
@@ -178,7 +178,7 @@ def plan_weights(idx: CheckpointIndex) -> WeightPlan:
         out[target] = _stack_experts(idx, target, per_expert, cfg.n_routed_experts)
     if cfg.tie_word_embeddings and "lm_head.weight" not in out and "embed_tokens.weight" in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
-    notes = []
+    notes = [LAYOUT_NOTES[cfg.model_type]] if cfg.model_type in LAYOUT_NOTES else []
     present_mtp = {int(k.split(".")[1]) for k in out if k.startswith("mtp.")}
     num_mtp = cfg.num_nextn_predict_layers
     if num_mtp and not present_mtp:

@@ -260,3 +260,89 @@ def make_mimo_checkpoint(path: str | Path, seed: int = 0, num_mtp: int = 1, **ov
     hf.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=num_mtp)
     (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return hf
+
+
+# --- Qwen3-Next / Qwen3.5-MoE (hybrid Gated DeltaNet) checkpoints written by transformers ----------------------
+
+HYBRID_BASE = dict(
+    vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=2,
+    linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=8,
+    num_experts_per_tok=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=None, bos_token_id=None,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)  # fmt: skip
+TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32, patch_size=4,
+                   temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)  # fmt: skip
+
+
+def make_hybrid_checkpoint(path: str | Path, model_type: str = "qwen3_next", seed: int = 0, **overrides) -> dict:
+    """A tiny random Qwen3-Next / Qwen3.5-MoE checkpoint saved by transformers' own save_pretrained (layer_types: 3 GDN
+    layers then 1 gated-attention layer), plus the MTP module at `mtp.*` as released (`mtp.fc`, the two pre-fc norms,
+    `mtp.layers.0.*` with per-expert tensors, `mtp.norm`), which transformers neither builds nor loads.
+    model_type "qwen3_5_moe" writes the multimodal release (text model under model.language_model., a tiny vision
+    tower under model.visual.). Returns the HF config dict."""
+    import transformers
+
+    kw = {**HYBRID_BASE, **overrides}
+    text_cls: Any = transformers.Qwen3NextConfig if model_type == "qwen3_next" else transformers.Qwen3_5MoeTextConfig
+    text_cfg = text_cls(**kw)
+    g = torch.Generator().manual_seed(seed)
+    model: Any
+    if model_type == "qwen3_5_moe":
+        hf_cfg = transformers.Qwen3_5MoeConfig(text_config=text_cfg.to_dict(), vision_config=TINY_VISION)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(hf_cfg).eval()
+    else:
+        cls = transformers.Qwen3NextForCausalLM if model_type == "qwen3_next" else transformers.Qwen3_5MoeForCausalLM
+        model = cls(text_cfg).eval()
+    _randomize_hybrid(model, g)
+    path = Path(path)
+    model.save_pretrained(str(path))
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors.update(_hybrid_mtp_tensors(model, text_cfg, g))
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    hf = json.loads((path / "config.json").read_text())
+    (hf.get("text_config") or hf)["mtp_num_hidden_layers"] = 1  # the released configs' key
+    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return hf
+
+
+def _randomize_hybrid(module: torch.nn.Module, g: torch.Generator) -> None:
+    """Random weights; zero-centred norms near 0 (scale 1 + w), the GDN output norm near 1, A_log / dt_bias spread."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("norm.weight") or name.endswith("A_log") or name.endswith("dt_bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+
+
+def _hybrid_mtp_tensors(model: Any, text_cfg: Any, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """The MTP module in released checkpoint names: one full-attention MoE decoder layer built from transformers' own
+    class (per-expert tensors, as released), fc [H, 2H], pre_fc_norm_embedding / _hidden and norm (zero-centred)."""
+    cfg = copy.deepcopy(text_cfg)
+    cfg.layer_types = ["full_attention"]
+    cfg.num_hidden_layers = 1
+    layer_cls = type(model.model.language_model.layers[0] if hasattr(model.model, "language_model") else
+                     model.model.layers[0])  # fmt: skip
+    block = layer_cls(cfg, 0).eval()
+    _randomize_hybrid(block, g)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in block.state_dict().items():
+        if name == "mlp.experts.gate_up_proj":
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate.clone()
+                out[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = up.clone()
+        elif name == "mlp.experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[f"mtp.layers.0.{name}"] = t.clone()
+    h = text_cfg.hidden_size
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{norm}.weight"] = 0.3 * torch.randn(h, generator=g)
+    out["mtp.fc.weight"] = 0.15 * torch.randn(h, 2 * h, generator=g)
+    return out
