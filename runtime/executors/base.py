@@ -24,6 +24,10 @@ class MainInput:
     kv_lens: np.ndarray  # int32 [R] KV length of each request after this step's append
     block_tables: np.ndarray  # int32 [R, MB]
     logit_rows: np.ndarray  # int64 [N] rows whose logits are needed (sampling / verification)
+    # Hybrid (Gated DeltaNet) models only (runtime/state_pool.py): the state slot each request reads, and the slot
+    # receiving the state after each row (-1 = none). None for every other model.
+    state_read_slots: np.ndarray | None = None  # int32 [R]
+    state_write_slots: np.ndarray | None = None  # int32 [T]
 
 
 @dataclass(slots=True)

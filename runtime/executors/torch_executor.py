@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from models.config import kv_geometry_fields
+from models.gdn import GDNStatePool, HybridCache
 from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
 from plugins.engine_format.mapping import local_kv_heads  # TP: the pool holds this rank's KV heads
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
@@ -37,6 +38,11 @@ class TorchExecutor:
         )  # fmt: skip
         self.pool = allocate_pool(self.geom, self.device)
         self.kv = PagedKV(pool_address(self.pool), self.geom)
+        # Hybrid models: the GDN state pool beside the KV pool, K+1 slots per request (runtime/state_pool.py)
+        self.state = GDNStatePool.allocate(cfg, max_batch * (num_draft_tokens + 1), self.dtype, self.device) \
+            if cfg.is_hybrid else None  # fmt: skip
+        if self.state is not None:
+            cuda_graphs = False  # not captured for hybrid models: the state-slot inputs are not graph buffers
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
         self.num_draft_tokens = num_draft_tokens
         self.graphed_draft: GraphedFunction | None = None
@@ -96,7 +102,11 @@ class TorchExecutor:
                 n = len(inp.input_ids)
                 return MainOutput(out[0][:n].float().cpu().numpy(), out[1][:n].float().cpu().numpy())
         meta = StepMeta(self._t(inp.positions), self._t(inp.q_counts), self._t(inp.kv_lens), self._t(inp.block_tables))
-        hidden = self.model.forward_main(self._t(inp.input_ids), meta, self.kv)
+        cache: PagedKV | HybridCache = self.kv
+        if self.state is not None:
+            assert inp.state_read_slots is not None and inp.state_write_slots is not None, "hybrid model: no state slots"
+            cache = HybridCache(self.kv, self.state, self._t(inp.state_read_slots), self._t(inp.state_write_slots))
+        hidden = self.model.forward_main(self._t(inp.input_ids), meta, cache)
         logits = self.model.compute_logits(hidden[self._t(inp.logit_rows)])
         return MainOutput(hidden.float().cpu().numpy(), logits.float().cpu().numpy())
 
