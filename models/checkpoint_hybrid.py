@@ -7,7 +7,7 @@ models/checkpoint.py `Rule`; the first matching row wins and target "" ignores t
 
 from __future__ import annotations
 
-from torch import nn
+from typing import cast
 
 from models.config import ModelConfig
 from models.glm4_moe import Glm4MoeMTPModel
@@ -72,8 +72,9 @@ LAYOUT_NOTES: dict[str, str] = {
 }
 
 
-def model_class(cfg: ModelConfig) -> type[nn.Module]:
-    """The nn.Module class that runs `cfg.model_type` (every class has Glm4MoeMTPModel's three entry points)."""
+def model_class(cfg: ModelConfig) -> type[Glm4MoeMTPModel]:
+    """The nn.Module class that runs `cfg.model_type`. Every class has Glm4MoeMTPModel's attributes and three entry
+    points; the hybrid one is not a subclass (its main forward takes a HybridCache), hence the cast."""
     if cfg.is_hybrid:
-        return Qwen3NextMTPModel
+        return cast(type[Glm4MoeMTPModel], Qwen3NextMTPModel)
     return MiMoMTPModel if cfg.model_type == "mimo" else Glm4MoeMTPModel

@@ -121,7 +121,7 @@ class ModelConfig:
         # MLA / rope-scaling fields at their defaults are left out, so a GQA engine's config.json is byte for
         # byte what it was before these fields existed (from_dict fills the defaults back in).
         for f in dataclasses.fields(self):
-            if f.name in _OPTIONAL_FIELDS and d[f.name] == (list(f.default) if f.name == "layer_types" else f.default):
+            if f.name in _OPTIONAL_FIELDS and d[f.name] == ([] if f.name == "layer_types" else f.default):
                 del d[f.name]
         return d
 

@@ -137,9 +137,9 @@ class LLMEngine:
         scheduled = sched.scheduled
         tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
         main_plan = plan_main(scheduled, tables)
-        if self.state_slots is not None:
-            self.state_slots.plan([s.req.req_id for s in scheduled], main_plan.inp)
-        main = self._timed(self.executor.run_main, main_plan.inp)  # 2. verify (main KV appended inside)
+        inp = main_plan.inp if self.state_slots is None else self.state_slots.plan([s.req.req_id for s in scheduled],
+                                                                                   main_plan.inp)  # fmt: skip
+        main = self._timed(self.executor.run_main, inp)  # 2. verify (main KV appended inside)
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
         k = self._choose_draft_length(self._sample(scheduled, accepted, errors))
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from runtime.config import RuntimeConfig
-from runtime.executors.base import MainInput
+from runtime.executors.base import HybridMainInput, MainInput
 
 if TYPE_CHECKING:
     from runtime.mtp_plan import RequestUpdate
@@ -53,8 +53,8 @@ class StateSlots:
         self._free = list(range(max_batch))[::-1]
         self._groups: dict[str, _Group] = {}
 
-    def plan(self, req_ids: list[str], inp: MainInput) -> None:
-        """Fill inp.state_read_slots [R] and inp.state_write_slots [T] for this forward (groups assigned on first use)."""
+    def plan(self, req_ids: list[str], inp: MainInput) -> HybridMainInput:
+        """`inp` plus the slot each request reads [R] and the slot each row writes [T] (groups assigned on first use)."""
         reads = np.full(len(req_ids), -1, dtype=np.int32)
         writes = np.full(len(inp.input_ids), -1, dtype=np.int32)
         row = 0
@@ -72,7 +72,8 @@ class StateSlots:
                 g.written[q - m + i] = slot
                 writes[row + q - m + i] = g.base + slot
             row += q
-        inp.state_read_slots, inp.state_write_slots = reads, writes
+        return HybridMainInput(inp.input_ids, inp.positions, inp.q_counts, inp.kv_lens, inp.block_tables, inp.logit_rows,
+                               reads, writes)  # fmt: skip
 
     def commit(self, scheduled: list[ScheduledRequest], updates: list[RequestUpdate]) -> None:
         """After acceptance, per request: the state after its position num_computed-1, written by this step, becomes

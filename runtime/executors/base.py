@@ -24,10 +24,14 @@ class MainInput:
     kv_lens: np.ndarray  # int32 [R] KV length of each request after this step's append
     block_tables: np.ndarray  # int32 [R, MB]
     logit_rows: np.ndarray  # int64 [N] rows whose logits are needed (sampling / verification)
-    # Hybrid (Gated DeltaNet) models only (runtime/state_pool.py): the state slot each request reads, and the slot
-    # receiving the state after each row (-1 = none). None for every other model.
-    state_read_slots: np.ndarray | None = None  # int32 [R]
-    state_write_slots: np.ndarray | None = None  # int32 [T]
+
+
+@dataclass(slots=True)
+class HybridMainInput(MainInput):
+    """MainInput of a hybrid (Gated DeltaNet) model: plus the recurrent-state slots (runtime/state_pool.py)."""
+
+    state_read_slots: np.ndarray  # int32 [R] slot each request's state starts from
+    state_write_slots: np.ndarray  # int32 [T] slot receiving the state after each row, -1 = not stored
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ from models.gdn import GDNStatePool, HybridCache
 from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
 from plugins.engine_format.mapping import local_kv_heads  # TP: the pool holds this rank's KV heads
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
-from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
+from runtime.executors.base import CommitInput, DraftInput, DraftOutput, HybridMainInput, MainInput, MainOutput
 from runtime.executors.cuda_graphs import GraphedFunction
 
 
@@ -102,11 +103,12 @@ class TorchExecutor:
                 n = len(inp.input_ids)
                 return MainOutput(out[0][:n].float().cpu().numpy(), out[1][:n].float().cpu().numpy())
         meta = StepMeta(self._t(inp.positions), self._t(inp.q_counts), self._t(inp.kv_lens), self._t(inp.block_tables))
-        cache: PagedKV | HybridCache = self.kv
-        if self.state is not None:
-            assert inp.state_read_slots is not None and inp.state_write_slots is not None, "hybrid model: no state slots"
+        if self.state is None:
+            hidden = self.model.forward_main(self._t(inp.input_ids), meta, self.kv)
+        else:  # hybrid: models/qwen3_next.py, whose main forward reads and writes the GDN state slots too
+            assert isinstance(inp, HybridMainInput), "a hybrid model needs the state slots (runtime/state_pool.py)"
             cache = HybridCache(self.kv, self.state, self._t(inp.state_read_slots), self._t(inp.state_write_slots))
-        hidden = self.model.forward_main(self._t(inp.input_ids), meta, cache)
+            hidden = cast(Any, self.model).forward_main(self._t(inp.input_ids), meta, cache)
         logits = self.model.compute_logits(hidden[self._t(inp.logit_rows)])
         return MainOutput(hidden.float().cpu().numpy(), logits.float().cpu().numpy())
 
