@@ -6,8 +6,9 @@ slot each request starts from (`read_slots`) and, per packed row, the slot that 
 (`write_slots`, -1 = none). Prefill chunks store only their last row's state; a verify step stores every row's,
 so rolling back to the accepted row is a choice of slot, never a recompute or a copy (docs/MODELS.md).
 
-The math is plugins/reference.py `gdn_step_ref` (the one definition; transformers' `torch_recurrent_gated_delta_rule`
-and `causal_conv1d_update` are its independent reference in tests/models/test_hybrid_parity.py).
+The token mixing is one plugin op, `mtp::gdn_step` (plugins/gdn_ops.py; its definition is plugins/reference.py
+`gdn_step_ref`; transformers' own GDN functions are the independent reference in tests/plugins/test_gdn.py and, for
+the whole model, tests/models/test_hybrid_parity.py).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import plugins.gdn_ops  # noqa: F401  (torch.ops.mtp.gdn_step)
 from models.config import ModelConfig
 from models.glm4_moe import PagedKV, StepMeta
-from plugins.reference import gdn_step_ref
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +112,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta: StepMeta, cache: HybridCache) -> torch.Tensor:
         mixed, z, b, a = self.project(x)
         i = self.state_index
-        core = gdn_step_ref(
+        core = torch.ops.mtp.gdn_step(
             mixed, b, a, meta.q_counts, meta.write_starts, cache.read_slots, cache.write_slots,
             cache.state.conv[i], cache.state.ssm[i], self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
             self.hk, self.dk, self.dv,

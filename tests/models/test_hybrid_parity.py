@@ -17,7 +17,7 @@ import torch
 
 from models.checkpoint import load_model
 from models.config import ConfigError, ModelConfig
-from models.gdn import GDNStatePool, HybridCache
+from models.gdn import GatedDeltaNet, GDNStatePool, HybridCache
 from models.qwen3_next import Qwen3NextMTPModel, ZeroCentredRMSNorm
 from models.testing import make_hybrid_checkpoint
 from tests.models.test_mla_parity import ids_for, kv_for, meta
@@ -233,20 +233,18 @@ def test_commit_pass_and_drafts_need_no_gdn_state(hybrid, model_type):
 @pytest.mark.parametrize("plant", ["norm_not_zero_centred", "dropped_conv_state", "state_slot_off_by_one"])
 def test_parity_fails_against_a_planted_bug(hybrid, plant, monkeypatch):
     """Each planted bug moves the decode logits past the 1e-4 tolerance: the parity test above can fail."""
-    import models.gdn
-
     path = hybrid("qwen3_next")
     if plant == "norm_not_zero_centred":
         monkeypatch.setattr(ZeroCentredRMSNorm, "forward", lambda self, x: torch.nn.functional.rms_norm(
             x, self.weight.shape, self.weight, self.eps))  # fmt: skip
     elif plant == "dropped_conv_state":
-        real = models.gdn.gdn_step_ref
+        real = GatedDeltaNet.forward
 
-        def no_conv_carry(mixed, b, a, q_counts, starts, read_slots, write_slots, conv_pool, *rest):
-            conv_pool.zero_()  # every forward starts its conv window from zeros
-            return real(mixed, b, a, q_counts, starts, read_slots, write_slots, conv_pool, *rest)
+        def no_conv_carry(self, x, meta, cache):
+            cache.state.conv[self.state_index].zero_()  # every forward starts its conv window from zeros
+            return real(self, x, meta, cache)
 
-        monkeypatch.setattr(models.gdn, "gdn_step_ref", no_conv_carry)
+        monkeypatch.setattr(GatedDeltaNet, "forward", no_conv_carry)
     ours, _ = load_model(path)
     ids = ids_for(ours.cfg)
     with torch.no_grad():
