@@ -134,3 +134,11 @@ def test_rejection_sampling_is_lossless(checkpoint):
     for col, expected in ((1, marginal2), (2, marginal3)):
         stat, df = chi2_stat(np.bincount(outs[:, col], minlength=VOCAB), expected, n)
         assert stat < chi2_critical(df), f"token {col + 1}: chi2={stat:.1f} > {chi2_critical(df):.1f} (df={df})"
+
+
+def test_multi_rank_is_refused_with_one_line(checkpoint):
+    from runtime.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"hybrid \(Gated DeltaNet\) model: it runs on one rank only"):
+        create_engine(checkpoint=checkpoint("qwen3_next"), executor="torch", rank=0, world_size=2, ep_size=2,
+                      num_draft_tokens=1, block_size=4, num_blocks=64, max_batch=2, max_num_tokens=32, max_seq_len=64)
