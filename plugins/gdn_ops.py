@@ -7,8 +7,8 @@ prefill chunks are the same op: requests are packed, a request with 0 rows (padd
 
 The CPU implementation vectorises over requests and heads: the conv of every row at once (an unfold over
 window ++ rows), then the recurrence one row index at a time for all requests together (a verify step of 1+k rows is
-1+k iterations for the whole batch). The state pools are mutated in place (`mutates_args`); the ONNX / ORT / TensorRT
-forms of this op do not exist yet (docs/MODELS.md "What runs where").
+1+k iterations for the whole batch). CUDA tensors go to the Triton kernel (plugins/gdn_triton.py). The state pools are
+mutated in place (`mutates_args`); the ONNX / ORT / TensorRT forms of this op do not exist yet (docs/MODELS.md).
 """
 
 from __future__ import annotations
@@ -35,7 +35,12 @@ def gdn_step(
     head_k_dim: int,
     head_v_dim: int,
 ) -> torch.Tensor:
-    """-> core output [T, Hv, Dv] fp32 (before the gated output norm)."""
+    """-> core output [T, Hv, Dv] fp32 (before the gated output norm). CUDA inputs run the Triton kernel."""
+    if mixed.is_cuda:  # not executed here (no GPU); the kernel is tested under TRITON_INTERPRET=1
+        from plugins.gdn_triton import gdn_step_triton
+
+        return gdn_step_triton(mixed, b, a, q_counts, starts, read_slots, write_slots, conv_pool, ssm_pool, conv_weight,
+                               a_log, dt_bias, num_k_heads, head_k_dim, head_v_dim)  # fmt: skip
     t_rows, c = mixed.shape
     hv, kk = a.shape[1], conv_weight.shape[1]
     out = torch.zeros(t_rows, hv, head_v_dim, dtype=torch.float32, device=mixed.device)

@@ -62,7 +62,7 @@ class LLMEngine:
         """seed: engine seed; an unseeded request samples from a generator derived from (seed, request id)."""
         if cfg.num_draft_tokens > 0 and model_cfg.num_mtp_modules == 0:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
-        # Hybrid models: K+1 recurrent-state slots per running request beside the KV pool; no prefix caching (a
+        # Hybrid models: K+2 recurrent-state slots per running request beside the KV pool; no prefix caching (a
         # cached prefix has KV but no recurrent state): runtime/state_pool.py
         self.state_slots = StateSlots(cfg.max_batch, cfg.num_draft_tokens) if model_cfg.is_hybrid else None
         cfg = hybrid_runtime_config(cfg) if model_cfg.is_hybrid else cfg

@@ -1,10 +1,11 @@
 """Recurrent-state slots of hybrid (Gated DeltaNet) models, beside the paged KV pool (docs/MODELS.md).
 
 A GDN layer's state after position p cannot be rebuilt from a KV cache: it is carried. Every running request owns a
-group of K+1 slots of the executor's state pool (models/gdn.py `GDNStatePool`), one of which (`current`) holds the
+group of K+2 slots of the executor's state pool (models/gdn.py `GDNStatePool`), one of which (`current`) holds the
 state after its last committed position. A main forward reads `current` and writes the state after each of its
-last min(q, K+1) rows into the group's other slots in turn (a verify step of 1+k rows: one state per row;
-a prefill chunk: its last row is the one that matters). After acceptance the request's new `current` is the slot
+last min(q, K+1) rows into the group's OTHER slots in turn (a verify step of 1+k rows: one state per row; a prefill
+chunk: its last row is the one that matters). No row ever writes the slot the forward reads, so a parallel kernel
+(one program per head) has no read-after-write race on it. After acceptance the request's new `current` is the slot
 written by the row of its last committed position: rolling back rejected drafts is a choice of slot, never a
 recompute of the prompt and never a host copy (vLLM's per-position state slots). A fresh sequence (first position
 0) starts from zeros inside the op, so a slot's previous owner never leaks into it.
@@ -45,10 +46,10 @@ class _Group:
 
 
 class StateSlots:
-    """Slot groups of K+1 per running request, for at most `max_batch` requests at once."""
+    """Slot groups of K+2 per running request, for at most `max_batch` requests at once."""
 
     def __init__(self, max_batch: int, num_draft_tokens: int) -> None:
-        self.group_size = num_draft_tokens + 1
+        self.group_size = num_draft_tokens + 2  # the current slot + one per verify row (1 + K)
         self.num_slots = max_batch * self.group_size
         self._free = list(range(max_batch))[::-1]
         self._groups: dict[str, _Group] = {}
@@ -65,9 +66,9 @@ class StateSlots:
                     raise RuntimeError("no free recurrent-state slot group: more running requests than max_batch")
                 g = self._groups[req_id] = _Group(self._free.pop() * self.group_size)
             reads[r] = g.base + g.current
-            m = min(q, self.group_size)
+            m = min(q, self.group_size - 1)
             g.written = {}
-            for i in range(m):  # the last m rows, into the slots after `current` (the last one may be `current`)
+            for i in range(m):  # the last m rows, into the slots after `current` (never `current` itself)
                 slot = (g.current + 1 + i) % self.group_size
                 g.written[q - m + i] = slot
                 writes[row + q - m + i] = g.base + slot

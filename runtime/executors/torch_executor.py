@@ -39,8 +39,8 @@ class TorchExecutor:
         )  # fmt: skip
         self.pool = allocate_pool(self.geom, self.device)
         self.kv = PagedKV(pool_address(self.pool), self.geom)
-        # Hybrid models: the GDN state pool beside the KV pool, K+1 slots per request (runtime/state_pool.py)
-        self.state = GDNStatePool.allocate(cfg, max_batch * (num_draft_tokens + 1), self.dtype, self.device) \
+        # Hybrid models: the GDN state pool beside the KV pool, K+2 slots per request (runtime/state_pool.py)
+        self.state = GDNStatePool.allocate(cfg, max_batch * (num_draft_tokens + 2), self.dtype, self.device) \
             if cfg.is_hybrid else None  # fmt: skip
         if self.state is not None:
             cuda_graphs = False  # not captured for hybrid models: the state-slot inputs are not graph buffers

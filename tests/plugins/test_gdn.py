@@ -1,8 +1,13 @@
-"""`mtp::gdn_step` (plugins/gdn_ops.py, the CPU op) == plugins/reference.py `gdn_step_ref` == transformers' own GDN
-functions (`causal_conv1d_fn` / `torch_chunk_gated_delta_rule` over a whole sequence); padded requests and
-unstored rows leave the state pools untouched; a fresh sequence never reads its (poisoned) slot."""
+"""`mtp::gdn_step` (plugins/gdn_ops.py, the CPU op) and its Triton kernel (plugins/gdn_triton.py, TRITON_INTERPRET=1 on
+CPU) == plugins/reference.py `gdn_step_ref` == transformers' own GDN functions (`causal_conv1d_fn` /
+`torch_chunk_gated_delta_rule` over a whole sequence); padded requests and unstored rows leave the state pools
+untouched; a fresh sequence never reads its (poisoned) slot."""
 
 from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton / plugins.gdn_triton
 
 import pytest
 import torch
@@ -30,27 +35,31 @@ def pools(slots=8, fill=float("nan")):
     return torch.full((slots, C, K - 1), fill), torch.full((slots, HV, DK, DV), fill)
 
 
-def both(mixed, b, a, counts, starts, reads, writes, conv, ssm):
-    """Run the op and the reference on copies of the same pools; return both (out, conv, ssm)."""
+def both(mixed, b, a, counts, starts, reads, writes, conv, ssm, impl="op"):
+    """Run `impl` and the reference on copies of the same pools; return both (out, conv, ssm)."""
+    from plugins.gdn_triton import gdn_step_triton
+
     w, a_log, dt = params()
     args = lambda c, s: (mixed, b, a, torch.tensor(counts, dtype=I32), torch.tensor(starts, dtype=I32),  # noqa: E731
                          torch.tensor(reads, dtype=I32), torch.tensor(writes, dtype=I32), c, s, w, a_log, dt, HK, DK, DV)
     c1, s1, c2, s2 = conv.clone(), ssm.clone(), conv.clone(), ssm.clone()
-    return (torch.ops.mtp.gdn_step(*args(c1, s1)), c1, s1), (gdn_step_ref(*args(c2, s2)), c2, s2)
+    fn = torch.ops.mtp.gdn_step if impl == "op" else gdn_step_triton
+    return (fn(*args(c1, s1)), c1, s1), (gdn_step_ref(*args(c2, s2)), c2, s2)
 
 
-def test_op_equals_reference_on_a_packed_mixed_batch():
+@pytest.mark.parametrize("impl", ["op", "triton"])
+def test_op_equals_reference_on_a_packed_mixed_batch(impl):
     """Requests: a fresh 5-row prefill (last row stored), a padded one, a 3-row verify continuing from slot 2 (every
     row stored), a fresh 1-row one (nothing stored)."""
     conv, ssm = pools(fill=0.0)
     g = torch.Generator().manual_seed(9)
     conv[2], ssm[2] = torch.randn(C, K - 1, generator=g), 0.1 * torch.randn(HV, DK, DV, generator=g)
     mixed, b, a = rows(9, 1)
-    writes = [-1, -1, -1, -1, 0] + [3, 4, 2] + [-1]
-    (o1, c1, s1), (o2, c2, s2) = both(mixed, b, a, [5, 0, 3, 1], [0, 7, 7, 0], [6, -1, 2, 5], writes, conv, ssm)
+    writes = [-1, -1, -1, -1, 0] + [3, 4, 7] + [-1]  # never the slot a request reads (runtime/state_pool.py)
+    (o1, c1, s1), (o2, c2, s2) = both(mixed, b, a, [5, 0, 3, 1], [0, 7, 7, 0], [6, -1, 2, 5], writes, conv, ssm, impl)
     torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(c1, c2, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(s1, s2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c1, c2, atol=1e-6, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(s1, s2, atol=1e-5, rtol=1e-5, equal_nan=True)
     assert o1.abs().max() > 0.05
 
 
@@ -104,14 +113,16 @@ def test_dropping_the_conv_window_fails_the_comparison():
     assert (rest - expected[4:]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("impl", ["op", "reference"])
+@pytest.mark.parametrize("impl", ["op", "reference", "triton"])
 def test_padded_requests_and_unstored_rows_touch_nothing(impl):
     """Every pool slot NaN: padded requests (0 rows) and rows with write slot -1 leave every slot bit-identical, a
     fresh request never reads its NaN slot, and the one stored row writes exactly its slot."""
     conv, ssm = pools()
     mixed, b, a = rows(3, 3)
     w, a_log, dt = params()
-    fn = torch.ops.mtp.gdn_step if impl == "op" else gdn_step_ref
+    from plugins.gdn_triton import gdn_step_triton
+
+    fn = {"op": torch.ops.mtp.gdn_step, "reference": gdn_step_ref, "triton": gdn_step_triton}[impl]
     out = fn(mixed, b, a, torch.tensor([0, 3, 0], dtype=I32), torch.tensor([9, 0, 4], dtype=I32),
              torch.tensor([1, 2, 4], dtype=I32), torch.tensor([-1, -1, 6], dtype=I32), conv, ssm, w, a_log, dt, HK,
              DK, DV)  # fmt: skip
