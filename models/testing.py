@@ -194,9 +194,10 @@ def _mtp_tensors(model, hf_cfg, model_type: str, layer: int, g: torch.Generator)
 
 
 def is_fp8_quantized(name: str, shape: tuple[int, ...]) -> bool:
-    """The tensors DeepSeek-V3 / GLM-4.5-FP8 ship in FP8: the 2-D projection weights (not embeddings, the
-    LM head, norms or the router); MLA's kv_a_proj_with_mqa included."""
-    return len(shape) == 2 and (name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight"))
+    """The tensors DeepSeek-V3 / GLM-4.5-FP8 (and Qwen3-Next-FP8) ship in FP8: the 2-D projection weights (not
+    embeddings, the LM head, norms or the router); MLA's kv_a_proj_with_mqa and the GDN in_proj_* included."""
+    return len(shape) == 2 and (name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight")
+                                or ".linear_attn.in_proj_" in name)  # Qwen3-Next / 3.5 GDN: in_proj_qkvz, _ba, ...
 
 
 def quantize_checkpoint_fp8(src: str | Path, dst: str | Path) -> None:

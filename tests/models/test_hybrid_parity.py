@@ -283,3 +283,25 @@ def test_hybrid_config_import_and_refusals(hybrid):
             ModelConfig.from_hf_dict({**hf, "text_config": text_cfg})
     with pytest.raises(ConfigError, match="needs a text_config object"):
         ModelConfig.from_hf_dict({"model_type": "qwen3_5_moe"})
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe"])
+def test_fp8_release_imports_within_e4m3_rounding(hybrid, model_type, tmp_path):
+    """The FP8 release format (float8_e4m3fn projections + 128x128 `weight_scale_inv`, Qwen's extra
+    `modules_to_not_convert`) goes through the generic FP8 import: every projection within e4m3's rounding of the
+    float checkpoint, everything else exact."""
+    from models.testing import quantize_checkpoint_fp8
+
+    quantize_checkpoint_fp8(hybrid(model_type), tmp_path / "fp8")
+    hf = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    hf["quantization_config"]["modules_to_not_convert"] = ["lm_head"]
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(hf))
+    ref, q = load_model(hybrid(model_type))[0].state_dict(), load_model(tmp_path / "fp8")[0].state_dict()
+    quantized = [n for n, t in ref.items() if not torch.equal(t, q[n])]
+    assert any("linear_attn.in_proj" in n for n in quantized) and any("mtp.0.block" in n for n in quantized)
+    for name, t in ref.items():
+        assert (t - q[name]).abs().max() <= t.abs().max() / 16 + 1e-6, name
+        if name not in quantized:
+            continue
+        assert "norm" not in name and not name.endswith(("A_log", "dt_bias", "conv1d.weight", "embed_tokens.weight",
+                                                         "lm_head.weight", "mlp.gate.weight")), name  # fmt: skip
