@@ -157,7 +157,7 @@ class Qwen3NextMTPModel(nn.Module):
         m = mapping or rank_mapping(0, Parallel(ep_size, ep_size, 1), cfg.n_routed_experts)
         if m.tp > 1:
             raise ValueError(f"{cfg.model_type}: tensor parallelism is not supported for hybrid models; use tp_size 1")
-        self.cfg, self.mapping, self.vocab_lo = cfg, m, 0
+        self.cfg, self.mapping = cfg, m
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         index = {"linear_attention": 0, "full_attention": 0}
         layers = []

@@ -65,7 +65,7 @@ class LLMEngine:
         # Hybrid models: K+2 recurrent-state slots per running request beside the KV pool; no prefix caching (a
         # cached prefix has KV but no recurrent state): runtime/state_pool.py
         self.state_slots = StateSlots(cfg.max_batch, cfg.num_draft_tokens) if model_cfg.is_hybrid else None
-        cfg = hybrid_runtime_config(cfg) if model_cfg.is_hybrid else cfg
+        cfg = hybrid_runtime_config(cfg, executor) if model_cfg.is_hybrid else cfg
         self.executor, self.model_cfg, self.cfg, self.tokenizer = executor, model_cfg, cfg, tokenizer
         self.k = cfg.num_draft_tokens
         self.seed = seed

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runtime.config import RuntimeConfig
+from runtime.config import ConfigError, RuntimeConfig
 from runtime.executors.base import HybridMainInput, MainInput
 
 if TYPE_CHECKING:
@@ -30,8 +30,15 @@ if TYPE_CHECKING:
     from runtime.scheduler import ScheduledRequest
 
 
-def hybrid_runtime_config(cfg: RuntimeConfig) -> RuntimeConfig:
-    """Prefix caching is off for hybrid models: a cached prefix has its KV but not the GDN state after it."""
+def hybrid_runtime_config(cfg: RuntimeConfig, executor: object) -> RuntimeConfig:
+    """The engine's config for a hybrid model. Prefix caching is off: a cached prefix has its KV but not the GDN state
+    after it. An executor with a state pool (the torch one) must hold max_batch x (K+2) slots."""
+    capacity = getattr(getattr(executor, "state", None), "num_slots", None)
+    need = cfg.max_batch * (cfg.num_draft_tokens + 2)
+    if capacity is not None and capacity < need:
+        raise ConfigError(f"the executor's recurrent-state pool has {capacity} slots but max_batch={cfg.max_batch} "
+                          f"with num_draft_tokens={cfg.num_draft_tokens} needs {need}; create the executor with the "
+                          "same max_batch and num_draft_tokens as the engine")  # fmt: skip
     if cfg.enable_prefix_caching:
         logging.getLogger(__name__).info("prefix caching is off for hybrid (Gated DeltaNet) models")
         cfg = dataclasses.replace(cfg, enable_prefix_caching=False)

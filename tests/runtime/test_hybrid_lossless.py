@@ -142,3 +142,16 @@ def test_multi_rank_is_refused_with_one_line(checkpoint):
     with pytest.raises(ConfigError, match=r"hybrid \(Gated DeltaNet\) model: it runs on one rank only"):
         create_engine(checkpoint=checkpoint("qwen3_next"), executor="torch", rank=0, world_size=2, ep_size=2,
                       num_draft_tokens=1, block_size=4, num_blocks=64, max_batch=2, max_num_tokens=32, max_seq_len=64)
+
+
+def test_an_executor_with_too_few_state_slots_is_refused(checkpoint):
+    from models.checkpoint import load_model
+    from runtime.config import ConfigError, RuntimeConfig
+    from runtime.engine import LLMEngine
+    from runtime.executors.torch_executor import TorchExecutor
+
+    model, _ = load_model(checkpoint("qwen3_next"))
+    executor = TorchExecutor(model, 64, 4, max_batch=2, num_draft_tokens=1)
+    with pytest.raises(ConfigError, match="recurrent-state pool has 6 slots but max_batch=4 with num_draft_tokens=2"):
+        LLMEngine(executor, model.cfg, RuntimeConfig(max_batch=4, num_draft_tokens=2, block_size=4, num_blocks=64,
+                                                     max_num_tokens=64))  # fmt: skip
