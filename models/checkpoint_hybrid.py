@@ -33,7 +33,7 @@ MIMO_RULES: tuple[tuple[str, str, str], ...] = (
 
 
 _HYBRID_BLOCK = (r"(input_layernorm|post_attention_layernorm|linear_attn\.(?:in_proj_[a-z]+|conv1d|out_proj|norm)"
-                 r"|self_attn\.[a-z_]+|mlp\.(?:gate|shared_expert_gate|shared_expert\.[a-z]+_proj))")  # fmt: skip
+                 r"|self_attn\.[a-z_]+|mlp\.(?:gate|[a-z]+_proj|shared_expert_gate|shared_expert\.[a-z]+_proj))")  # fmt: skip
 
 
 def _hybrid_rules(trunk: str) -> tuple[tuple[str, str, str], ...]:
@@ -65,10 +65,13 @@ HYBRID_LAYOUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "qwen3_next": _hybrid_rules(r"model\."),
     "qwen3_5_moe_text": _hybrid_rules(r"model\."),
     "qwen3_5_moe": _hybrid_rules(r"model\.language_model\."),
+    "qwen3_5_text": _hybrid_rules(r"model\."),
+    "qwen3_5": _hybrid_rules(r"model\.language_model\."),
 }
 # One line each, logged by load_model (models/checkpoint.py plan notes).
 LAYOUT_NOTES: dict[str, str] = {
     "qwen3_5_moe": "qwen3_5_moe: the vision tower (model.visual.*) is not imported; the engine serves the text model",
+    "qwen3_5": "qwen3_5: the vision tower (model.visual.*) is not imported; the engine serves the text model",
 }
 
 

@@ -18,7 +18,8 @@ from models.config_fields import Fields as _Fields
 from models.config_fields import eos_ids as _eos_ids
 from models.config_hybrid import hybrid_fields, validate_hybrid
 
-HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")  # Gated DeltaNet + gated attention
+# Gated DeltaNet + gated attention: Qwen3-Next, Qwen3.5 MoE and dense (text model, or the multimodal release)
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_5_text", "qwen3_5")
 SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "mimo", *HYBRID_MODEL_TYPES)
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
 ROPE_TYPES = ("default", "yarn")

@@ -1,10 +1,11 @@
 """config.json of the hybrid Gated-DeltaNet family -> ModelConfig fields (models/config.py calls `hybrid_fields`).
 
-`qwen3_next` (Qwen3-Next), `qwen3_5_moe_text` (the Qwen3.5 / 3.6 MoE text model) and `qwen3_5_moe` (the released
-multimodal checkpoint: its `text_config` is read; the vision tower is not imported). `layer_types` (or
-`full_attention_interval`) decides which layers are Gated DeltaNet ("linear_attention") and which gated full
-attention; every layer's FFN is the softmax-routed MoE with a sigmoid-gated shared expert. What is not implemented
-is refused with one line naming the field.
+`qwen3_next` (Qwen3-Next), `qwen3_5_moe_text` / `qwen3_5_text` (the Qwen3.5 / 3.6 MoE and dense text models) and
+`qwen3_5_moe` / `qwen3_5` (the released multimodal checkpoints: their `text_config` is read; the vision tower is not
+imported). `layer_types` (or `full_attention_interval`) decides which layers are Gated DeltaNet ("linear_attention")
+and which gated full attention; every layer's FFN is the softmax-routed MoE with a sigmoid-gated shared expert (MoE
+types) or a dense SwiGLU MLP (`qwen3_5_text`, `qwen3_5`). What is not implemented is refused with one line naming the
+field.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ from typing import Any
 from models.config_fields import ConfigError, Fields, eos_ids
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+MULTIMODAL_TYPES = ("qwen3_5_moe", "qwen3_5")
+DENSE_TYPES = ("qwen3_5_text", "qwen3_5")
 
 
 def hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig keyword arguments of a Qwen3-Next / Qwen3.5-MoE config.json (validated field by field)."""
     model_type = hf["model_type"]
     top = hf
-    if model_type == "qwen3_5_moe":  # multimodal release: the language model's config is text_config
+    if model_type in MULTIMODAL_TYPES:  # multimodal release: the language model's config is text_config
         text = hf.get("text_config")
         if not isinstance(text, dict):
-            raise ConfigError("qwen3_5_moe config.json needs a text_config object (the language model's config)")
+            raise ConfigError(f"{model_type} config.json needs a text_config object (the language model's config)")
         hf = text
     f = Fields(hf)
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
@@ -43,9 +46,11 @@ def hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"rope type {rope_type!r} is not supported for {model_type} (only 'default'; text positions "
                           "make Qwen3.5's mrope the default rope)")  # fmt: skip
     rf = Fields(rope, prefix="rope_parameters.")
-    n_experts = f.integer("num_experts", 0, minimum=0)
-    if n_experts == 0:
-        raise ConfigError(f"{model_type} with num_experts=0 (a dense FFN) is not supported; only the MoE releases are")
+    dense = model_type in DENSE_TYPES
+    n_experts = 0 if dense else f.integer("num_experts", 0, minimum=0)
+    if n_experts == 0 and not dense:
+        raise ConfigError(f"{model_type} with num_experts=0 (a dense FFN) is not supported; dense Qwen3.5 checkpoints "
+                          "are model_type qwen3_5 / qwen3_5_text")  # fmt: skip
     if f.integer("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
         raise ConfigError("decoder_sparse_step != 1 or a non-empty mlp_only_layers (dense layers among MoE) is not "
                           "supported; every layer must be MoE, as in the Qwen3-Next / Qwen3.5 releases")  # fmt: skip
@@ -61,7 +66,7 @@ def hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
         model_type=model_type,
         vocab_size=f.integer("vocab_size"),
         hidden_size=f.integer("hidden_size"),
-        intermediate_size=f.integer("intermediate_size", f.integer("moe_intermediate_size")),  # unused: no dense layer
+        intermediate_size=f.integer("intermediate_size") if dense else f.integer("intermediate_size", 1),  # MoE: unused
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
         num_key_value_heads=f.integer("num_key_value_heads", heads),
@@ -72,9 +77,9 @@ def hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
         attention_bias=f.flag("attention_bias", False),
         use_qk_norm=True,
         first_k_dense_replace=0,
-        moe_intermediate_size=f.integer("moe_intermediate_size"),
+        moe_intermediate_size=0 if dense else f.integer("moe_intermediate_size"),
         n_routed_experts=n_experts,
-        num_experts_per_tok=f.integer("num_experts_per_tok"),
+        num_experts_per_tok=0 if dense else f.integer("num_experts_per_tok"),
         norm_topk_prob=True if model_type != "qwen3_next" else f.flag("norm_topk_prob", True),
         num_nextn_predict_layers=num_mtp,
         tie_word_embeddings=tie,

@@ -1,13 +1,14 @@
-"""Qwen3-Next / Qwen3.5-MoE (`qwen3_next`, `qwen3_5_moe_text`, `qwen3_5_moe`): a hybrid trunk and its MTP module.
+"""Qwen3-Next / Qwen3.5 (`qwen3_next`, `qwen3_5_moe_text`, `qwen3_5_moe`, `qwen3_5_text`, `qwen3_5`): a hybrid trunk
+and its MTP module.
 
-HF reference: transformers `Qwen3NextForCausalLM` / `Qwen3_5MoeForCausalLM` (main model) and vLLM's
+HF reference: transformers `Qwen3NextForCausalLM` / `Qwen3_5MoeForCausalLM` / `Qwen3_5ForCausalLM` (main model), vLLM's
 `qwen3_next_mtp.py` (the MTP module; transformers drops `mtp.*` on load). What differs from models/glm4_moe.py:
   * `layer_types`: "linear_attention" layers are Gated DeltaNet (models/gdn.py: recurrent state, no KV),
     "full_attention" layers are gated attention: q_proj emits [q ; gate] per head, zero-centred q/k RMSNorm,
     partial neox rope, output * sigmoid(gate) before o_proj. Only attention layers own a KV plane.
   * every RMSNorm but the GDN output norm is zero-centred: the scale is 1 + w (`ZeroCentredRMSNorm`);
   * the FFN is MoE with softmax top-k routing (renormalised) and ONE shared expert scaled by
-    sigmoid(shared_expert_gate(x));
+    sigmoid(shared_expert_gate(x)); dense Qwen3.5 (`qwen3_5_text`, `qwen3_5`) has a SwiGLU MLP instead;
   * the MTP module (`mtp.*`): fc(cat[pre_fc_norm_embedding(emb), pre_fc_norm_hidden(h)]) (embedding first),
     one full-attention MoE decoder layer (`mtp.layers.0`), `mtp.norm`, the main embedding and lm_head; h is the
     main model's post-final-norm hidden and the chained hidden is the post-`mtp.norm` output (as vLLM).
@@ -119,7 +120,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, index)  # index: the KV plane
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(cfg, mapping)
+        self.mlp: nn.Module = SparseMoE(cfg, mapping) if cfg.has_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, meta: StepMeta, cache: HybridCache | PagedKV) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -131,7 +132,8 @@ class HybridDecoderLayer(nn.Module):
 
 
 class Qwen3NextMTPModule(nn.Module):
-    """`mtp.*`: fc(cat[pre_fc_norm_embedding(emb), pre_fc_norm_hidden(h)]) -> a full-attention MoE layer -> norm."""
+    """`mtp.*`: fc(cat[pre_fc_norm_embedding(emb), pre_fc_norm_hidden(h)]) -> a full-attention layer (MoE or dense, as
+    the trunk) -> norm."""
 
     def __init__(self, cfg: ModelConfig, plane: int, mapping: RankMapping) -> None:
         super().__init__()

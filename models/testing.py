@@ -285,16 +285,25 @@ def make_hybrid_checkpoint(path: str | Path, model_type: str = "qwen3_next", see
     import transformers
 
     kw = {**HYBRID_BASE, **overrides}
-    text_cls: Any = transformers.Qwen3NextConfig if model_type == "qwen3_next" else transformers.Qwen3_5MoeTextConfig
-    text_cfg = text_cls(**kw)
+    dense = model_type in ("qwen3_5_text", "qwen3_5")
+    if dense:  # a dense SwiGLU FFN in every layer
+        kw = {k: v for k, v in kw.items() if k not in ("moe_intermediate_size", "shared_expert_intermediate_size",
+                                                      "num_experts", "num_experts_per_tok")} | {"intermediate_size": 48}
+    text_cls, causal_cls, mm_cfg_cls, mm_cls = {
+        "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", "", ""),
+        "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "", ""),
+        "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+        "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "", ""),
+        "qwen3_5": ("Qwen3_5TextConfig", "", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    }[model_type]
+    text_cfg = getattr(transformers, text_cls)(**kw)
     g = torch.Generator().manual_seed(seed)
     model: Any
-    if model_type == "qwen3_5_moe":
-        hf_cfg = transformers.Qwen3_5MoeConfig(text_config=text_cfg.to_dict(), vision_config=TINY_VISION)
-        model = transformers.Qwen3_5MoeForConditionalGeneration(hf_cfg).eval()
+    if mm_cls:
+        hf_cfg = getattr(transformers, mm_cfg_cls)(text_config=text_cfg.to_dict(), vision_config=TINY_VISION)
+        model = getattr(transformers, mm_cls)(hf_cfg).eval()
     else:
-        cls = transformers.Qwen3NextForCausalLM if model_type == "qwen3_next" else transformers.Qwen3_5MoeForCausalLM
-        model = cls(text_cfg).eval()
+        model = getattr(transformers, causal_cls)(text_cfg).eval()
     _randomize_hybrid(model, g)
     path = Path(path)
     model.save_pretrained(str(path))

@@ -1,8 +1,9 @@
-"""Qwen3-Next / Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention) parity with transformers.
+"""Qwen3-Next / Qwen3.5 MoE and dense (hybrid Gated DeltaNet + gated attention) parity with transformers.
 
 Checkpoints are written by transformers' own save_pretrained (models/testing.py `make_hybrid_checkpoint`) plus the
 MTP module at `mtp.*` as released. The main model's reference is transformers' `Qwen3NextForCausalLM` /
-`Qwen3_5MoeForCausalLM` / `Qwen3_5MoeForConditionalGeneration` (their pure-PyTorch GDN fallbacks
+`Qwen3_5MoeForCausalLM` / `Qwen3_5MoeForConditionalGeneration` / `Qwen3_5ForCausalLM` /
+`Qwen3_5ForConditionalGeneration` (their pure-PyTorch GDN fallbacks
 `torch_chunk_gated_delta_rule` for prefill and `torch_recurrent_gated_delta_rule` + `causal_conv1d_update` for cached
 decode); transformers drops `mtp.*` on load, so the MTP reference is assembled from transformers' own decoder layer
 and zero-centred RMSNorm classes (`ReferenceHybridMTP`), wired as vLLM's `qwen3_next_mtp.py`.
@@ -25,7 +26,7 @@ from tests.models.test_mla_parity import ids_for, kv_for, meta
 transformers = pytest.importorskip("transformers")
 
 I32 = torch.int32
-TYPES = ["qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"]
+TYPES = ["qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_5_text", "qwen3_5"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,9 @@ def hybrid(tmp_path_factory):
 def load_hf(path):
     model_type = json.loads((path / "config.json").read_text())["model_type"]
     cls = {"qwen3_next": transformers.Qwen3NextForCausalLM, "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM,
-           "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}[model_type]  # fmt: skip
+           "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration,
+           "qwen3_5_text": transformers.Qwen3_5ForCausalLM, "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+           }[model_type]  # fmt: skip
     return cls.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
@@ -76,6 +79,7 @@ def test_main_logits_match_hf_prefill_and_decode(hybrid, model_type):
     path = hybrid(model_type)
     ours, _ = load_model(path)
     assert isinstance(ours, Qwen3NextMTPModel) and ours.cfg.gdn_layers == (0, 1, 2) and ours.num_kv_planes == 2
+    assert ours.cfg.has_moe == ("moe" in model_type or model_type == "qwen3_next")
     ours.fuse()
     ids = ids_for(ours.cfg)
     with torch.no_grad():
@@ -85,7 +89,7 @@ def test_main_logits_match_hf_prefill_and_decode(hybrid, model_type):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text", "qwen3_5_text"])
 def test_decode_matches_hf_cached_generate(hybrid, model_type):
     """transformers' own cached decode path (recurrent GDN rule + conv update) == ours, token for token."""
     path = hybrid(model_type)
@@ -99,7 +103,7 @@ def test_decode_matches_hf_cached_generate(hybrid, model_type):
     torch.testing.assert_close(got[len(ids) - 1 :], torch.cat(out.logits), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe", "qwen3_5"])
 def test_packed_chunked_prefill_matches_hf(hybrid, model_type):
     """Two requests packed in each forward, each prompt in two chunks: the state carried in its own slot."""
     path = hybrid(model_type)
@@ -136,11 +140,13 @@ class ReferenceHybridMTP(torch.nn.Module):
         cfg._attn_implementation = "eager"
         own = {k[4:]: v for k, v in load_file(str(path / "model.safetensors")).items() if k.startswith("mtp.")}
         layer = {k[len("layers.0.") :]: v for k, v in own.items() if k.startswith("layers.0.")}
-        e = cfg.num_experts
-        layer["mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([layer.pop(f"mlp.experts.{i}.gate_proj.weight"), layer.pop(f"mlp.experts.{i}.up_proj.weight")])
-             for i in range(e)])  # fmt: skip
-        layer["mlp.experts.down_proj"] = torch.stack([layer.pop(f"mlp.experts.{i}.down_proj.weight") for i in range(e)])
+        e = getattr(cfg, "num_experts", 0)  # dense Qwen3.5: a plain MLP
+        if e:
+            layer["mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([layer.pop(f"mlp.experts.{i}.gate_proj.weight"), layer.pop(f"mlp.experts.{i}.up_proj.weight")])
+                 for i in range(e)])  # fmt: skip
+            layer["mlp.experts.down_proj"] = torch.stack([layer.pop(f"mlp.experts.{i}.down_proj.weight")
+                                                          for i in range(e)])  # fmt: skip
         self.block = type(text.layers[0])(cfg, 0).eval()
         self.block.load_state_dict(layer, strict=True)
         norm_cls = type(text.norm)
@@ -206,7 +212,7 @@ def test_mtp_draft_logits_match_reference_from_transformers_layers(hybrid, model
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text", "qwen3_5_text"])
 def test_commit_pass_and_drafts_need_no_gdn_state(hybrid, model_type):
     """The commit pass and the draft loop take only the paged KV (the MTP layer is full attention): with every GDN
     state slot poisoned with NaN after the main forward, commit rows 0..n-3 then draft at n-2 == the all-draft path."""

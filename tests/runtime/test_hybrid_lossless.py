@@ -1,4 +1,4 @@
-"""Invariant 4 (lossless) on hybrid Gated-DeltaNet models (Qwen3-Next, Qwen3.5-MoE): greedy output through the
+"""Invariant 4 (lossless) on hybrid Gated-DeltaNet models (Qwen3-Next, Qwen3.5 MoE and dense): greedy output through the
 Python API with the torch executor is token-identical for K = 0..3, a prefill chunk shorter than the prompts,
 preemption and mixed batches, and K=0 equals transformers' greedy generate. The recurrent state is rolled back to
 the accepted row by a slot choice (runtime/state_pool.py); a planted off-by-one slot breaks the output, a poisoned
@@ -23,7 +23,7 @@ VOCAB = 6  # a random MTP module agrees with the main model ~1/vocab of the time
 PROMPTS = random_prompts((5, 13, 9, 22, 3), vocab=VOCAB, seed=0)
 PROMPTS.append(list(PROMPTS[1]))  # the same prompt twice: no prefix hit may happen (prefix caching is off)
 PARAMS = SamplingParams(max_tokens=16)
-TYPES = ["qwen3_next", "qwen3_5_moe"]
+TYPES = ["qwen3_next", "qwen3_5_moe", "qwen3_5_text"]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,8 @@ def reference(checkpoint):
 
 
 def load_hf(path, model_type):
-    cls = transformers.Qwen3NextForCausalLM if model_type == "qwen3_next" else \
-        transformers.Qwen3_5MoeForConditionalGeneration  # fmt: skip
+    cls = {"qwen3_next": transformers.Qwen3NextForCausalLM, "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration,
+           "qwen3_5_text": transformers.Qwen3_5ForCausalLM}[model_type]  # fmt: skip
     return cls.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
