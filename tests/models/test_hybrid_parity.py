@@ -311,3 +311,14 @@ def test_fp8_release_imports_within_e4m3_rounding(hybrid, model_type, tmp_path):
             continue
         assert "norm" not in name and not name.endswith(("A_log", "dt_bias", "conv1d.weight", "embed_tokens.weight",
                                                          "lm_head.weight", "mlp.gate.weight")), name  # fmt: skip
+
+
+def test_tied_embeddings_match_hf(tmp_path):
+    """Small Qwen3.5 releases tie lm_head to the embedding (save_pretrained then writes no lm_head.weight)."""
+    make_hybrid_checkpoint(tmp_path, "qwen3_5_text", seed=3, tie_word_embeddings=True)
+    ours, _ = load_model(tmp_path)
+    assert ours.cfg.tie_word_embeddings and torch.equal(ours.lm_head.weight, ours.embed_tokens.weight)
+    ids = ids_for(ours.cfg)
+    with torch.no_grad():
+        got, _ = paged_logits(ours, ids, prefill=10)
+        torch.testing.assert_close(got, load_hf(tmp_path)(ids[None]).logits[0], atol=1e-4, rtol=1e-4)
