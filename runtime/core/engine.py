@@ -47,6 +47,7 @@ from runtime.core.sampling import (
     sample,
 )
 from runtime.core.scheduler import ScheduledRequest, Scheduler
+from runtime.core.state_pool import StateSlots, hybrid_runtime_config
 from runtime.executors.base import DraftInput, Executor, MainInput
 
 __all__ = ["LLMEngine", "RequestError", "RequestOutput"]
@@ -63,6 +64,10 @@ class LLMEngine:
             whose wall time on shared cores mostly measures the other jobs (create_engine picks)."""
         if cfg.num_draft_tokens > 0 and model_cfg.num_mtp_modules == 0:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
+        # Hybrid models: K+2 recurrent-state slots per running request beside the KV pool; no prefix caching (a
+        # cached prefix has KV but no recurrent state): runtime/core/state_pool.py
+        self.state_slots = StateSlots(cfg.max_batch, cfg.num_draft_tokens) if model_cfg.is_hybrid else None
+        cfg = hybrid_runtime_config(cfg, executor) if model_cfg.is_hybrid else cfg
         self.model_cfg, self.cfg, self.tokenizer = model_cfg, cfg, tokenizer
         self.ranks = ranks
         self.executor = ranks.executor(executor)
@@ -127,6 +132,8 @@ class LLMEngine:
         self._exec_seconds = 0.0
         sched = self.scheduler.schedule()  # 1. schedule
         self.metrics.num_preemptions += len(sched.preempted)
+        if self.state_slots is not None:  # a preempted request is recomputed from position 0: a fresh state
+            self.state_slots.free(*[r.req_id for r in sched.preempted])
         if sched.block_copies:  # prefix-cache copy-on-write, before anything reads the copies
             self.executor.copy_blocks(sched.block_copies)
             self.kv.complete_copies()
@@ -138,7 +145,9 @@ class LLMEngine:
         scheduled = sched.scheduled
         tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
         main_plan = plan_main(scheduled, tables)
-        main = self._timed(self.executor.run_main, main_plan.inp)  # 2. verify (main KV appended inside)
+        inp = main_plan.inp if self.state_slots is None else self.state_slots.plan([s.req.req_id for s in scheduled],
+                                                                                   main_plan.inp)  # fmt: skip
+        main = self._timed(self.executor.run_main, inp)  # 2. verify (main KV appended inside)
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
         k = self._choose_draft_length(self._sample(scheduled, accepted, errors))
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
@@ -147,6 +156,8 @@ class LLMEngine:
         if plan.commit is not None:  # 5. commit (no collective inside, so skipping an empty write keeps lockstep)
             self._timed(self.executor.run_commit, plan.commit)
         outputs, drafting = self._apply(scheduled, plan)  # 6. apply
+        if self.state_slots is not None:  # rollback of the recurrent state: a slot choice per request
+            self.state_slots.commit(scheduled, plan.updates)
         c_draft = self.draft_clock()
         if self.k:  # 7. draft
             if drafting and k:
@@ -351,6 +362,8 @@ class LLMEngine:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.scheduler.finish(req)
+        if self.state_slots is not None:
+            self.state_slots.free(req.req_id)
         self.requests.pop(req.req_id, None)  # a finished request lives on only in its last output
 
     def _fail(self, req: Request, error: str) -> RequestOutput:
