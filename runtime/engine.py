@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from models.config import ModelConfig
+from runtime import grammar, logprobs
 from runtime.admission import RequestError, validate_params, validate_prompt, validate_request_id
 from runtime.block_pool import NULL_BLOCK_ID
 from runtime.config import ConfigError, RuntimeConfig
@@ -130,7 +131,9 @@ class LLMEngine:
         scheduled = sched.scheduled
         tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
         main_plan = plan_main(scheduled, tables)
+        prompt_spans = logprobs.add_prompt_rows(scheduled, main_plan)  # echo: prompt logprobs (usually none)
         main = self._timed(self.executor.run_main, main_plan.inp)  # 2. verify (main KV appended inside)
+        logprobs.record_prompt(scheduled, prompt_spans, main.logits)
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
         k = self._choose_draft_length(self._sample(scheduled, accepted, errors))
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
@@ -221,12 +224,17 @@ class LLMEngine:
         if not np.isfinite(rows).all():
             raise FloatingPointError("the main model returned non-finite logits for this request")
         p, spec = req.params, req.spec
+        masked = grammar.mask_verify_rows(req, rows, spec.drafts)  # structured output: each row's allowed tokens
         if p.is_greedy:
-            return accept_greedy(spec.drafts, rows.argmax(-1).tolist())
-        probs = probs_from_logits(rows, p)
-        if p.acceptance == "rejection" and spec.drafts and spec.draft_probs is not None:
-            return accept_rejection(spec.drafts, spec.draft_probs, probs, req.rng)
-        return accept_exact_match(spec.drafts, sample(probs, req.rng).tolist())
+            a, nxt = accept_greedy(spec.drafts, masked.argmax(-1).tolist())
+        elif p.acceptance == "rejection" and spec.drafts and spec.draft_probs is not None:
+            a, nxt = accept_rejection(spec.drafts, spec.draft_probs, probs_from_logits(masked, p), req.rng)
+        else:
+            a, nxt = accept_exact_match(spec.drafts, sample(probs_from_logits(masked, p), req.rng).tolist())
+        emitted = [*spec.drafts[:a], nxt]
+        logprobs.stage(req, rows, emitted)  # raw (unmasked) main-model logprobs, as vLLM's default
+        grammar.advance(req, emitted)
+        return a, nxt
 
     def _apply(self, scheduled: list[ScheduledRequest], plan: StepPlan) -> tuple[list[RequestOutput], list[int]]:
         """Apply the plan to request state and emit. Returns the outputs and the indices (into scheduled)
@@ -304,15 +312,21 @@ class LLMEngine:
                 outputs.append(self._fail(r, failed[j]))
             elif probs[j]:
                 r.spec.draft_probs = np.stack(probs[j])
+            grammar.end_drafts(r)  # matcher back at the last emitted token; drafts it rejected are cut
 
     @staticmethod
     def _draft_token(r: Request, logits: np.ndarray, probs: list[np.ndarray]) -> int:
-        """Sampled drafts (rejection acceptance) keep their distribution; otherwise the argmax."""
+        """Sampled drafts (rejection acceptance) keep their distribution; otherwise the argmax. Under a
+        grammar the draft comes from the grammar-masked logits."""
+        logits = grammar.mask_draft(r, logits)
         if r.params.acceptance == "rejection" and not r.params.is_greedy:
             q = probs_from_logits(logits, r.params)
             probs.append(q[0])
-            return int(sample(q, r.rng)[0])
-        return int(logits[0].argmax())
+            token = int(sample(q, r.rng)[0])
+        else:
+            token = int(logits[0].argmax())
+        grammar.push_draft(r, token)
+        return token
 
     # ------------------------------------------------------------------ emission and bookkeeping
     def _emit(self, req: Request, tokens: list[int]) -> list[int]:
@@ -337,6 +351,7 @@ class LLMEngine:
                 break
         if self.tokenizer is not None and not p.stop:
             req.text = self.tokenizer.decode(req.output_ids)  # once per step, not once per emitted token
+        logprobs.commit(req, len(new))
         return new
 
     def _finish(self, req: Request, reason: str) -> None:
