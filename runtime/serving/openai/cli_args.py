@@ -12,3 +12,6 @@ def add_openai_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, default=None,
                    help="requests in flight (queued + running) before 429 (default: 4 x max_batch + 64)")
     g.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: the directory name)")
+    g.add_argument("--per-request-spec-decode-metrics", choices=("off", "summary", "detailed"), default="off",
+                   help="add per-request speculative-decoding stats to every response, as vLLM's flag of the same "
+                        "name: a top-level metrics.speculative_decoding object (default: off, responses unchanged)")

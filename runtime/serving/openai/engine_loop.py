@@ -45,6 +45,8 @@ class Event:
     num_proposed: int | None = None  # drafts verified so far, where the engine reports it (auto K varies)
     error: str | None = None  # set: the request failed (bad request at admission, step failure, shutdown)
     bad_request: bool = False
+    new_logprobs: list = field(default_factory=list)  # TokenLogprob per new token (when asked for)
+    prompt_logprobs: list = field(default_factory=list)  # None, then TokenLogprob per prompt token (echo)
 
 
 @dataclass(slots=True)
@@ -173,8 +175,11 @@ class EngineLoop:
             if act is None:
                 continue
             cached = int(getattr(act.req, "num_cached_tokens", 0) or 0)
+            lps = out.logprobs
             self._push(act, Event(list(out.new_token_ids), out.text, out.finished, out.finish_reason, out.num_steps,
-                                  list(out.accepted_per_step), cached, getattr(out, "num_proposed", None)))  # fmt: skip
+                                  list(out.accepted_per_step), cached, getattr(out, "num_proposed", None),
+                                  new_logprobs=lps[len(lps) - len(out.new_token_ids) :] if lps else [],
+                                  prompt_logprobs=out.prompt_logprobs))  # fmt: skip
             if out.finished:
                 del self._active[out.req_id]
                 self.engine.requests.pop(out.req_id, None)  # a long-lived server must not keep every request

@@ -19,6 +19,7 @@ from typing import Any
 from runtime.serving.openai.app import ServeState, create_app
 from runtime.serving.openai.engine_loop import EngineLoop
 from runtime.serving.openai.metrics import ServeMetrics
+from runtime.serving.openai.structured import Structured
 
 BYTES_PER_TOKEN_BOUND = 8  # as the Triton model: prompts are refused above 8 bytes per max_seq_len token
 
@@ -68,9 +69,13 @@ def build_state(args: Any, engine=None) -> ServeState:
     loop = EngineLoop(engine, max_queue, on_step=metrics.engine.update)
     source = Path(args.engine or args.checkpoint)
     max_bytes = args.max_prompt_bytes or BYTES_PER_TOKEN_BOUND * engine.cfg.max_seq_len
+    structured = None
+    if engine.tokenizer is not None:
+        structured = Structured(engine.tokenizer, engine.model_cfg.vocab_size, list(engine.model_cfg.eos_token_id))
     return ServeState(loop, metrics, engine.tokenizer, args.served_model_name or source.resolve().name,
                       engine.model_cfg.vocab_size, engine.cfg.max_seq_len, engine.k, max_bytes,
-                      load_chat_template(source))  # fmt: skip
+                      load_chat_template(source), structured,
+                      getattr(args, "per_request_spec_decode_metrics", None) or "off")  # fmt: skip
 
 
 def run(args: Any) -> int:
