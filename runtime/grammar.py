@@ -17,6 +17,7 @@ engine thread; the engine only runs matchers.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,7 @@ class GrammarCompiler:
             return Grammar(fn(*args, **kwargs), self.vocab_size, kind)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError with a message
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first)  # xgrammar's "[time] file.cc:line: " prefix
             raise GrammarError(f"{kind} does not compile: {first}") from None
 
     def json_schema(self, schema: dict | str, strict: bool = True) -> Grammar:
