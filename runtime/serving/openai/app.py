@@ -18,18 +18,22 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from runtime.admission import RequestError, validate_prompt
+from runtime.serving.limits import prompt_size_error, stop_error
 from runtime.serving.openai import protocol as P
-from runtime.serving.openai.engine_loop import EngineLoop, Event, NotServing, QueueFull
+from runtime.serving.openai.body import client_disconnect, read_body
+from runtime.serving.openai.engine_loop import AsyncEngineLoop, Event, NotServing, QueueFull
 from runtime.serving.openai.metrics import CONTENT_TYPE, ServeMetrics
+from runtime.serving.stream_text import TextDelta
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 
 
 @dataclass
 class ServeState:
-    loop: EngineLoop
+    loop: AsyncEngineLoop
     metrics: ServeMetrics
     tokenizer: Any
     model_name: str
@@ -57,6 +61,8 @@ def create_app(st: ServeState, lifespan=None) -> FastAPI:
     async def _protocol_error(_req: Request, e: P.ProtocolError) -> JSONResponse:
         return _error(e.status, str(e), e.param)
 
+    app.add_exception_handler(ClientDisconnect, client_disconnect)  # one warning line, not a traceback
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405 as OpenAI JSON
         return _error(e.status_code, str(e.detail))
@@ -79,13 +85,13 @@ def create_app(st: ServeState, lifespan=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         t0 = time.perf_counter()
-        req = P.parse(P.CompletionRequest, await _body(request, st.max_prompt_bytes))
+        req = P.parse(P.CompletionRequest, await read_body(request, st.max_prompt_bytes))
         return await _generate(st, request, req, P.prompt_of(req), False, t0)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         t0 = time.perf_counter()
-        req = P.parse(P.ChatCompletionRequest, await _body(request, st.max_prompt_bytes))
+        req = P.parse(P.ChatCompletionRequest, await read_body(request, st.max_prompt_bytes))
         if st.chat_template is None:
             raise P.ProtocolError("this model has no chat_template in tokenizer_config.json; use /v1/completions")
         if not req.messages:
@@ -96,30 +102,17 @@ def create_app(st: ServeState, lifespan=None) -> FastAPI:
     return app
 
 
-async def _body(request: Request, max_prompt_bytes: int) -> bytes:
-    """The request body, refused with 413 once it exceeds the bound (before parsing anything)."""
-    limit = 2 * max_prompt_bytes + 65536  # JSON escaping may double a prompt; the rest is parameters
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise P.ProtocolError(f"request body is {declared} bytes; this server accepts at most {limit} "
-                              "(start mtp-serve with a larger --max-prompt-bytes)", status=413)  # fmt: skip
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise P.ProtocolError(f"request body exceeds {limit} bytes (start mtp-serve with a larger "
-                                  "--max-prompt-bytes)", status=413)  # fmt: skip
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def _generate(st: ServeState, request: Request, req: Any, prompt: str | list[int], chat: bool,
                     t0: float) -> Response:  # fmt: skip
+    stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    too_many = stop_error(stops)
+    if too_many:
+        raise P.ProtocolError(too_many, "stop")
     if isinstance(prompt, str):
-        size = len(prompt.encode())
-        if size > st.max_prompt_bytes:
-            raise P.ProtocolError(f"prompt is {size} bytes; this server accepts at most {st.max_prompt_bytes} "
-                                  "(--max-prompt-bytes): shorten it", "messages" if chat else "prompt")  # fmt: skip
+        field = "messages" if chat else "prompt"
+        too_big = prompt_size_error(len(prompt.encode()), st.max_prompt_bytes, field)
+        if too_big:
+            raise P.ProtocolError(too_big, field)
         if st.tokenizer is None:
             raise P.ProtocolError("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
         # encode_batch releases the GIL, so a long prompt does not stall the engine loop thread
@@ -142,7 +135,7 @@ async def _generate(st: ServeState, request: Request, req: Any, prompt: str | li
         st.metrics.requests.labels("rejected").inc()
         return _error(503, str(e))
     st.metrics.prompt_tokens.inc(len(ids))
-    run = _Run(st, req_id, queue, len(ids), req.stop, t0, chat, req.model or st.model_name)
+    run = _Run(st, req_id, queue, len(ids), stops, t0, chat, req.model or st.model_name)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(run.sse(include_usage), media_type="text/event-stream",
@@ -156,31 +149,31 @@ async def _generate(st: ServeState, request: Request, req: Any, prompt: str | li
 class _Run:
     """One admitted request: reads its queue, tracks latency, builds the OpenAI JSON."""
 
-    def __init__(self, st: ServeState, req_id: str, queue: asyncio.Queue, num_prompt: int, stop: Any, t0: float,
-                 chat: bool, model: str) -> None:  # fmt: skip
+    def __init__(self, st: ServeState, req_id: str, queue: asyncio.Queue, num_prompt: int, stops: tuple[str, ...],
+                 t0: float, chat: bool, model: str) -> None:  # fmt: skip
         self.st, self.req_id, self.queue, self.num_prompt, self.t0, self.chat = st, req_id, queue, num_prompt, t0, chat
-        self.stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        self.text = TextDelta(stops)
         self.id = P.new_id("chatcmpl" if chat else "cmpl")
         self.model, self.created = model, P.now()
-        self.num_out, self.sent = 0, ""
+        self.num_out = 0
         self.t_first: float | None = None
         self.t_last = t0
         self.last: Event | None = None
 
-    async def _next(self, request: Request | None) -> Event:
-        if request is None:  # streaming: Starlette cancels us on a disconnect, so no polling (and no timer task)
-            ev = await self.queue.get()
-            self._observe(ev)
-            return ev
-        while True:
-            try:
-                ev = await asyncio.wait_for(self.queue.get(), 0.5)
-            except TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    raise _ClientGone from None
-                continue
-            self._observe(ev)
-            return ev
+    async def _next(self) -> Event:
+        ev = await self.queue.get()
+        if ev is None:  # put by _watch_disconnect: the client of a non-streaming request went away
+            raise _ClientGone
+        self._observe(ev)
+        return ev
+
+    async def _watch_disconnect(self, request: Request) -> None:
+        """Non-streaming: wake the reader the moment the client disconnects (the body is read, so the next ASGI
+        message is the disconnect), so an abandoned request is aborted at once, not after it ran to max_tokens.
+        Streaming needs no watcher: Starlette cancels the response generator on a disconnect."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.queue.put_nowait(None)
 
     def _observe(self, ev: Event) -> None:
         n, t = len(ev.new_token_ids), time.perf_counter()
@@ -204,11 +197,7 @@ class _Run:
                     m.tpot.observe((self.t_last - self.t_first) / (self.num_out - 1))
 
     def _delta(self, ev: Event) -> str:
-        text = ev.text if ev.finished else _stable_text(ev.text, self.stops)
-        if not text.startswith(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent) :], text
-        return delta
+        return self.text.next(ev.text, ev.finished)
 
     def usage(self) -> dict:
         ev = self.last
@@ -240,7 +229,7 @@ class _Run:
         done, first = False, True
         try:
             while True:
-                ev = await self._next(None)  # a disconnect cancels this generator (Starlette)
+                ev = await self._next()  # a disconnect cancels this generator (Starlette)
                 if ev.error:
                     done = True
                     yield f"data: {json.dumps(P.error_body(ev.error))}\n\n"
@@ -264,13 +253,15 @@ class _Run:
 
     async def whole(self, request: Request) -> Response:
         done = False
+        watcher = asyncio.ensure_future(self._watch_disconnect(request))
         try:
             while True:
-                ev = await self._next(request)
+                ev = await self._next()
                 if ev.finished:
                     done = True
                     break
         finally:
+            watcher.cancel()
             if not done:
                 self.st.loop.abort(self.req_id)
                 self.st.metrics.requests.labels("cancelled").inc()
@@ -286,18 +277,3 @@ class _Run:
 
 def _finish_reason(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"  # OpenAI knows stop | length; abort ends in an error
-
-
-def _stable_text(text: str, stops: tuple[str, ...]) -> str:
-    """The part of a growing text safe to stream: no half-decoded character at the end, and nothing that may
-    still become the start of a stop string (the engine cuts the text there)."""
-    text = text.rstrip("\ufffd")
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                hold = max(hold, n)
-                break
-    return text[: len(text) - hold] if hold else text
-
-
