@@ -263,13 +263,10 @@ class EngineLoop:
             self._drop(req_id, "failed", error)
 
     def _final(self, sink: Sink, ev: Event, outcome: str) -> None:
-        if outcome == "rejected":
-            self.reject()
-        else:
+        with self._cv:  # the slot is free before the client hears its end: its next request must not see 429
             self.counts.add(outcome)
-        self._put(sink, ev)
-        with self._cv:
             self._num_in_flight -= 1
+        self._put(sink, ev)
 
     def _put(self, sink: Sink, ev: Event) -> None:
         try:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from models.tokenizer_config import TokenizerConfigError, load_chat_template
 from runtime.serving.limits import default_max_queue, prompt_byte_limit
 from runtime.serving.openai.app import ServeState, create_app
 from runtime.serving.openai.body import DEFAULT_READ_TIMEOUT_S, read_timeout_protocol
@@ -25,18 +25,6 @@ from runtime.serving.openai.metrics import ServeMetrics
 from runtime.serving.signals import DRAIN_SIGNALS
 
 GRACE_S = 5.0  # uvicorn's graceful-shutdown bound is --drain-timeout plus this: the engine loop cuts first
-
-
-def load_chat_template(directory: Path | None):
-    """The jinja2 `chat_template` of directory/tokenizer_config.json, or None."""
-    if directory is None or not (directory / "tokenizer_config.json").is_file():
-        return None
-    source = json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template")
-    if not isinstance(source, str):
-        return None
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # the template is data: render it sandboxed
-
-    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
 
 
 def create_serving_engine(args: Any):
@@ -99,7 +87,11 @@ def run(args: Any) -> int:
         return run_follower(role, "mtp-serve")
     st: ServeState | None = None
     try:
-        st = build_state(args, engine)
+        try:
+            st = build_state(args, engine)
+        except TokenizerConfigError as e:  # a broken tokenizer_config.json: one line, never a traceback
+            print(f"mtp-serve: error: {e}", file=sys.stderr)
+            return 2
         return _serve(args, st)
     finally:
         if role is not None:  # the followers exit with us, whatever ended the server
