@@ -20,6 +20,7 @@ from rich.table import Table
 
 from builder.options import BACKENDS, DTYPES, BuildError, BuildOptions
 from builder.pipeline import BuildInterrupted, build
+from builder.validate import check_tokenizer_config
 from models.checkpoint import CheckpointError
 from plugins.engine_format import MANIFEST_NAME, EngineConfig, EngineDirError, load_engine_config
 
@@ -121,6 +122,7 @@ def _run(args: argparse.Namespace, err: Console) -> int:
     if args.check is not None:
         t0 = time.perf_counter()
         cfg = load_engine_config(args.check)
+        check_tokenizer_config(args.check)  # mtp-serve loads it: a broken one must fail here, not at its start-up
         console.print(summary(cfg, None))
         console.print(f"[green]ok[/]: schema {cfg.schema_version}, plugins {cfg.plugins['nodes']}, "
                       f"{cfg.world_size} rank(s), {len(cfg.files)} files verified in {time.perf_counter() - t0:.1f}s")  # fmt: skip

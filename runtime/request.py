@@ -133,6 +133,7 @@ class RequestOutput:
     num_output_tokens: int
     num_proposed: int = 0  # drafts verified so far (acceptance rate = sum(accepted_per_step) / this)
     error: str | None = None  # set when the engine aborted the request (finish_reason "error")
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set when first scheduled)
     _tokens: list[int] = field(default_factory=list, repr=False)
     _num_prompt_tokens: int = 0
     _accepted: list[int] = field(default_factory=list, repr=False)
@@ -142,8 +143,8 @@ class RequestOutput:
     @classmethod
     def snapshot(cls, req: Request, new_token_ids: list[int]) -> RequestOutput:
         return cls(req.req_id, new_token_ids, req.text, req.is_finished, req.finish_reason, req.num_steps,
-                   req.num_output_tokens, req.num_proposed, req.error, req.token_ids, req.num_prompt_tokens,
-                   req.accepted_per_step, req.logprobs, req.prompt_logprobs)  # fmt: skip
+                   req.num_output_tokens, req.num_proposed, req.error, req.num_cached_tokens, req.token_ids,
+                   req.num_prompt_tokens, req.accepted_per_step, req.logprobs, req.prompt_logprobs)  # fmt: skip
 
     @property
     def output_ids(self) -> list[int]:

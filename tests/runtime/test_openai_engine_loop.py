@@ -9,8 +9,9 @@ import pytest
 from runtime.factory import create_engine
 from runtime.sampling import SamplingParams
 from runtime.serving.openai import protocol as P
-from runtime.serving.openai.app import _stable_text
-from runtime.serving.openai.engine_loop import EngineLoop, NotServing, QueueFull
+from runtime.serving.openai.engine_loop import AsyncEngineLoop as EngineLoop
+from runtime.serving.openai.engine_loop import NotServing, QueueFull
+from runtime.serving.stream_text import stable_text as _stable_text
 from tests.runtime.openai_helpers import TINY
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,10 +16,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from runtime.admission import RequestError, validate_prompt
+from runtime.serving.limits import prompt_size_error, stop_error
 from runtime.serving.openai import protocol as P
-from runtime.serving.openai.engine_loop import EngineLoop, NotServing, QueueFull
+from runtime.serving.openai.body import client_disconnect, read_body
+from runtime.serving.openai.engine_loop import AsyncEngineLoop, NotServing, QueueFull
 from runtime.serving.openai.logprob_format import token_text
 from runtime.serving.openai.metrics import CONTENT_TYPE, ServeMetrics
 from runtime.serving.openai.openapi import install_openapi
@@ -31,7 +34,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 
 @dataclass
 class ServeState:
-    loop: EngineLoop
+    loop: AsyncEngineLoop
     metrics: ServeMetrics
     tokenizer: Any
     model_name: str
@@ -59,6 +62,8 @@ def create_app(st: ServeState, lifespan=None) -> FastAPI:
     async def _protocol_error(_req: Request, e: P.ProtocolError) -> JSONResponse:
         return _error(e.status, str(e), e.param)
 
+    app.add_exception_handler(ClientDisconnect, client_disconnect)  # one warning line, not a traceback
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405 as OpenAI JSON
         return _error(e.status_code, str(e.detail), headers=getattr(e, "headers", None))  # 405 keeps its Allow
@@ -81,13 +86,13 @@ def create_app(st: ServeState, lifespan=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         t0 = time.perf_counter()
-        req = P.parse(P.CompletionRequest, await _body(request, st.max_prompt_bytes))
+        req = P.parse(P.CompletionRequest, await read_body(request, st.max_prompt_bytes))
         return await _generate(st, request, req, P.prompts_of(req), False, t0)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         t0 = time.perf_counter()
-        req = P.parse(P.ChatCompletionRequest, await _body(request, st.max_prompt_bytes))
+        req = P.parse(P.ChatCompletionRequest, await read_body(request, st.max_prompt_bytes))
         if st.chat_template is None:
             raise P.ProtocolError("this model has no chat_template in tokenizer_config.json; use /v1/completions")
         if not req.messages:
@@ -100,29 +105,12 @@ def create_app(st: ServeState, lifespan=None) -> FastAPI:
     return app
 
 
-async def _body(request: Request, max_prompt_bytes: int) -> bytes:
-    """The request body, refused with 413 once it exceeds the bound (before parsing anything)."""
-    limit = 2 * max_prompt_bytes + 65536  # JSON escaping may double a prompt; the rest is parameters
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise P.ProtocolError(f"request body is {declared} bytes; this server accepts at most {limit} "
-                              "(start mtp-serve with a larger --max-prompt-bytes)", status=413)  # fmt: skip
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise P.ProtocolError(f"request body exceeds {limit} bytes (start mtp-serve with a larger "
-                                  "--max-prompt-bytes)", status=413)  # fmt: skip
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def _prompt_ids(st: ServeState, prompt: str | list[int], chat: bool) -> list[int]:
     if isinstance(prompt, str):
-        size = len(prompt.encode())
-        if size > st.max_prompt_bytes:
-            raise P.ProtocolError(f"prompt is {size} bytes; this server accepts at most {st.max_prompt_bytes} "
-                                  "(--max-prompt-bytes): shorten it", "messages" if chat else "prompt")  # fmt: skip
+        field = "messages" if chat else "prompt"
+        too_big = prompt_size_error(len(prompt.encode()), st.max_prompt_bytes, field)
+        if too_big:
+            raise P.ProtocolError(too_big, field)
         if st.tokenizer is None:
             raise P.ProtocolError("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
         # encode_batch releases the GIL, so a long prompt does not stall the engine loop thread
@@ -137,6 +125,10 @@ async def _prompt_ids(st: ServeState, prompt: str | list[int], chat: bool) -> li
 
 async def _choices(st: ServeState, req: Any, prompts: list[str | list[int]], chat: bool) -> list[Choice]:
     """Every choice of the request (n per prompt, index = prompt * n + i, as vLLM), validated, not submitted."""
+    stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    too_many = stop_error(stops)
+    if too_many:
+        raise P.ProtocolError(too_many, "stop")
     if st.structured is None and _constrained(req):
         raise P.ProtocolError("structured output is not available on this server (no tokenizer)", "response_format")
     grammar = await st.structured.grammar_of(req) if st.structured is not None else None
@@ -211,8 +203,7 @@ async def _generate(st: ServeState, request: Request, req: Any, prompts: list[st
     choices = [c for c in choices if c.queue is not None]  # a failed leader: its followers never ran
     num_prompt = sum(len(c.prompt_ids) for c in choices if c.leader)
     st.metrics.prompt_tokens.inc(num_prompt)
-    stops = tuple(choices[0].params.stop)
-    resp = ChoiceSet(st, choices, stops, t0, chat, req.model or st.model_name, num_prompt, st.text_of)
+    resp = ChoiceSet(st, choices, t0, chat, req.model or st.model_name, num_prompt, st.text_of)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(resp.sse(include_usage), media_type="text/event-stream",

@@ -15,6 +15,7 @@ from fastapi import Request
 from runtime.serving.openai import protocol as P
 from runtime.serving.openai.engine_loop import Event
 from runtime.serving.openai.logprob_format import chat_logprobs, completion_logprobs
+from runtime.serving.stream_text import TextDelta
 
 
 class ClientGone(Exception):
@@ -26,11 +27,12 @@ class Choice:
 
     def __init__(self, index: int, prompt_ids: list[int], params: Any, echo: str | None, leader: bool) -> None:
         self.index, self.prompt_ids, self.params, self.echo = index, prompt_ids, params, echo
+        self.text = TextDelta(tuple(params.stop))
         self.leader = leader  # the prompt's first choice: the others start after it, sharing its KV blocks
         self.req_id = ""
         self.queue: asyncio.Queue | None = None
         self.buffered: list[Event] = []  # events read before the response began (a shared prompt's first)
-        self.num_out, self.sent = 0, ""
+        self.num_out = 0
         self.logprobs: list = []
         self.prompt_logprobs: list = []  # set by the first event of the prompt's first choice
         self.t_first: float | None = None
@@ -46,9 +48,9 @@ class Choice:
 
 
 class ChoiceSet:
-    def __init__(self, st: Any, choices: list[Choice], stops: tuple[str, ...], t0: float, chat: bool, model: str,
-                 num_prompt_tokens: int, text: Callable[[int], str]) -> None:  # fmt: skip
-        self.st, self.choices, self.stops, self.t0, self.chat = st, choices, stops, t0, chat
+    def __init__(self, st: Any, choices: list[Choice], t0: float, chat: bool, model: str, num_prompt_tokens: int,
+                 text: Callable[[int], str]) -> None:  # fmt: skip
+        self.st, self.choices, self.t0, self.chat = st, choices, t0, chat
         self.num_prompt_tokens, self.text = num_prompt_tokens, text
         self.id = P.new_id("chatcmpl" if chat else "cmpl")
         self.model, self.created = model, P.now()
@@ -78,12 +80,9 @@ class ChoiceSet:
                 if c.num_out > 1 and c.t_first is not None:
                     m.tpot.observe((c.t_last - c.t_first) / (c.num_out - 1))
 
-    def _delta(self, c: Choice, ev: Event) -> str:
-        text = ev.text if ev.finished else _stable_text(ev.text, self.stops)
-        if not text.startswith(c.sent):
-            return ""
-        delta, c.sent = text[len(c.sent) :], text
-        return delta
+    @staticmethod
+    def _delta(c: Choice, ev: Event) -> str:
+        return c.text.next(ev.text, ev.finished)
 
     def abort_unfinished(self) -> None:
         for c in self.choices:
@@ -182,7 +181,7 @@ class ChoiceSet:
         if not (delta or ev.finished or first or ev.new_logprobs):
             return None
         c.started = True
-        offset = len(c.sent) - len(delta) + (len(c.echo) if c.echo is not None else 0)
+        offset = len(c.text.sent) - len(delta) + (len(c.echo) if c.echo is not None else 0)
         if first and c.echo is not None:
             delta, offset = c.echo + delta, 0
         finish = _finish_reason(ev.finish_reason) if ev.finished else None
@@ -191,22 +190,25 @@ class ChoiceSet:
 
     # ------------------------------------------------------------------ whole
     async def whole(self, request: Request) -> dict | tuple[int, str]:
-        """The response JSON, or (status, message) when a choice failed."""
+        """The response JSON, or (status, message) when a choice failed. A client that disconnects aborts every
+        choice at once (the watcher), not after they ran to max_tokens."""
+        watcher = asyncio.ensure_future(_disconnected(request))
         try:
             for c in self.choices:
                 while True:
-                    try:
-                        ev = await asyncio.wait_for(c.get(), 0.5)
-                    except TimeoutError:
-                        if await request.is_disconnected():
-                            raise ClientGone from None
-                        continue
+                    get = asyncio.ensure_future(c.get())
+                    await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                    if not get.done():
+                        get.cancel()
+                        raise ClientGone
+                    ev = get.result()
                     self._observe(c, ev)
                     if ev.finished:
                         break
                 if c.last is not None and c.last.error:
                     return (400 if c.last.bad_request else 503, c.last.error)
         finally:
+            watcher.cancel()
             self.abort_unfinished()
         out = []
         for c in self.choices:
@@ -225,18 +227,12 @@ class ChoiceSet:
                 **self._extra()}  # fmt: skip
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client of a non-streaming request disconnects (the body is read, so the next ASGI message
+    is the disconnect). Streaming needs no watcher: Starlette cancels the response generator."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _finish_reason(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"  # OpenAI knows stop | length; abort ends in an error
-
-
-def _stable_text(text: str, stops: tuple[str, ...]) -> str:
-    """The part of a growing text safe to stream: no half-decoded character at the end, and nothing that may
-    still become the start of a stop string (the engine cuts the text there)."""
-    text = text.rstrip("\ufffd")
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                hold = max(hold, n)
-                break
-    return text[: len(text) - hold] if hold else text
