@@ -101,7 +101,7 @@ def create_app(st: ServeState, lifespan=None) -> FastAPI:
         prompt = st.chat_template.render(messages=messages, add_generation_prompt=True)
         return await _generate(st, request, req, [prompt], True, t0)
 
-    install_openapi(app)
+    install_openapi(app, st.vocab_size, st.max_seq_len)
     return app
 
 

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from runtime.sampling import MAX_TOP_LOGPROBS, SEED_LIMIT, SamplingParams
 
@@ -83,6 +83,20 @@ class _Common(BaseModel):
     guided_grammar: str | None = None  # EBNF (GBNF), as xgrammar reads it
     guided_choice: list[str] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        """3.0 is the integer 3 in JSON (and JSON Schema); "3" and true stay refused (strict)."""
+        if isinstance(data, dict):
+            for name in _INT_FIELDS:
+                value = data.get(name)
+                if isinstance(value, float) and value.is_integer():
+                    data[name] = int(value)
+        return data
+
+
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "seed", "n", "logprobs", "top_logprobs")
+
 
 class CompletionRequest(_Common):
     prompt: Any  # str | list[str] | list[int] | list[list[int]]: checked by prompts_of for a clear message
@@ -114,6 +128,8 @@ def parse(model: type[_Common], body: bytes) -> Any:
                             f"{', '.join(SUPPORTED)}", param=extra[0])  # fmt: skip
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise ProtocolError(f"n={req.n}: must be an int in [1, {MAX_N}] (choices per prompt)", param="n")
+    if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
+        raise ProtocolError(f"seed={req.seed}: must be an int in [0, 2**64)", param="seed")
     if req.stream_options is not None and not req.stream:
         raise ProtocolError("stream_options is only allowed with stream=true", param="stream_options")
     _check_logprobs(req)
@@ -135,9 +151,18 @@ def _is_id(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _ids(x: object) -> object:
+    """JSON's 157.0 is the integer 157: token ids given as integral floats become ints (2.7 stays refused)."""
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    if isinstance(x, list):
+        return [_ids(v) for v in x]
+    return x
+
+
 def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
     """The request's prompts: a string, a list of strings, a list of token ids, or a list of token-id lists."""
-    p = req.prompt
+    p = _ids(req.prompt)
     if isinstance(p, str):
         return [p]
     if isinstance(p, list) and p:
@@ -159,6 +184,10 @@ def message_text(msg: ChatMessage, i: int) -> dict:
     content = msg.content
     if isinstance(content, list):
         for j, part in enumerate(content):
+            extra = [k for k in part.model_extra or {} if part.type == "text"]
+            if extra:
+                raise ProtocolError(f"messages[{i}].content[{j}].{extra[0]} is not a field of a text part",
+                                    f"messages.{i}.content.{j}.{extra[0]}")  # fmt: skip
             if part.type != "text" or part.text is None:
                 raise ProtocolError(f"messages[{i}].content[{j}] has type {part.type!r}: this model takes text "
                                     "parts only ({\"type\": \"text\", \"text\": ...})",
@@ -169,17 +198,17 @@ def message_text(msg: ChatMessage, i: int) -> dict:
 
 def max_tokens_of(req: _Common, num_prompt: int, max_seq_len: int, default: int) -> int:
     """max_completion_tokens wins over max_tokens; a request beyond the context is refused as OpenAI/vLLM do."""
-    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if asked is None:
-        return max(1, min(default, max_seq_len - num_prompt))
-    if asked < 1:
-        raise ProtocolError(f"{name}={asked}: must be an int >= 1 (output tokens to generate)", name)
-    if num_prompt + asked > max_seq_len:
-        raise ProtocolError(f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
-                            f"{num_prompt + asked} tokens ({num_prompt} in the messages, {asked} in the "
-                            "completion). Please reduce the length of the messages or completion.", name)  # fmt: skip
-    return asked
+    for name in ("max_tokens", "max_completion_tokens"):  # each one given is checked, the winner or not
+        asked = getattr(req, name)
+        if asked is not None and asked < 1:
+            raise ProtocolError(f"{name}={asked}: must be an int >= 1 (output tokens to generate)", name)
+        if asked is not None and num_prompt + asked > max_seq_len:
+            raise ProtocolError(f"This model's maximum context length is {max_seq_len} tokens. However, you "
+                                f"requested {num_prompt + asked} tokens ({num_prompt} in the messages, {asked} in the "
+                                "completion). Please reduce the length of the messages or completion.", name)  # fmt: skip
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens if req.max_tokens is not None else max(1, min(default, max_seq_len - num_prompt))
 
 
 def sampling_params(req: _Common, max_tokens: int, index: int = 0, grammar: Any = None,
@@ -187,7 +216,7 @@ def sampling_params(req: _Common, max_tokens: int, index: int = 0, grammar: Any 
     """Engine params of choice `index` (a seeded request's choice i samples with seed + i, as vLLM); value ranges
     are checked by SamplingParams.validate at admission."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    seed = None if req.seed is None else (req.seed + index) % SEED_LIMIT if req.seed >= 0 else req.seed
+    seed = None if req.seed is None else (req.seed + index) % SEED_LIMIT
     logprobs = num_logprobs(req)
     return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, seed=seed, max_tokens=max_tokens,
