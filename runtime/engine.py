@@ -316,8 +316,7 @@ class LLMEngine:
 
     @staticmethod
     def _draft_token(r: Request, logits: np.ndarray, probs: list[np.ndarray]) -> int:
-        """Sampled drafts (rejection acceptance) keep their distribution; otherwise the argmax. Under a
-        grammar the draft comes from the grammar-masked logits."""
+        """Sampled drafts (rejection acceptance) keep their distribution; otherwise the argmax (grammar-masked)."""
         logits = grammar.mask_draft(r, logits)
         if r.params.acceptance == "rejection" and not r.params.is_greedy:
             q = probs_from_logits(logits, r.params)

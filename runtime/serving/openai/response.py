@@ -153,10 +153,11 @@ class ChoiceSet:
                     c = tasks.pop(fut)
                     ev = fut.result()
                     self._observe(c, ev)
-                    if ev.error:
+                    if ev.error:  # one error event (e.g. cut by a drain), then the stream still ends in [DONE]
                         yield f"data: {json.dumps(P.error_body(ev.error))}\n\n"
-                        done = True
-                        return
+                        self.abort_unfinished()
+                        left = 0
+                        break
                     chunk = self._stream_choice(c, ev)
                     if ev.finished:
                         left -= 1
