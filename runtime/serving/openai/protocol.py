@@ -139,10 +139,12 @@ def parse(model: type[_Common], body: bytes) -> Any:
 def _check_logprobs(req: _Common) -> None:
     if isinstance(req, CompletionRequest):
         n, name = req.logprobs, "logprobs"
-    else:
+    elif isinstance(req, ChatCompletionRequest):
         n, name = req.top_logprobs, "top_logprobs"
         if n is not None and not req.logprobs:
             raise ProtocolError("top_logprobs needs logprobs=true", param="top_logprobs")
+    else:
+        return
     if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
         raise ProtocolError(f"{name}={n}: must be an int in [0, {MAX_TOP_LOGPROBS}]", param=name)
 
@@ -226,9 +228,9 @@ def sampling_params(req: _Common, max_tokens: int, index: int = 0, grammar: Any 
 
 def num_logprobs(req: _Common) -> int | None:
     """Top alternatives per output token, or None: logprobs not asked for."""
-    if isinstance(req, CompletionRequest):
-        return req.logprobs
-    return (req.top_logprobs or 0) if req.logprobs else None  # type: ignore[attr-defined]
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs if isinstance(req, CompletionRequest) else None
 
 
 def new_id(prefix: str) -> str:

@@ -35,7 +35,7 @@ def constraint_of(req: Any) -> tuple[str, str, Any] | None:
         raise ProtocolError(f"{found[0][0]} and {found[1][0]} both constrain the output: send one", found[1][0])
     if found and found[0][2] is not None and not found[0][2] and found[0][1] != "json_schema":
         raise ProtocolError(f"{found[0][0]} is empty", found[0][0])
-    if found and found[0][1] == "choice" and not all(found[0][2]):
+    if found and found[0][1] == "choice" and not all(found[0][2] or ()):
         raise ProtocolError("guided_choice has an empty string: every choice needs at least one character",
                             "guided_choice")  # fmt: skip
     return found[0] if found else None
