@@ -82,6 +82,11 @@ def test_echo_with_prompt_logprobs_equals_mtp_off(client, mtp_off):
     expect = [e.logprob for e in ref.prompt_logprobs[1:]] + [e.logprob for e in ref.logprobs]
     assert lp.token_logprobs[1:] == pytest.approx(expect, abs=TOL)
     assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    # n > 1: every choice echoes the prompt with its logprobs (computed once, by the prompt's first choice)
+    two = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=2, echo=True,
+                                    n=2)  # fmt: skip
+    for ch in two.choices:
+        assert ch.logprobs.token_logprobs[1 : len(ids)] == pytest.approx(expect[: len(ids) - 1], abs=TOL)
     # echo without logprobs: the prompt text only
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, echo=True)
     assert plain.choices[0].text == prompt + ref.text and plain.choices[0].logprobs is None

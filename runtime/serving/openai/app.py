@@ -178,6 +178,7 @@ async def _submit(st: ServeState, choices: list[Choice]) -> JSONResponse | None:
             assert leader.queue is not None
             first = await leader.queue.get()
             leader.buffered.append(first)
+            leader.prompt_logprobs = first.prompt_logprobs  # echo: the followers show the leader's
             if first.error:
                 break  # the leader failed: the response reports its error; the followers never start
             for c in followers:

@@ -120,8 +120,9 @@ class ChoiceSet:
         if self.chat:
             return chat_logprobs(entries, self.text)
         ids = [e.token_id for e in entries]
-        if prompt:  # echo: the prompt's tokens first; the first has no logprob
-            ids, entries = c.prompt_ids + ids, (c.prompt_logprobs or [None] * len(c.prompt_ids)) + entries
+        if prompt:  # echo: the prompt's tokens first (the first has no logprob), computed by the prompt's leader
+            leader = next(x for x in self.choices if x.leader and x.prompt_ids is c.prompt_ids)
+            ids, entries = c.prompt_ids + ids, (leader.prompt_logprobs or [None] * len(c.prompt_ids)) + entries
         return completion_logprobs(ids, entries, self.text, offset)
 
     def _choice(self, c: Choice, text: str, finish: str | None, logprobs: dict | None, first: bool) -> dict:
