@@ -39,7 +39,8 @@ def compile_chat_template(source: str, where: Path) -> Any:
     try:
         return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
     except TemplateError as e:
-        line = f" line {e.lineno}:" if getattr(e, "lineno", None) else ""
+        lineno = getattr(e, "lineno", None)  # TemplateSyntaxError has it; other TemplateErrors do not
+        line = f" line {lineno}:" if lineno else ""
         raise TokenizerConfigError(f"{Path(where) / NAME}: chat_template does not compile ({type(e).__name__}:{line} "
                                    f"{e.message}); fix the template or remove the chat_template key") from None  # fmt: skip
 

@@ -44,7 +44,10 @@ def test_signal_with_long_streams_drains_and_exits_0(tmp_path, frontend, sig):
     """Every terminating signal drains within --drain-timeout: each long stream ends with its final response (Triton
     FINAL, OpenAI `data: [DONE]`) or, cut at the bound, with a "shutting down" error; the process exits 0 and
     leaves no process, shared-memory region or work directory behind."""
-    srv = Served(frontend, tmp_path, "--drain-timeout", "3")
+    # SIGTERM: six 400-token streams under the default 30 s bound, which they finish within (the Triton frontend
+    # used to exit 1 after ~37 s here); the other signals: a 3 s bound that cuts the streams short.
+    drain = [] if sig == signal.SIGTERM else ["--drain-timeout", "3"]
+    srv = Served(frontend, tmp_path, *drain)
     try:
         threads, results, first = _streams(srv, 6 if sig == signal.SIGTERM else 3, 400)
         assert first.wait(WAIT_S), "no stream started"
@@ -56,7 +59,7 @@ def test_signal_with_long_streams_drains_and_exits_0(tmp_path, frontend, sig):
             t.join(WAIT_S)
         assert rc == 0, f"{frontend} {sig.name}: exit code {rc} after {stop_s:.1f} s:\n{srv.output()}"
         print(f"{frontend} {sig.name}: exit {rc} after {stop_s:.1f} s")
-        assert stop_s < 3 + WAIT_S  # bounded (the bound itself is 3 s; the margin is for a loaded machine)
+        assert stop_s < (30 if drain == [] else 3) + WAIT_S  # bounded; the margin is for a loaded machine
         for i, r in results.items():
             cut = r.error is not None and "shutting down" in r.error
             assert (r.ended and r.error is None) or cut, f"stream {i}: ended={r.ended} error={r.error!r}"

@@ -23,6 +23,7 @@ from runtime.serving.openai import protocol as P
 
 log = logging.getLogger("mtp.openai")
 DEFAULT_READ_TIMEOUT_S = 30.0
+TIMED_OUT = "mtp.read_timed_out"  # set in the request's ASGI scope when the read timeout closed its connection
 
 
 async def read_body(request: Request, max_prompt_bytes: int) -> bytes:
@@ -43,6 +44,8 @@ async def read_body(request: Request, max_prompt_bytes: int) -> bytes:
 
 
 async def client_disconnect(request: Request, _e: Exception) -> Response:
+    if request.scope.get(TIMED_OUT):  # the read timeout closed it and said so already: one line per connection
+        return Response(status_code=408)
     client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
     log.warning("%s closed the connection before its request body arrived (%s %s)", client, request.method,
                 request.url.path)  # fmt: skip
@@ -84,4 +87,6 @@ class ReadTimeoutH11(H11Protocol):
             client = "{}:{}".format(*self.client) if self.client else "a client"
             log.warning("closing the connection of %s: its request did not arrive within %g s (--read-timeout)",
                         client, self.read_timeout_s)  # fmt: skip
+            if self.conn.their_state is h11.SEND_BODY and self.scope is not None:
+                self.scope[TIMED_OUT] = True  # type: ignore[literal-required]
         self.transport.close()  # an ASGI app still reading the body sees a disconnect
