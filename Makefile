@@ -22,7 +22,7 @@ $(STAMP): requirements.lock pyproject.toml
 # (plugins/cpp_ops.py). Baseline x86-64 code; the AVX-512 kernels are chosen at run time by CPU feature.
 # C++20: torch 2.13's headers need it. -ffp-contract=off: only the kernels' explicit FMAs fuse (plugins/csrc/common.h).
 OPS_DIR   := build/mtp_ops
-OPS_LIB   := $(OPS_DIR)/libmtp_ops.so
+OPS_LIB   := plugins/lib/libmtp_ops.so  # inside the package: wheels ship it (pyproject package-data)
 OPS_SRC   := $(wildcard plugins/csrc/*.cpp)
 OPS_OBJ   := $(patsubst plugins/csrc/%.cpp,$(OPS_DIR)/%.o,$(OPS_SRC))
 # torch's install dir, found without importing torch (evaluated once, on first use)
@@ -36,6 +36,7 @@ $(OPS_DIR)/%.o: plugins/csrc/%.cpp $(wildcard plugins/csrc/*.h) | $(STAMP)
 	$(CXX) $(OPS_CXXFLAGS) -c $< -o $@
 
 $(OPS_LIB): $(OPS_OBJ)
+	@mkdir -p plugins/lib
 	$(CXX) -shared -o $@ $^ -L$(TORCH_DIR)/lib -ltorch_cpu -lc10 -Wl,-rpath,$(TORCH_DIR)/lib
 
 ops: $(OPS_LIB)

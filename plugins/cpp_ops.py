@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-LIBRARY = Path(__file__).resolve().parent.parent / "build" / "mtp_ops" / "libmtp_ops.so"
+LIBRARY = Path(__file__).resolve().parent / "lib" / "libmtp_ops.so"  # built by `make install`; shipped in wheels
 _loaded = False
 
 
