@@ -14,7 +14,8 @@ engine, so the engine needs no locking.
   request's KV blocks are freed before the next step.
 - Drain: `begin_drain(t)` refuses new requests and lets admitted ones run for t seconds, then cuts them short
   with an error; `drain(t)` also waits for that and stops the thread. `stop()` fails whatever is left.
-- Metrics: `on_step(LoopStats)` after each iteration (runtime/serving/stats.py), the frontends' one source.
+- Metrics: `on_step(LoopStats)` after each step before its events go out, and at the end of each iteration
+  (runtime/serving/stats.py): the frontends' one source.
 """
 
 from __future__ import annotations
@@ -207,8 +208,8 @@ class EngineLoop:
                 if self._active and not self.engine.has_unfinished():  # cannot happen; never spin on it
                     self._fail_all("internal error: the engine lost the request")
                 if self._active:
-                    self._step()
-                self._report()
+                    self._step()  # reports the stats before any client hears of the step, too
+                self._report()  # the iteration's end state: outcome counts included
         finally:
             with self._cv:
                 pending, self._pending = self._pending, []
@@ -225,8 +226,8 @@ class EngineLoop:
             return
         except Exception as e:
             self.log("error", f"add_request failed: {traceback.format_exc()}")
-            self._final(sink, Event([], "", True, None, error=f"cannot add the request: {type(e).__name__}: {e}",
-                                    bad_request=True), "rejected")  # fmt: skip
+            self._final(sink, Event([], "", True, None, error=f"cannot add the request: {type(e).__name__}: {e}"),
+                        "rejected")  # fmt: skip
             return
         self.counts.add("admitted")
         self._active[req_id] = sink
@@ -243,6 +244,8 @@ class EngineLoop:
             self.log("error", f"engine step failed: {traceback.format_exc()}")
             self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
             return
+        # first: a client that heard of this step and scrapes /metrics sees the step's state (its finished gone)
+        self._report(len(self._active) - sum(1 for out in outputs if out.finished and out.req_id in self._active))
         for out in outputs:
             sink = self._active.get(out.req_id)
             if sink is None:
@@ -279,10 +282,11 @@ class EngineLoop:
         except Exception as e:  # a frontend's delivery failed (the client went away): nothing else to do for it
             self.log("warn", f"cannot deliver an event: {type(e).__name__}: {e}")
 
-    def _report(self) -> None:
+    def _report(self, num_active: int | None = None) -> None:
         if self.on_step is None:
             return
         try:
-            self.on_step(take(self.engine, len(self._pending), len(self._active), self.counts))
+            active = len(self._active) if num_active is None else num_active
+            self.on_step(take(self.engine, len(self._pending), active, self.counts))
         except Exception as e:  # metrics must never take the loop down
             self.log("warn", f"metrics update failed: {type(e).__name__}: {e}")
