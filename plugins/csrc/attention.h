@@ -111,12 +111,8 @@ void attend(const AttendArgs& a) {
         const int64_t len = std::min(first + jh / a.group + 1, n_kv);
         if (len <= 0) { sums[jh] = 0.0f; continue; }
         float* row = s + jh * n_kv;
-        float m = row[0];
-        for (int64_t p = 1; p < len; ++p) m = std::max(m, row[p]);
-        V::exp_sub(row, m, len);
-        float sum = 0.0f;
-        for (int64_t p = 0; p < len; ++p) sum += row[p];
-        sums[jh] = sum;
+        V::exp_sub(row, V::max(row, len), len);
+        sums[jh] = V::sum(row, len);
       }
       // weighted values, a tile of value rows at a time, each query's sum in key order
       std::fill(acc, acc + rows_g * a.dv, 0.0f);
