@@ -20,6 +20,7 @@ from rich.table import Table
 
 from builder.options import BACKENDS, DTYPES, BuildError, BuildOptions
 from builder.pipeline import BuildInterrupted, build
+from builder.validate import check_tokenizer_config
 from models.checkpoint import CheckpointError
 from models.engine_format import MANIFEST_NAME, EngineConfig, EngineDirError, load_engine_config
 
@@ -50,8 +51,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-block-size", type=int, default=16)
     p.add_argument("--num-draft-tokens", type=int, default=2, help="K: MTP draft depths per step")
     p.add_argument("--world-size", type=int, default=1, help="ranks W (mpirun -np W); one graph set per rank")
-    p.add_argument("--ep-size", type=int, default=1,
-                   help="ranks the routed experts are split over: 1 or W (tp 1), tp-size or W (tp > 1)")  # fmt: skip
+    p.add_argument("--ep-size", type=int, default=None,
+                   help="ranks the routed experts are split over: 1 or W (tp 1), tp-size or W (tp > 1); "
+                   "default: 1, or --tp-size when it is > 1")  # fmt: skip
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel group size (divides W; W/tp data-parallel groups); docs/ARCHITECTURE.md §8")  # fmt: skip
     p.add_argument("--force", action="store_true",
@@ -121,6 +123,7 @@ def _run(args: argparse.Namespace, err: Console) -> int:
     if args.check is not None:
         t0 = time.perf_counter()
         cfg = load_engine_config(args.check)
+        check_tokenizer_config(args.check)  # mtp-serve loads it: a broken one must fail here, not at its start-up
         console.print(summary(cfg, None))
         console.print(f"[green]ok[/]: schema {cfg.schema_version}, plugins {cfg.plugins['nodes']}, "
                       f"{cfg.world_size} rank(s), {len(cfg.files)} files verified in {time.perf_counter() - t0:.1f}s")  # fmt: skip
@@ -128,11 +131,17 @@ def _run(args: argparse.Namespace, err: Console) -> int:
     if args.checkpoint is None or args.output is None:
         err.print("[bold red]error:[/] --checkpoint DIR and --output ENGINE_DIR are required (or --check ENGINE_DIR)")
         return 2
+    ep_size = args.ep_size
+    if ep_size is None:  # the only valid values with tp > 1 are tp-size and world-size: the TP group's is the default
+        ep_size = args.tp_size if args.tp_size > 1 else 1
+        if ep_size > 1:
+            console.print(f"--ep-size not given: using --ep-size {ep_size} (= --tp-size: the routed experts are split "
+                          "over each TP group)", highlight=False)  # fmt: skip
     opts = BuildOptions(
         checkpoint=args.checkpoint, output=args.output, backend=args.backend, dtype=args.dtype,
         max_batch=args.max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
         kv_block_size=args.kv_block_size, num_draft_tokens=args.num_draft_tokens, world_size=args.world_size,
-        ep_size=args.ep_size, tp_size=args.tp_size, force=args.force,
+        ep_size=ep_size, tp_size=args.tp_size, force=args.force,
     )  # fmt: skip
     result = build(opts, RichReporter(console))
     console.print(summary(result.config, result.seconds))

@@ -106,6 +106,10 @@ class BuildOptions:
 
     def validate_for_model(self, cfg: ModelConfig) -> None:
         """Checks against the checkpoint's architecture."""
+        if cfg.is_hybrid:
+            raise BuildError(f"{cfg.model_type} is a hybrid (Gated DeltaNet) model: mtp-build does not export it yet (no "
+                             "ONNX form of its recurrent-state op); serve it with the torch executor "
+                             "(runtime.factory.create_engine(checkpoint=..., executor='torch'); docs/MODELS.md)")  # fmt: skip
         if self.num_draft_tokens > 0 and cfg.num_mtp_modules == 0:
             raise BuildError(
                 "the checkpoint has no MTP module (num_nextn_predict_layers=0) so it cannot draft; "

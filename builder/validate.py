@@ -1,7 +1,7 @@
 """Build-time checks that refuse what cannot run, before anything is written (pure: they read, never write).
 
 Owns: where `--output` may go (never the checkpoint, never a directory mtp-build did not write), the tokenizer check (loads and fits the vocabulary, or the
-engine is ids-only), and the memory check (the KV pool the limits imply, plus the weights, fits the machine).
+engine is ids-only; tokenizer_config.json is JSON and its chat template compiles), and the memory check (the KV pool the limits imply, plus the weights, fits the machine).
 The pipeline (builder/pipeline.py) calls them in that order; each raises `BuildError` naming the problem and
 the fix. The weight checks are the importer's (models/checkpoint.py): names, dtypes, shapes and FP8 scales from
 the shard headers before anything is read, every value finite as each rank reads its share.
@@ -19,6 +19,7 @@ import torch
 
 from builder.options import BuildError
 from models.engine_format import CONFIG_NAME, MANIFEST_NAME, EngineDirError, load_engine_config, looks_like_engine_dir
+from models.tokenizer_config import TokenizerConfigError, check_chat_template
 from plugins.kv_pool import KVPoolGeometry
 
 # Files an engine directory holds besides those its checksum table lists (the tables themselves).
@@ -93,8 +94,17 @@ def foreign_files(engine_dir: Path) -> list[str]:
     return sorted(rel for rel in (str(p.relative_to(engine_dir)) for p in present) if rel not in listed)
 
 
+def check_tokenizer_config(directory: Path) -> None:
+    """tokenizer_config.json (copied into the engine) is JSON and its chat template compiles: mtp-serve loads both."""
+    try:
+        check_chat_template(directory)
+    except TokenizerConfigError as e:
+        raise BuildError(str(e)) from None
+
+
 def check_tokenizer(checkpoint: Path, vocab_size: int) -> str:
     """'tokenizer.json' when it loads and fits the vocabulary; IDS_ONLY when the checkpoint has none."""
+    check_tokenizer_config(checkpoint)
     path = checkpoint / "tokenizer.json"
     if not path.is_file():
         return IDS_ONLY

@@ -39,6 +39,7 @@ from models.checkpoint_files import (
     weight_files,
 )
 from models.checkpoint_files import read_model_config as read_model_config  # re-exported: callers import it here
+from models.checkpoint_hybrid import HYBRID_LAYOUTS, LAYOUT_NOTES, model_class
 from models.config import ModelConfig
 from models.glm4_moe import Glm4MoeMTPModel
 from models.sharding import shard_slice
@@ -85,6 +86,7 @@ _FUSED_EXPERTS: tuple[Rule, ...] = (
 )
 MLA_RULES: tuple[Rule, ...] = _FUSED_EXPERTS + GLM4_MOE_RULES
 LAYOUTS: dict[str, tuple[Rule, ...]] = {"glm4_moe": GLM4_MOE_RULES, "deepseek_v3": MLA_RULES, "glm4_moe_lite": MLA_RULES}
+LAYOUTS.update({k: tuple(Rule(*row) for row in rows) for k, rows in HYBRID_LAYOUTS.items()})  # MiMo, Qwen3-Next
 
 
 @dataclass
@@ -173,7 +175,7 @@ def plan_weights(idx: CheckpointIndex) -> WeightPlan:
         out[target] = _stack_experts(idx, target, per_expert, cfg.n_routed_experts)
     if cfg.tie_word_embeddings and "lm_head.weight" not in out and "embed_tokens.weight" in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
-    notes = []
+    notes = [LAYOUT_NOTES[cfg.model_type]] if cfg.model_type in LAYOUT_NOTES else []
     present_mtp = {int(k.split(".")[1]) for k in out if k.startswith("mtp.")}
     num_mtp = cfg.num_nextn_predict_layers
     if num_mtp and not present_mtp:
@@ -258,7 +260,7 @@ def _stack_experts(idx: CheckpointIndex, target: str, per_expert: dict[int, dict
 def check_weights(cfg: ModelConfig, shapes: Mapping[str, Sequence[int]], path: str | Path) -> None:
     """Every canonical tensor present once with the shape config.json implies, and nothing else."""
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Glm4MoeMTPModel(cfg).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in model_class(cfg)(cfg).state_dict().items()}
     missing = sorted(set(expected) - set(shapes))
     if missing:
         raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:10]}; it does not match config.json")
@@ -332,7 +334,7 @@ def load_model(
     elif cfg.has_moe and cfg.n_routed_experts % mapping.ep:
         raise CheckpointError(f"n_routed_experts={cfg.n_routed_experts} does not split over ep_size={mapping.ep}")
     with torch.device("meta"):
-        model = Glm4MoeMTPModel(cfg, mapping=mapping)
+        model = model_class(cfg)(cfg, mapping=mapping)
     loaded: dict[str, torch.Tensor] = {}
     done: dict[tuple, torch.Tensor] = {}  # (id(CanonicalTensor), window) -> tensor: a tied lm_head is read once
     for name, param in model.state_dict().items():

@@ -10,17 +10,19 @@ Two attention kinds: GQA (`glm4_moe`: per-head K/V, partial neox RoPE) and MLA (
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
+from models.config_fields import ConfigError as ConfigError  # re-exported: callers import it from here
+from models.config_fields import Fields as _Fields
+from models.config_fields import eos_ids as _eos_ids
+from models.config_hybrid import hybrid_fields, validate_hybrid
+
+# Gated DeltaNet + gated attention: Qwen3-Next, Qwen3.5 MoE and dense (text model, or the multimodal release)
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_5_text", "qwen3_5")
+SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "mimo", *HYBRID_MODEL_TYPES)
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
 ROPE_TYPES = ("default", "yarn")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work (config.json, runtime limits, flags); the message names the fix."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +71,34 @@ class ModelConfig:
     rope_mscale_all_dim: float = 0.0  # 0 = absent (no softmax-scale correction)
     rope_attention_factor: float = 0.0  # 0 = derived from factor / mscale / mscale_all_dim
     rope_truncate: bool = True
+    # Hybrid Gated-DeltaNet models (HYBRID_MODEL_TYPES; models/qwen3_next.py): which main layers are GDN, the GDN
+    # dims, and the sigmoid-gated shared expert's width. Empty / 0 for every other model.
+    layer_types: tuple[str, ...] = ()  # per main layer: "linear_attention" (GDN) | "full_attention"
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.model_type in HYBRID_MODEL_TYPES
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        """Main layers that are Gated DeltaNet (recurrent state, no KV), in order."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        """Channels of the GDN causal conv (q, k, v mixed): 2 * Hk * Dk + Hv * Dv."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * \
+            self.linear_value_head_dim
 
     @property
     def rotary_dim(self) -> int:
@@ -92,10 +118,11 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_id"] = list(self.eos_token_id)
+        d["layer_types"] = list(self.layer_types)
         # MLA / rope-scaling fields at their defaults are left out, so a GQA engine's config.json is byte for
         # byte what it was before these fields existed (from_dict fills the defaults back in).
         for f in dataclasses.fields(self):
-            if f.name in _OPTIONAL_FIELDS and d[f.name] == f.default:
+            if f.name in _OPTIONAL_FIELDS and d[f.name] == ([] if f.name == "layer_types" else f.default):
                 del d[f.name]
         return d
 
@@ -103,6 +130,7 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         d["eos_token_id"] = tuple(d.get("eos_token_id", ()))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)
 
     @classmethod
@@ -111,10 +139,13 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ConfigError(f"must be a JSON object, got a {type(hf).__name__}; is this a Hugging Face config?")
         model_type = hf.get("model_type")
+        if model_type in HYBRID_MODEL_TYPES:  # Qwen3-Next / Qwen3.5: their own field names (models/config_hybrid.py)
+            cfg = cls(**hybrid_fields(hf))
+            cfg.validate()
+            return cfg
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                "(MiMo and Qwen3-Next layouts are planned additions to models/checkpoint.py's table)"
+                f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if hf.get(k) is None]
@@ -132,7 +163,10 @@ class ModelConfig:
             raise ConfigError(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
         rf = _Fields(rope, prefix="rope_parameters.")
         mla = _mla_fields(model_type, f, rf, rope_type)
+        if model_type == "mimo":
+            _check_mimo(hf)
         n_experts = f.integer("n_routed_experts", 0, minimum=0)
+        mimo = model_type == "mimo"
         cfg = cls(
             model_type=model_type,
             vocab_size=f.integer("vocab_size"),
@@ -145,8 +179,8 @@ class ModelConfig:
             rms_norm_eps=f.number("rms_norm_eps", 1e-5),
             rope_theta=rf.number("rope_theta", f.number("rope_theta", 10000.0)),
             partial_rotary_factor=rf.number("partial_rotary_factor",
-                                            f.number("partial_rotary_factor", 1.0 if mla else 0.5)),  # fmt: skip
-            attention_bias=f.flag("attention_bias", False),
+                                            f.number("partial_rotary_factor", 1.0 if mla or mimo else 0.5)),  # fmt: skip
+            attention_bias=mimo or f.flag("attention_bias", False),  # Qwen2 (MiMo's trunk): q/k/v always biased
             use_qk_norm=f.flag("use_qk_norm", False),
             first_k_dense_replace=_first_k_dense(hf, f, 1 if n_experts else 0),
             moe_intermediate_size=f.integer("moe_intermediate_size", 0, minimum=0),
@@ -171,6 +205,8 @@ class ModelConfig:
         """Cross-field checks (single fields are checked where they are parsed, by `_Fields`)."""
         if self.is_mla:  # first: its messages name the MLA field at fault, not the GQA fields derived from it
             self._validate_mla()
+        if self.is_hybrid:
+            validate_hybrid(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -224,7 +260,9 @@ class ModelConfig:
 _OPTIONAL_FIELDS = frozenset({
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
     "rope_type", "rope_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "rope_mscale",
-    "rope_mscale_all_dim", "rope_attention_factor", "rope_truncate",
+    "rope_mscale_all_dim", "rope_attention_factor", "rope_truncate", "layer_types", "linear_conv_kernel_dim",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+    "shared_expert_intermediate_size",
 })  # fmt: skip
 
 
@@ -288,6 +326,16 @@ def mla_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
+def _check_mimo(hf: dict[str, Any]) -> None:
+    """MiMo = a Qwen2 trunk: refuse what its import does not implement (sliding-window attention)."""
+    if hf.get("use_sliding_window"):
+        raise ConfigError("use_sliding_window=true is not supported for mimo (full attention only); set it to false")
+    types = hf.get("layer_types")
+    if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
+        raise ConfigError(f"mimo layer_types must all be 'full_attention', got {types!r}; sliding-window layers "
+                          "are not supported")  # fmt: skip
+
+
 def _first_k_dense(hf: dict[str, Any], f: _Fields, default: int) -> int:
     """first_k_dense_replace, or (glm4_moe_lite) the dense prefix of mlp_layer_types."""
     types = hf.get("mlp_layer_types")
@@ -303,55 +351,6 @@ def _first_k_dense(hf: dict[str, Any], f: _Fields, default: int) -> int:
         raise ConfigError(f"first_k_dense_replace={hf['first_k_dense_replace']} disagrees with mlp_layer_types "
                           f"({k} dense layers first); fix config.json")  # fmt: skip
     return k
-
-
-def _eos_ids(eos: Any) -> tuple[int, ...]:
-    if eos is None:
-        return ()
-    ids = eos if isinstance(eos, list) else [eos]
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-            raise ConfigError(f"eos_token_id must be a token id or a list of them (integers >= 0), got {eos!r}")
-    return tuple(ids)
-
-
-class _Fields:
-    """Typed reads of config.json fields; null counts as absent (HF configs write null for "default")."""
-
-    def __init__(self, raw: dict[str, Any], prefix: str = "") -> None:
-        self.raw, self.prefix = raw, prefix
-
-    def _bad(self, key: str, what: str, value: Any) -> ConfigError:
-        kind = "" if isinstance(value, int | float) and not isinstance(value, bool) else f" (a {type(value).__name__})"
-        return ConfigError(f"{self.prefix}{key} must be {what}, got {value!r}{kind}; fix config.json")
-
-    def integer(self, key: str, default: int | None = None, minimum: int = 1) -> int:
-        value = self.raw.get(key)
-        if value is None:
-            if default is None:
-                raise ConfigError(f"config.json is missing required field {self.prefix}{key}")
-            return default
-        ok = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-        if isinstance(value, bool) or not ok or value < minimum:
-            raise self._bad(key, f"an integer >= {minimum}", value)
-        return int(value)
-
-    def number(self, key: str, default: float, allow_zero: bool = False) -> float:
-        value = self.raw.get(key)
-        if value is None:
-            return default
-        bad_type = isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
-        if bad_type or value < 0 or (value == 0 and not allow_zero):
-            raise self._bad(key, "a finite number >= 0" if allow_zero else "a finite number > 0", value)
-        return float(value)
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self.raw.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self._bad(key, "true or false", value)
-        return value
 
 
 def kv_geometry_fields(cfg: ModelConfig) -> tuple[int, int, int]:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.checkpoint_export import save_hf_checkpoint, to_hf_config
+from models.checkpoint_hybrid import model_class
 from models.config import ModelConfig
 from models.fp8 import SCALE_SUFFIX, quantize
 from models.glm4_moe import Glm4MoeMTPModel
@@ -76,7 +77,7 @@ def init_random(model: Glm4MoeMTPModel, seed: int = 0, std: float = 0.1, norm_no
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> Glm4MoeMTPModel:
-    model = Glm4MoeMTPModel(cfg)
+    model = model_class(cfg)(cfg)
     init_random(model, seed)
     return model.eval()
 
@@ -193,9 +194,10 @@ def _mtp_tensors(model, hf_cfg, model_type: str, layer: int, g: torch.Generator)
 
 
 def is_fp8_quantized(name: str, shape: tuple[int, ...]) -> bool:
-    """The tensors DeepSeek-V3 / GLM-4.5-FP8 ship in FP8: the 2-D projection weights (not embeddings, the
-    LM head, norms or the router); MLA's kv_a_proj_with_mqa included."""
-    return len(shape) == 2 and (name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight"))
+    """The tensors DeepSeek-V3 / GLM-4.5-FP8 (and Qwen3-Next-FP8) ship in FP8: the 2-D projection weights (not
+    embeddings, the LM head, norms or the router); MLA's kv_a_proj_with_mqa and the GDN in_proj_* included."""
+    return len(shape) == 2 and (name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight")
+                                or ".linear_attn.in_proj_" in name)  # Qwen3-Next / 3.5 GDN: in_proj_qkvz, _ba, ...
 
 
 def quantize_checkpoint_fp8(src: str | Path, dst: str | Path) -> None:
@@ -218,3 +220,139 @@ def quantize_checkpoint_fp8(src: str | Path, dst: str | Path) -> None:
     for f in src.iterdir():
         if f.name not in ("model.safetensors", "config.json") and f.is_file():
             shutil.copyfile(f, dst / f.name)
+
+
+# --- MiMo (Qwen2 trunk + model.mtp_layers.{j}.*) checkpoints written by transformers' Qwen2 -----------------
+
+MIMO_BASE = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, eos_token_id=None, bos_token_id=None,
+)  # fmt: skip
+
+
+def make_mimo_checkpoint(path: str | Path, seed: int = 0, num_mtp: int = 1, **overrides) -> dict:
+    """A tiny random MiMo checkpoint: the trunk saved by transformers' Qwen2ForCausalLM.save_pretrained (transformers
+    has no MiMo class; MiMo's trunk IS Qwen2), config.json turned into MiMo's (`model_type: mimo`,
+    `num_nextn_predict_layers`), plus MTP layer j at model.mtp_layers.{j}.* as released (a Qwen2 decoder block's
+    tensors + token_layernorm, hidden_layernorm, input_proj [H, 2H], final_layernorm). Returns the HF config dict."""
+    import transformers
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    hf_cfg = transformers.Qwen2Config(**{**MIMO_BASE, **overrides})
+    g = torch.Generator().manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+    _randomize(model, g)
+    path = Path(path)
+    model.save_pretrained(str(path))
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    h = hf_cfg.hidden_size
+    for j in range(num_mtp):
+        block = Qwen2DecoderLayer(hf_cfg, 0).eval()
+        _randomize(block, g)
+        prefix = f"model.mtp_layers.{j}."
+        tensors.update({prefix + k: v.clone() for k, v in block.state_dict().items()})
+        for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+            tensors[f"{prefix}{norm}.weight"] = 1.0 + 0.1 * torch.randn(h, generator=g)
+        tensors[f"{prefix}input_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    hf = json.loads((path / "config.json").read_text())
+    hf.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=num_mtp)
+    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return hf
+
+
+# --- Qwen3-Next / Qwen3.5-MoE (hybrid Gated DeltaNet) checkpoints written by transformers ----------------------
+
+HYBRID_BASE = dict(
+    vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=2,
+    linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=8,
+    num_experts_per_tok=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=None, bos_token_id=None,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)  # fmt: skip
+TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32, patch_size=4,
+                   temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)  # fmt: skip
+
+
+def make_hybrid_checkpoint(path: str | Path, model_type: str = "qwen3_next", seed: int = 0, **overrides) -> dict:
+    """A tiny random Qwen3-Next / Qwen3.5-MoE checkpoint saved by transformers' own save_pretrained (layer_types: 3 GDN
+    layers then 1 gated-attention layer), plus the MTP module at `mtp.*` as released (`mtp.fc`, the two pre-fc norms,
+    `mtp.layers.0.*` with per-expert tensors, `mtp.norm`), which transformers neither builds nor loads.
+    model_type "qwen3_5_moe" writes the multimodal release (text model under model.language_model., a tiny vision
+    tower under model.visual.). Returns the HF config dict."""
+    import transformers
+
+    kw = {**HYBRID_BASE, **overrides}
+    dense = model_type in ("qwen3_5_text", "qwen3_5")
+    if dense:  # a dense SwiGLU FFN in every layer
+        kw = {k: v for k, v in kw.items() if k not in ("moe_intermediate_size", "shared_expert_intermediate_size",
+                                                      "num_experts", "num_experts_per_tok")} | {"intermediate_size": 48}
+    text_cls, causal_cls, mm_cfg_cls, mm_cls = {
+        "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", "", ""),
+        "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "", ""),
+        "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+        "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "", ""),
+        "qwen3_5": ("Qwen3_5TextConfig", "", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    }[model_type]
+    text_cfg = getattr(transformers, text_cls)(**kw)
+    g = torch.Generator().manual_seed(seed)
+    model: Any
+    if mm_cls:
+        hf_cfg = getattr(transformers, mm_cfg_cls)(text_config=text_cfg.to_dict(), vision_config=TINY_VISION)
+        model = getattr(transformers, mm_cls)(hf_cfg).eval()
+    else:
+        model = getattr(transformers, causal_cls)(text_cfg).eval()
+    _randomize_hybrid(model, g)
+    path = Path(path)
+    model.save_pretrained(str(path))
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors.update(_hybrid_mtp_tensors(model, text_cfg, g))
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    hf = json.loads((path / "config.json").read_text())
+    (hf.get("text_config") or hf)["mtp_num_hidden_layers"] = 1  # the released configs' key
+    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return hf
+
+
+def _randomize_hybrid(module: torch.nn.Module, g: torch.Generator) -> None:
+    """Random weights; zero-centred norms near 0 (scale 1 + w), the GDN output norm near 1, A_log / dt_bias spread."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("norm.weight") or name.endswith("A_log") or name.endswith("dt_bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+
+
+def _hybrid_mtp_tensors(model: Any, text_cfg: Any, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """The MTP module in released checkpoint names: one full-attention MoE decoder layer built from transformers' own
+    class (per-expert tensors, as released), fc [H, 2H], pre_fc_norm_embedding / _hidden and norm (zero-centred)."""
+    cfg = copy.deepcopy(text_cfg)
+    cfg.layer_types = ["full_attention"]
+    cfg.num_hidden_layers = 1
+    layer_cls = type(model.model.language_model.layers[0] if hasattr(model.model, "language_model") else
+                     model.model.layers[0])  # fmt: skip
+    block = layer_cls(cfg, 0).eval()
+    _randomize_hybrid(block, g)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in block.state_dict().items():
+        if name == "mlp.experts.gate_up_proj":
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate.clone()
+                out[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = up.clone()
+        elif name == "mlp.experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[f"mtp.layers.0.{name}"] = t.clone()
+    h = text_cfg.hidden_size
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{norm}.weight"] = 0.3 * torch.randn(h, generator=g)
+    out["mtp.fc.weight"] = 0.15 * torch.randn(h, 2 * h, generator=g)
+    return out

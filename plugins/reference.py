@@ -175,3 +175,63 @@ def moe_experts_ref(
             h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
             out[t] += float(topk_weights[t, slot]) * (w_down[e].float() @ h)
     return out.to(x.dtype)
+
+
+def gdn_step_ref(
+    mixed: torch.Tensor,  # [T, C] packed in_proj rows (q, k, v channels, C = 2*Hk*Dk + Hv*Dv), before the conv
+    b: torch.Tensor,  # [T, Hv] beta logits
+    a: torch.Tensor,  # [T, Hv] decay logits
+    q_counts: torch.Tensor,  # [R] rows of each request (0 = padded request: reads and writes nothing)
+    starts: torch.Tensor,  # [R] position of each request's first row (0 = a fresh sequence: zero state)
+    read_slots: torch.Tensor,  # [R] state slot each request starts from (ignored when starts == 0)
+    write_slots: torch.Tensor,  # [T] slot that receives the state AFTER this row, -1 = not stored
+    conv_pool: torch.Tensor,  # [S, C, K-1] conv windows (the last K-1 inputs), written in place
+    ssm_pool: torch.Tensor,  # [S, Hv, Dk, Dv] fp32 recurrent states, written in place
+    conv_weight: torch.Tensor,  # [C, K] depthwise causal conv
+    a_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+) -> torch.Tensor:
+    """One Gated DeltaNet layer's token mixing (Qwen3-Next / Qwen3.5), row by row -> core output [T, Hv, Dv] fp32.
+
+    Per request: conv window = the slot's last K-1 inputs (zeros for a fresh sequence), out_t = silu(conv), split
+    into q, k (l2-normalised, q scaled by Dk^-0.5) and v; with g_t = -exp(A_log) * softplus(a_t + dt_bias) and
+    beta_t = sigmoid(b_t): S <- exp(g_t) S; S <- S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t (transformers'
+    `torch_recurrent_gated_delta_rule`). After row t the window and S go to write_slots[t] when it is >= 0: a
+    verify step stores one state per row, so rollback to any accepted row is a slot choice (vLLM's design).
+    """
+    t_rows, c = mixed.shape
+    hv, kk = a.shape[1], conv_weight.shape[1]
+    kd, rep = num_k_heads * head_k_dim, hv // num_k_heads
+    out = torch.zeros(t_rows, hv, head_v_dim, dtype=torch.float32)
+    row0 = 0
+    for r in range(q_counts.shape[0]):
+        n = int(q_counts[r])
+        if n == 0:
+            continue
+        fresh = int(starts[r]) == 0
+        window = torch.zeros(c, kk - 1) if fresh else conv_pool[int(read_slots[r])].float().clone()
+        state = torch.zeros(hv, head_k_dim, head_v_dim) if fresh else ssm_pool[int(read_slots[r])].float().clone()
+        for t in range(row0, row0 + n):
+            full = torch.cat([window, mixed[t].float()[:, None]], dim=1)  # [C, K]
+            x = torch.nn.functional.silu((full * conv_weight.float()).sum(-1))
+            window = full[:, 1:]
+            q = x[:kd].view(num_k_heads, head_k_dim).repeat_interleave(rep, 0)
+            k = x[kd : 2 * kd].view(num_k_heads, head_k_dim).repeat_interleave(rep, 0)
+            v = x[2 * kd :].view(hv, head_v_dim)
+            q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * head_k_dim**-0.5
+            k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+            g = -a_log.float().exp() * torch.nn.functional.softplus(a[t].float() + dt_bias.float())
+            beta = b[t].float().sigmoid()
+            state = state * g.exp()[:, None, None]
+            delta = (v - (state * k[:, :, None]).sum(1)) * beta[:, None]  # [Hv, Dv]
+            state = state + k[:, :, None] * delta[:, None, :]
+            out[t] = (state * q[:, :, None]).sum(1)
+            slot = int(write_slots[t])
+            if slot >= 0:
+                conv_pool[slot] = window.to(conv_pool.dtype)
+                ssm_pool[slot] = state
+        row0 += n
+    return out

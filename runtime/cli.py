@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--executor", choices=EXECUTORS, default=None, help="default: onnxruntime with --engine")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    prompts.add_argument("--prompts-file", type=Path, help="one prompt per line")
+    prompts.add_argument("--prompts-file", type=Path, help="one prompt per line ('-': standard input)")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--temperature", type=float, default=0.0)
@@ -76,9 +76,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_prompts(args) -> list[str]:
+def read_prompts(args, world: int = 1) -> list[str]:
     if args.prompt:
         return list(args.prompt)
+    if str(args.prompts_file) == "-":
+        if world > 1:  # mpirun forwards stdin to rank 0 only: the other ranks would read nothing
+            raise EveryRankError("--prompts-file - (standard input) works in a single process; under mpirun give "
+                                 "a file every rank can read")  # fmt: skip
+        return _prompt_lines(sys.stdin.read(), "standard input")
     if not args.prompts_file.exists():
         raise ConfigError(f"--prompts-file {args.prompts_file} does not exist")
     if not args.prompts_file.is_file():
@@ -87,10 +92,14 @@ def read_prompts(args) -> list[str]:
         text = args.prompts_file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"--prompts-file {args.prompts_file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return _prompt_lines(text, str(args.prompts_file))
+
+
+def _prompt_lines(text: str, source: str) -> list[str]:
     lines = [line.rstrip("\n").replace("\\n", "\n") for line in text.splitlines()]
     prompts = [line for line in lines if line.strip()]
     if not prompts:
-        raise ConfigError(f"--prompts-file {args.prompts_file} has no prompts (one per line, blank lines skipped)")
+        raise ConfigError(f"--prompts-file {source} has no prompts (one per line, blank lines skipped)")
     return prompts
 
 
@@ -102,7 +111,7 @@ def run(args, rank: int = 0, world: int = 1) -> int:
     # a bad command line, not N rejected requests. No end_id comes from the CLI, so the vocab bound is moot.
     validate_params(params, vocab_size=2**63)
     check_timeout(args.collective_timeout)
-    prompts = read_prompts(args)
+    prompts = read_prompts(args, world)
     if executor == "tensorrt":
         from runtime.executors.trt_executor import tensorrt_runtime_missing
 

@@ -82,6 +82,8 @@ def create_engine(
         if tp_size is not None and tp_size != parallel.tp_size:
             raise ConfigError(f"--tp-size {tp_size}: engine {engine_dir} was built for tp_size={parallel.tp_size}; "
                               "drop the flag (an engine records its mapping) or rebuild with mtp-build --tp-size")  # fmt: skip
+        if overrides.get("num_draft_tokens", 0) > ecfg.num_draft_tokens:  # named before RuntimeConfig's block rule
+            raise ConfigError(_k_exceeds(overrides["num_draft_tokens"], ecfg.num_draft_tokens))
         cfg = replace(engine_defaults(ecfg), **overrides)
         check_within_engine(cfg, ecfg.limits, ecfg.kv, ecfg.num_draft_tokens)
         model_cfg, tokenizer = ecfg.model, load_tokenizer(Path(engine_dir))
@@ -126,13 +128,16 @@ def engine_defaults(ecfg: EngineConfig) -> RuntimeConfig:
                          num_draft_tokens=ecfg.num_draft_tokens, max_prefill_chunk=lim.max_num_tokens)  # fmt: skip
 
 
+def _k_exceeds(asked: int, k: int) -> str:
+    return f"num_draft_tokens={asked} exceeds the {k} the engine was built for; rebuild with --num-draft-tokens {asked}"
+
+
 def check_within_engine(cfg: RuntimeConfig, lim: Limits, kv: KVLayout, k: int) -> None:
     """Refuse a runtime config that could send a step the engine (limits, layout, K) was not built for; every
     step an admitted config produces fits the recorded table width and TensorRT profiles
     (tests/runtime/test_engine_limits.py)."""
     if cfg.num_draft_tokens > k:
-        raise ConfigError(f"num_draft_tokens={cfg.num_draft_tokens} exceeds the {k} the engine was built for; "
-                          f"rebuild with --num-draft-tokens {cfg.num_draft_tokens}")  # fmt: skip
+        raise ConfigError(_k_exceeds(cfg.num_draft_tokens, k))
     for name, limit in (("max_batch", lim.max_batch), ("max_num_tokens", lim.max_num_tokens),
                         ("max_seq_len", lim.max_seq_len)):  # fmt: skip
         if getattr(cfg, name) > limit:
@@ -154,6 +159,9 @@ def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, parallel: Paralle
     mc = read_model_config(checkpoint)[0]
     experts = mc.n_routed_experts if mc.has_moe else 0
     w, ep, tp = parallel.world_size, parallel.ep_size, parallel.tp_size
+    if mc.is_hybrid and w > 1:
+        raise ConfigError(f"{mc.model_type} is a hybrid (Gated DeltaNet) model: it runs on one rank only (world size "
+                          f"{w} requested); see docs/MODELS.md")  # fmt: skip
     try:
         check_model(w, ep, tp, num_experts=experts, num_heads=mc.num_attention_heads,
                     num_kv_heads=mc.num_key_value_heads, vocab_size=mc.vocab_size)  # fmt: skip

@@ -147,11 +147,11 @@ class InProcess:
 
     def __init__(self, args, k: str) -> None:
         from runtime.factory import create_engine
-        from runtime.serving.openai.engine_loop import EngineLoop
+        from runtime.serving.openai.engine_loop import AsyncEngineLoop
 
         self.engine = create_engine(engine_dir=args.engine, checkpoint=args.checkpoint, executor=args.executor,
                                     num_draft_tokens=k if k == "auto" else int(k), max_batch=args.max_batch)  # fmt: skip
-        self.loop = EngineLoop(self.engine, max_queue=10**6)
+        self.loop = AsyncEngineLoop(self.engine, max_queue=10**6)
         self.loop.start()
 
     async def request(self, prompt: str, max_tokens: int) -> RequestResult:

@@ -29,8 +29,8 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from models.config import ModelConfig
+from runtime.core import grammar, logprobs, mtp_plan
 from runtime.core.admission import RequestError, validate_params, validate_prompt, validate_request_id
-from runtime.core.block_pool import NULL_BLOCK_ID
 from runtime.core.config import ConfigError, RuntimeConfig
 from runtime.core.draft_length import DraftLengthController, StepSample, combine
 from runtime.core.kv_manager import KVCacheManager
@@ -47,7 +47,8 @@ from runtime.core.sampling import (
     sample,
 )
 from runtime.core.scheduler import ScheduledRequest, Scheduler
-from runtime.executors.base import DraftInput, Executor, MainInput
+from runtime.core.state_pool import StateSlots, hybrid_runtime_config
+from runtime.executors.base import Executor
 
 __all__ = ["LLMEngine", "RequestError", "RequestOutput"]
 
@@ -63,6 +64,10 @@ class LLMEngine:
             whose wall time on shared cores mostly measures the other jobs (create_engine picks)."""
         if cfg.num_draft_tokens > 0 and model_cfg.num_mtp_modules == 0:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
+        # Hybrid models: K+2 recurrent-state slots per running request beside the KV pool; no prefix caching (a
+        # cached prefix has KV but no recurrent state): runtime/core/state_pool.py
+        self.state_slots = StateSlots(cfg.max_batch, cfg.num_draft_tokens) if model_cfg.is_hybrid else None
+        cfg = hybrid_runtime_config(cfg, executor) if model_cfg.is_hybrid else cfg
         self.model_cfg, self.cfg, self.tokenizer = model_cfg, cfg, tokenizer
         self.ranks = ranks
         self.executor = ranks.executor(executor)
@@ -127,18 +132,24 @@ class LLMEngine:
         self._exec_seconds = 0.0
         sched = self.scheduler.schedule()  # 1. schedule
         self.metrics.num_preemptions += len(sched.preempted)
+        if self.state_slots is not None:  # a preempted request is recomputed from position 0: a fresh state
+            self.state_slots.free(*[r.req_id for r in sched.preempted])
         if sched.block_copies:  # prefix-cache copy-on-write, before anything reads the copies
             self.executor.copy_blocks(sched.block_copies)
             self.kv.complete_copies()
         if not sched.scheduled:
             if self.ranks.lockstep:  # invariant 9: an idle rank still enters every collective-bearing forward
-                self.executor.run_main(self._dummy_main_input())
+                self.executor.run_main(mtp_plan.plan_idle_main(self.width))
                 self._dummy_drafts(self._choose_draft_length(StepSample()))
             return []
         scheduled = sched.scheduled
         tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
         main_plan = plan_main(scheduled, tables)
-        main = self._timed(self.executor.run_main, main_plan.inp)  # 2. verify (main KV appended inside)
+        prompt_spans = logprobs.add_prompt_rows(scheduled, main_plan)  # echo: prompt logprobs (usually none)
+        inp = main_plan.inp if self.state_slots is None else self.state_slots.plan([s.req.req_id for s in scheduled],
+                                                                                   main_plan.inp)  # fmt: skip
+        main = self._timed(self.executor.run_main, inp)  # 2. verify (main KV appended inside)
+        logprobs.record_prompt(scheduled, prompt_spans, main.logits)
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
         k = self._choose_draft_length(self._sample(scheduled, accepted, errors))
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
@@ -147,6 +158,8 @@ class LLMEngine:
         if plan.commit is not None:  # 5. commit (no collective inside, so skipping an empty write keeps lockstep)
             self._timed(self.executor.run_commit, plan.commit)
         outputs, drafting = self._apply(scheduled, plan)  # 6. apply
+        if self.state_slots is not None:  # rollback of the recurrent state: a slot choice per request
+            self.state_slots.commit(scheduled, plan.updates)
         c_draft = self.draft_clock()
         if self.k:  # 7. draft
             if drafting and k:
@@ -168,25 +181,11 @@ class LLMEngine:
         return outputs
 
     def _sample(self, scheduled: list[ScheduledRequest], accepted: list[int], errors: list[str | None]) -> StepSample:
-        """This step's measurements and decision inputs for the draft-length controller (with K=0 chosen it
-        still measures)."""
+        """This step's measurements for the draft-length controller (with K=0 chosen it still measures)."""
         if self.draft_length is None:
             return StepSample()
-        k_max = self.k
-        trials, successes, remaining = [0.0] * k_max, [0.0] * k_max, [0.0] * (k_max + 1)
-        for s, a, err in zip(scheduled, accepted, errors, strict=True):
-            if err is not None or not s.reaches_end:
-                continue
-            for j in range(min(s.num_drafts, k_max)):  # depth j is reached when 0..j-1 were accepted
-                trials[j] += a >= j
-                successes[j] += a > j
-            req = s.req  # tokens it may emit after this step's a + 1 (0: it finishes now and drafts nothing)
-            left = min(req.params.max_tokens - req.num_output_tokens, self.cfg.max_seq_len - req.num_tokens) - a - 1
-            if left > 0:
-                remaining[min(left, k_max + 1) - 1] += 1
         cycle, self._cycle = self._cycle, (0.0, 0.0, 0.0, 0.0)  # each finished cycle is reported once
-        return StepSample(*cycle, sum(remaining), float(sum(s.num_new_tokens for s in scheduled)), trials,
-                          successes, remaining)  # fmt: skip
+        return mtp_plan.step_sample(scheduled, accepted, errors, self.k, self.cfg.max_seq_len, cycle)
 
     def _choose_draft_length(self, sample: StepSample) -> int:
         """Fixed K, or the controller's pick; under MPI from every rank's sample, so every rank picks the same."""
@@ -229,12 +228,17 @@ class LLMEngine:
         if not np.isfinite(rows).all():
             raise FloatingPointError("the main model returned non-finite logits for this request")
         p, spec = req.params, req.spec
+        masked = grammar.mask_verify_rows(req, rows, spec.drafts)  # structured output: each row's allowed tokens
         if p.is_greedy:
-            return accept_greedy(spec.drafts, rows.argmax(-1).tolist())
-        probs = probs_from_logits(rows, p)
-        if p.acceptance == "rejection" and spec.drafts and spec.draft_probs is not None:
-            return accept_rejection(spec.drafts, spec.draft_probs, probs, req.rng)
-        return accept_exact_match(spec.drafts, sample(probs, req.rng).tolist())
+            a, nxt = accept_greedy(spec.drafts, masked.argmax(-1).tolist())
+        elif p.acceptance == "rejection" and spec.drafts and spec.draft_probs is not None:
+            a, nxt = accept_rejection(spec.drafts, spec.draft_probs, probs_from_logits(masked, p), req.rng)
+        else:
+            a, nxt = accept_exact_match(spec.drafts, sample(probs_from_logits(masked, p), req.rng).tolist())
+        emitted = [*spec.drafts[:a], nxt]
+        logprobs.stage(req, rows, emitted)  # raw (unmasked) main-model logprobs, as vLLM's default
+        grammar.advance(req, emitted)
+        return a, nxt
 
     def _apply(self, scheduled: list[ScheduledRequest], plan: StepPlan) -> tuple[list[RequestOutput], list[int]]:
         """Apply the plan to request state and emit. Returns the outputs and the indices (into scheduled)
@@ -268,22 +272,10 @@ class LLMEngine:
                 final = s.req.num_computed if carry is None else carry.position
                 self.kv.publish_full_blocks(s.req.req_id, s.req.token_ids, final)
 
-    # Dummy forwards of an idle rank: one padded row (count 0, null block) joins the MoE exchange and reads
-    # and writes no KV, so every rank issues the same collective-bearing forwards (invariant 9).
-    def _null_table(self) -> np.ndarray:
-        table = np.full((1, self.width), -1, dtype=np.int32)
-        table[0, 0] = NULL_BLOCK_ID
-        return table
-
-    def _dummy_main_input(self) -> MainInput:
-        zero_i32, zero_i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
-        return MainInput(zero_i64, zero_i64, zero_i32, zero_i32, self._null_table(), np.zeros(0, np.int64))
-
     def _dummy_drafts(self, k: int) -> None:
-        zero_i32, zero_i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
-        hidden = np.zeros((1, self.executor.hidden_size), np.float32)
+        """An idle lockstep rank's k draft depths (one padded row on the null block)."""
         for _ in range(k):
-            self.executor.run_draft(DraftInput(hidden, zero_i64, zero_i64, zero_i32, self._null_table()))
+            self.executor.run_draft(mtp_plan.plan_idle_draft(self.executor.hidden_size, self.width))
 
     def _draft_loop(self, reqs: list[Request], updates: list[RequestUpdate], main_hidden: np.ndarray,
                     tables: np.ndarray, outputs: list[RequestOutput], k: int) -> None:  # fmt: skip
@@ -312,15 +304,20 @@ class LLMEngine:
                 outputs.append(self._fail(r, failed[j]))
             elif probs[j]:
                 r.spec.draft_probs = np.stack(probs[j])
+            grammar.end_drafts(r)  # matcher back at the last emitted token; drafts it rejected are cut
 
     @staticmethod
     def _draft_token(r: Request, logits: np.ndarray, probs: list[np.ndarray]) -> int:
-        """Sampled drafts (rejection acceptance) keep their distribution; otherwise the argmax."""
+        """Sampled drafts (rejection acceptance) keep their distribution; otherwise the argmax (grammar-masked)."""
+        logits = grammar.mask_draft(r, logits)
         if r.params.acceptance == "rejection" and not r.params.is_greedy:
             q = probs_from_logits(logits, r.params)
             probs.append(q[0])
-            return int(sample(q, r.rng)[0])
-        return int(logits[0].argmax())
+            token = int(sample(q, r.rng)[0])
+        else:
+            token = int(logits[0].argmax())
+        grammar.push_draft(r, token)
+        return token
 
     # ------------------------------------------------------------------ emission and bookkeeping
     def _emit(self, req: Request, tokens: list[int]) -> list[int]:
@@ -345,12 +342,15 @@ class LLMEngine:
                 break
         if self.tokenizer is not None and not p.stop:
             req.text = self.tokenizer.decode(req.output_ids)  # once per step, not once per emitted token
+        logprobs.commit(req, len(new))
         return new
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.scheduler.finish(req)
+        if self.state_slots is not None:
+            self.state_slots.free(req.req_id)
         self.requests.pop(req.req_id, None)  # a finished request lives on only in its last output
 
     def _fail(self, req: Request, error: str) -> RequestOutput:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.core.block_pool import NULL_BLOCK_ID
+from runtime.core.draft_length import StepSample
 from runtime.core.request import ChunkCarry
 from runtime.core.scheduler import ScheduledRequest
 from runtime.executors.base import CommitInput, DraftInput, MainInput
@@ -224,3 +226,40 @@ def plan_draft(
         counts=np.ones(len(bases), dtype=np.int32),
         block_tables=block_tables,
     )
+
+
+# Dummy forwards of an idle lockstep rank: one padded row (count 0, null block) joins the MoE exchange and reads
+# and writes no KV, so every rank issues the same collective-bearing forwards (invariant 9).
+def _null_table(width: int) -> np.ndarray:
+    table = np.full((1, width), -1, dtype=np.int32)
+    table[0, 0] = NULL_BLOCK_ID
+    return table
+
+
+def plan_idle_main(width: int) -> MainInput:
+    zero_i32, zero_i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
+    return MainInput(zero_i64, zero_i64, zero_i32, zero_i32, _null_table(width), np.zeros(0, np.int64))
+
+
+def plan_idle_draft(hidden_size: int, width: int) -> DraftInput:
+    zero_i32, zero_i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
+    return DraftInput(np.zeros((1, hidden_size), np.float32), zero_i64, zero_i64, zero_i32, _null_table(width))
+
+
+def step_sample(scheduled: list[ScheduledRequest], accepted: list[int], errors: list[str | None], k_max: int,
+                max_seq_len: int, cycle: tuple[float, float, float, float]) -> StepSample:  # fmt: skip
+    """The draft-length controller's decision inputs from one verify step: per depth, how often it was reached and
+    accepted, and how many tokens each request may still emit (runtime/core/draft_length.py)."""
+    trials, successes, remaining = [0.0] * k_max, [0.0] * k_max, [0.0] * (k_max + 1)
+    for s, a, err in zip(scheduled, accepted, errors, strict=True):
+        if err is not None or not s.reaches_end:
+            continue
+        for j in range(min(s.num_drafts, k_max)):  # depth j is reached when 0..j-1 were accepted
+            trials[j] += a >= j
+            successes[j] += a > j
+        req = s.req  # tokens it may emit after this step's a + 1 (0: it finishes now and drafts nothing)
+        left = min(req.params.max_tokens - req.num_output_tokens, max_seq_len - req.num_tokens) - a - 1
+        if left > 0:
+            remaining[min(left, k_max + 1) - 1] += 1
+    return StepSample(*cycle, sum(remaining), float(sum(s.num_new_tokens for s in scheduled)), trials,
+                      successes, remaining)  # fmt: skip

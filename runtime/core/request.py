@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -81,6 +82,11 @@ class Request:
     accepted_per_step: list[int] = field(default_factory=list)  # append-only
     num_cached_tokens: int = 0  # prefix-cache hit tokens at admission
     text: str = ""
+    # asked-for extras (runtime/core/logprobs.py, runtime/core/grammar.py); empty / None when not asked for
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token (append-only)
+    staged_logprobs: list = field(default_factory=list)  # this step's, until emission keeps the emitted ones
+    prompt_logprobs: list = field(default_factory=list)  # None, then TokenLogprob per prompt token 1..P-1
+    matcher: Any = None  # the grammar matcher, at the state after every emitted token
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)  # owned: the caller's list is never appended to
@@ -127,15 +133,18 @@ class RequestOutput:
     num_output_tokens: int
     num_proposed: int = 0  # drafts verified so far (acceptance rate = sum(accepted_per_step) / this)
     error: str | None = None  # set when the engine aborted the request (finish_reason "error")
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set when first scheduled)
     _tokens: list[int] = field(default_factory=list, repr=False)
     _num_prompt_tokens: int = 0
     _accepted: list[int] = field(default_factory=list, repr=False)
+    _logprobs: list = field(default_factory=list, repr=False)
+    prompt_logprobs: list = field(default_factory=list, repr=False)  # the request's list (filled by prefill)
 
     @classmethod
     def snapshot(cls, req: Request, new_token_ids: list[int]) -> RequestOutput:
         return cls(req.req_id, new_token_ids, req.text, req.is_finished, req.finish_reason, req.num_steps,
-                   req.num_output_tokens, req.num_proposed, req.error, req.token_ids, req.num_prompt_tokens,
-                   req.accepted_per_step)  # fmt: skip
+                   req.num_output_tokens, req.num_proposed, req.error, req.num_cached_tokens, req.token_ids,
+                   req.num_prompt_tokens, req.accepted_per_step, req.logprobs, req.prompt_logprobs)  # fmt: skip
 
     @property
     def output_ids(self) -> list[int]:
@@ -146,3 +155,8 @@ class RequestOutput:
     def accepted_per_step(self) -> list[int]:
         """Accepted drafts of every verify step up to this one."""
         return self._accepted[: self.num_steps]
+
+    @property
+    def logprobs(self) -> list:
+        """TokenLogprob of every generated token up to this step (empty unless the request asked)."""
+        return self._logprobs[: self.num_output_tokens]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -39,6 +39,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched by the runtime on detokenized output
     end_id: int | None = None  # end-of-sequence token id; None = never stop on a token
     acceptance: AcceptanceMethod = "exact"  # sampled-mode draft acceptance: "exact" match or "rejection"
+    logprobs: int | None = None  # per output token: its logprob and this many top alternatives; None = off
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (OpenAI echo)
+    grammar: Any = None  # a runtime.core.grammar.Grammar: output constrained to it (structured output); None = free
 
     @property
     def is_greedy(self) -> bool:
@@ -66,10 +69,17 @@ class SamplingParams:
             raise ValueError(f"end_id={self.end_id!r}: must be a token id (int) in [0, {vocab_size}) or None")
         if not isinstance(self.acceptance, str) or self.acceptance not in ACCEPTANCE_METHODS:
             raise ValueError(f"acceptance={self.acceptance!r}: unknown method, use one of {ACCEPTANCE_METHODS}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not is_int(n) or not 0 <= n <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name}={n!r}: must be an int in [0, {MAX_TOP_LOGPROBS}] (top alternatives) or None")
+        if self.grammar is not None and not callable(getattr(self.grammar, "new_matcher", None)):
+            raise ValueError(f"grammar={self.grammar!r}: must be a runtime.core.grammar.Grammar or None")
         if not isinstance(self.stop, tuple | list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop={self.stop!r}: must be a tuple of non-empty strings, e.g. ('\\n\\n',)")
 
 
+MAX_TOP_LOGPROBS = 20  # top alternatives per token at most (OpenAI chat's and vLLM's bound)
 SEED_LIMIT = 2**64  # seeds cross the Triton API as uint64; default_rng takes any int >= 0
 
 

@@ -106,7 +106,9 @@ class Scheduler:
         has_partial = any(not s.reaches_end for s in out.scheduled)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch:
             req = self.waiting[0]
-            hit = self.kv.find_prefix(req.token_ids) if self.cfg.enable_prefix_caching else None
+            # prompt logprobs need every prompt position computed: no prefix-cache read (as vLLM)
+            cached = self.cfg.enable_prefix_caching and req.params.prompt_logprobs is None
+            hit = self.kv.find_prefix(req.token_ids) if cached else None
             start = hit.num_cached_tokens if hit is not None else 0
             remaining = req.num_tokens - start
             n_new = min(remaining, budget, self.cfg.max_prefill_chunk)

@@ -27,6 +27,14 @@ class MainInput:
 
 
 @dataclass(slots=True)
+class HybridMainInput(MainInput):
+    """MainInput of a hybrid (Gated DeltaNet) model: plus the recurrent-state slots (runtime/core/state_pool.py)."""
+
+    state_read_slots: np.ndarray  # int32 [R] slot each request's state starts from
+    state_write_slots: np.ndarray  # int32 [T] slot receiving the state after each row, -1 = not stored
+
+
+@dataclass(slots=True)
 class MainOutput:
     hidden: np.ndarray  # float32 [T, H] post-final-norm hidden of every row (feeds the MTP module)
     logits: np.ndarray  # float32 [N, V] logits of `logit_rows`

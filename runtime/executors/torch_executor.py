@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from models.config import kv_geometry_fields
+from models.gdn import GDNStatePool, HybridCache
 from models.glm4_moe import Glm4MoeMTPModel
 from models.layers import PagedKV, StepMeta
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 from plugins.mapping import local_kv_heads  # TP: the pool holds this rank's KV heads
-from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
+from runtime.executors.base import CommitInput, DraftInput, DraftOutput, HybridMainInput, MainInput, MainOutput
 from runtime.executors.cuda_graphs import GraphedFunction
 
 
@@ -38,6 +40,11 @@ class TorchExecutor:
         )  # fmt: skip
         self.pool = allocate_pool(self.geom, self.device)
         self.kv = PagedKV(pool_address(self.pool), self.geom)
+        # Hybrid models: the GDN state pool beside the KV pool, K+2 slots per request (runtime/core/state_pool.py)
+        self.state = GDNStatePool.allocate(cfg, max_batch * (num_draft_tokens + 2), self.dtype, self.device) \
+            if cfg.is_hybrid else None  # fmt: skip
+        if self.state is not None:
+            cuda_graphs = False  # not captured for hybrid models: the state-slot inputs are not graph buffers
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
         self.num_draft_tokens = num_draft_tokens
         self.graphed_draft: GraphedFunction | None = None
@@ -97,7 +104,12 @@ class TorchExecutor:
                 n = len(inp.input_ids)
                 return MainOutput(out[0][:n].float().cpu().numpy(), out[1][:n].float().cpu().numpy())
         meta = StepMeta(self._t(inp.positions), self._t(inp.q_counts), self._t(inp.kv_lens), self._t(inp.block_tables))
-        hidden = self.model.forward_main(self._t(inp.input_ids), meta, self.kv)
+        if self.state is None:
+            hidden = self.model.forward_main(self._t(inp.input_ids), meta, self.kv)
+        else:  # hybrid: models/qwen3_next.py, whose main forward reads and writes the GDN state slots too
+            assert isinstance(inp, HybridMainInput), "a hybrid model needs the state slots (runtime/core/state_pool.py)"
+            cache = HybridCache(self.kv, self.state, self._t(inp.state_read_slots), self._t(inp.state_write_slots))
+            hidden = cast(Any, self.model).forward_main(self._t(inp.input_ids), meta, cache)
         logits = self.model.compute_logits(hidden[self._t(inp.logit_rows)])
         return MainOutput(hidden.float().cpu().numpy(), logits.float().cpu().numpy())
 

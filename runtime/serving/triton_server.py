@@ -6,7 +6,7 @@
 Writes a model repository (`OUT/mtp/config.pbtxt`, `OUT/mtp/1/model.py`; see docs/SERVING.md), then starts
 the `tritonserver` 2.51 binary shipped in the nvidia-pytriton wheel on loopback ports, waits until the
 model is ready (with a timeout, failing fast on the known failure strings in the server log) and runs
-until SIGTERM/SIGINT, which stops the server cleanly. The Python backend is set up without touching the
+until SIGTERM, SIGINT, SIGHUP or SIGUSR1, each of which drains and stops the server cleanly. The Python backend is set up without touching the
 installed wheel (runtime/serving/process.py): its library, utils and the stub for this Python are copied
 into a private backend directory, `nvidia_pytriton.libs` and this interpreter's libpython go on
 LD_LIBRARY_PATH, and this venv's bin goes first on PATH (so the stub's interpreter finds the venv).
@@ -29,6 +29,7 @@ from runtime.multirank.parallel import launched_by_mpi, mpi_world
 from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S
 from runtime.serving.openai.cli_args import add_openai_args
 from runtime.serving.process import MODEL_NAME, ServeError, TritonServer, free_ports, port_is_free
+from runtime.serving.signals import DRAIN_SIGNALS
 
 __all__ = ["MODEL_NAME", "ServeError", "TritonServer", "free_ports", "main", "port_is_free", "write_model_repo"]
 TEMPLATE_DIR = Path(__file__).resolve().parent / "triton_model"
@@ -46,7 +47,7 @@ def render_config(parameters: dict[str, str], name: str = MODEL_NAME) -> str:
 def write_model_repo(out: Path, *, engine: Path | None = None, checkpoint: Path | None = None,
                      executor: str | None = None, num_draft_tokens: int | None = None, max_batch: int | None = None,
                      num_blocks: int | None = None, torch_threads: int | None = None,
-                     max_prompt_bytes: int | None = None) -> Path:  # fmt: skip
+                     max_prompt_bytes: int | None = None, max_queue: int | None = None) -> Path:  # fmt: skip
     """Write OUT/mtp/{config.pbtxt, 1/model.py}; the engine options travel as config parameters."""
     if engine is None and checkpoint is None:
         raise ServeError("give --engine DIR (built by mtp-build) or --checkpoint DIR (torch executor)")
@@ -58,6 +59,8 @@ def write_model_repo(out: Path, *, engine: Path | None = None, checkpoint: Path 
         raise ServeError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     if max_prompt_bytes is not None and max_prompt_bytes < 1:
         raise ServeError(f"--max-prompt-bytes {max_prompt_bytes}: must be >= 1")
+    if max_queue is not None and max_queue < 1:
+        raise ServeError(f"--max-queue {max_queue}: must be >= 1")
     parameters = {
         "engine_dir": str(Path(engine).resolve()) if engine is not None else "",
         "checkpoint": str(Path(checkpoint).resolve()) if checkpoint is not None else "",
@@ -67,6 +70,7 @@ def write_model_repo(out: Path, *, engine: Path | None = None, checkpoint: Path 
         "num_blocks": "" if num_blocks is None else str(num_blocks),
         "torch_threads": "" if torch_threads is None else str(torch_threads),
         "max_prompt_bytes": "" if max_prompt_bytes is None else str(max_prompt_bytes),
+        "max_queue": "" if max_queue is None else str(max_queue),
     }
     model_dir = Path(out) / MODEL_NAME
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
@@ -100,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for the model to load")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds in-flight streams may run before they get a final error")
+                   help="on SIGTERM/SIGINT/SIGHUP/SIGUSR1: seconds in-flight streams may run before they get a final error")
     p.add_argument("--log", type=Path, default=None, help="server log file (default: OUT/tritonserver.log)")
     p.add_argument("--generate-only", action="store_true", help="write the model repository and exit")
     p.add_argument("--tp-size", type=int, default=None,
@@ -138,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         repo = write_model_repo(args.model_repo, engine=args.engine, checkpoint=args.checkpoint,
                                 executor=args.executor, num_draft_tokens=args.num_draft_tokens,
                                 max_batch=args.max_batch, num_blocks=args.num_blocks,
-                                torch_threads=args.torch_threads, max_prompt_bytes=args.max_prompt_bytes)  # fmt: skip
+                                torch_threads=args.torch_threads, max_prompt_bytes=args.max_prompt_bytes,
+                                max_queue=args.max_queue)  # fmt: skip
     except ServeError as e:
         print(f"mtp-serve: error: {e}", file=sys.stderr)
         return 2
@@ -164,7 +169,7 @@ def serve(server: TritonServer, ready_timeout: float, drain_timeout: float) -> i
         if not ready[0]:  # still loading: do not wait for readiness to notice
             raise _StopDuringStartup
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {s: signal.signal(s, on_signal) for s in DRAIN_SIGNALS}
     code, drain = 1, 0.0
     try:
         problem = _run(server, ready_timeout, stop_requested, ready)

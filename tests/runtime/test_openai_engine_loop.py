@@ -9,8 +9,9 @@ import pytest
 from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
 from runtime.serving.openai import protocol as P
-from runtime.serving.openai.app import _stable_text
-from runtime.serving.openai.engine_loop import EngineLoop, NotServing, QueueFull
+from runtime.serving.openai.engine_loop import AsyncEngineLoop as EngineLoop
+from runtime.serving.openai.engine_loop import NotServing, QueueFull
+from runtime.serving.stream_text import stable_text as _stable_text
 from tests.runtime.openai_helpers import TINY
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,8 +115,8 @@ def test_bad_request_at_admission_is_an_error_event(engine):
 
 
 def test_protocol_refuses_unknown_fields_by_name_and_strict_types():
-    with pytest.raises(P.ProtocolError, match="'logprobs' is not supported"):
-        P.parse(P.CompletionRequest, b'{"prompt": "x", "logprobs": 2}')
+    with pytest.raises(P.ProtocolError, match="'frequency_penalty' is not supported"):
+        P.parse(P.CompletionRequest, b'{"prompt": "x", "frequency_penalty": 2}')
     with pytest.raises(P.ProtocolError, match="max_tokens"):
         P.parse(P.CompletionRequest, b'{"prompt": "x", "max_tokens": "3"}')
     req = P.parse(P.CompletionRequest, b'{"prompt": "x", "stop": "\\n", "temperature": 0, "presence_penalty": null}')

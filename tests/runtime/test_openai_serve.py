@@ -26,7 +26,7 @@ LONG = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci
 
 @pytest.fixture(scope="module")
 def server():
-    srv = OpenAIServer("--num-draft-tokens", "3")
+    srv = OpenAIServer("--num-draft-tokens", "3", "--per-request-spec-decode-metrics", "summary")
     yield srv
     srv.stop()
 
@@ -63,9 +63,12 @@ def test_completions_match_in_process_engine(client, local):
         u = r.usage
         assert u.prompt_tokens == len(local.tokenizer.encode(prompt).ids)
         assert u.completion_tokens == len(ref.output_ids) and u.total_tokens == u.prompt_tokens + u.completion_tokens
-        spec = r.model_extra["spec_decoding"]
-        assert spec["num_draft_tokens"] == 3 and spec["drafted"] == 3 * spec["num_verify_steps"]
-        assert spec["accepted"] == sum(ref.accepted_per_step) == sum(spec["accepted_per_position"])
+        spec = r.model_extra["metrics"]["speculative_decoding"]  # vLLM #48915's shape (opted in by the flag)
+        assert spec["num_spec_tokens"] == 3 and spec["num_draft_tokens"] == 3 * spec["num_spec_steps"]
+        assert spec["num_spec_steps"] == len(ref.accepted_per_step)
+        assert spec["num_accepted_draft_tokens"] == sum(ref.accepted_per_step)
+        assert spec["acceptance_histogram"] == [ref.accepted_per_step.count(j) for j in range(4)]
+        assert spec["mean_acceptance_length"] == pytest.approx(1 + sum(ref.accepted_per_step) / spec["num_spec_steps"])
 
         chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
@@ -110,7 +113,7 @@ def test_chat_completions(client, local):
     ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n=2"),
+    ({"n": 17}, "n=17"),
     ({"extra_body": {"frequency_penalty": 0.5}}, "frequency_penalty"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"prompt": ""}, "empty prompt"),

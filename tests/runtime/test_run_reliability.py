@@ -3,6 +3,7 @@ the documented exit code, and no shared-memory file left behind (issue 8 items 7
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -113,6 +114,12 @@ def test_single_process_leaves_no_shared_memory_segment(tmp_path):
     assert list(shm.iterdir()) == []
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_sigint_prints_what_finished(tmp_path):
     """Ctrl-C used to print a KeyboardInterrupt traceback and lose every --json result."""
     prompts = tmp_path / "prompts.txt"
@@ -122,9 +129,13 @@ def test_sigint_prints_what_finished(tmp_path):
                              "128", "--max-batch", "1", "--no-prefix-caching", "--json"], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
     try:
-        time.sleep(12)
+        # An event, not a wall-clock sleep: the process's own CPU time (load-independent) shows it has loaded and run
+        # requests, about 0.5 s of CPU each, so some (not all 300) are done; a loaded machine only stretches the wait.
+        deadline = time.monotonic() + 600
+        while _cpu_seconds(proc.pid) < 12 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -136,3 +147,34 @@ def test_sigint_prints_what_finished(tmp_path):
     assert 0 < len(finished) < n and all(len(r["output_ids"]) == 128 for r in finished)
     assert all(r["error"] == "interrupted (Ctrl-C) before it finished" for r in records if "error" in r)
     assert err.splitlines()[-1] == f"mtp-run: interrupted: {len(finished)} of {n} request(s) finished"
+
+
+def test_prompts_file_dash_reads_standard_input(capsys, monkeypatch):
+    """`--prompts-file -` reads the prompts from standard input, as Unix tools do (it used to say `- does not exist`)."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def main(\n\nimport os\n"))
+    rc = cli.main(["--checkpoint", str(TINY), "--prompts-file", "-", "--max-tokens", "2", "--json"])
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rc == 0 and [r["prompt"] for r in out[:-1]] == ["def main(", "import os"]
+    assert out[-1]["summary"]["num_requests"] == 2
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
+    rc, err = run_main(capsys, "--checkpoint", TINY, "--prompts-file", "-")
+    assert rc == 2 and err == "mtp-run: error: --prompts-file standard input has no prompts (one per line, blank lines skipped)\n"
+
+
+@pytest.fixture(scope="module")
+def k3_engine(tmp_path_factory) -> Path:
+    """A K=3 engine of the tiny model (block size 16), built with mtp-build."""
+    from builder import cli as build_cli
+
+    out = tmp_path_factory.mktemp("k3") / "engine"
+    argv = ["--checkpoint", str(TINY), "--output", str(out), "--max-batch", "2", "--max-num-tokens", "64",
+            "--max-seq-len", "128", "--num-draft-tokens", "3"]  # fmt: skip
+    assert build_cli.main(argv) == 0
+    return out
+
+
+def test_num_draft_tokens_above_the_engines_k_names_it(capsys, k3_engine):
+    """It used to say `must be < block_size=16`, which is not why 99 is refused on a K=3 engine."""
+    rc, err = run_main(capsys, "--engine", k3_engine, "--prompt", "x", "--num-draft-tokens", "99")
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("mtp-run: error: num_draft_tokens=99 exceeds the 3 the engine was built for"), err

@@ -11,16 +11,10 @@ import pytest
 
 from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
+from runtime.serving.engine_loop import EngineLoop
+from runtime.serving.limits import prompt_byte_limit, prompt_size_error
 from runtime.serving.process import tritonserver_dir
-from runtime.serving.triton_model.policy import (
-    Control,
-    Counts,
-    cancelled,
-    encode,
-    prompt_byte_limit,
-    prompt_size_error,
-    top_p_off,
-)
+from runtime.serving.triton_model.policy import Control, cancelled, encode
 from runtime.serving.triton_server import TEMPLATE_DIR, main
 from tests.runtime.serve_helpers import TINY
 
@@ -50,16 +44,19 @@ class BrokenSender:
 
 
 def test_is_cancelled_failure_aborts_the_request():
+    """model.py's sink on the shared engine loop: a sender whose is_cancelled() raises is aborted, gets one FINAL."""
     mod = _load_model_module()
-    model = mod.TritonPythonModel.__new__(mod.TritonPythonModel)
-    model.engine = create_engine(checkpoint=TINY, executor="torch", num_draft_tokens=2)
-    model.counts = Counts()
-    model.engine.add_request("def main(", SamplingParams(max_tokens=8), req_id="r1")
+    engine = create_engine(checkpoint=TINY, executor="torch", num_draft_tokens=2)
+    loop = EngineLoop(engine, max_queue=4)
     sender = BrokenSender()
-    model._active = {"r1": mod._Stream(sender, True, ())}
-    model._drop_cancelled()
-    assert "r1" not in model._active, "a sender whose is_cancelled() fails was kept running"
-    assert not model.engine.has_unfinished() and model.engine.kv.num_used_blocks == 0
+    loop.start()
+    loop.submit("def main(", SamplingParams(max_tokens=8), mod.TritonSink(sender, True, (), 2).sink)
+    try:
+        assert loop.wait_idle(60), "a sender whose is_cancelled() fails was kept running"
+    finally:
+        assert loop.stop()
+    assert loop.counts.by_outcome["cancelled"] == 1 and loop.counts.by_outcome["finished"] == 0
+    assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
     assert sender.sent == [mod.FINAL], "the stream must still get its one FINAL"
 
 
@@ -76,12 +73,11 @@ def test_cancelled_policy():
     assert flag and why is not None and "RuntimeError" in why
 
 
-def test_prompt_byte_cap_and_top_p():
+def test_prompt_byte_cap():
     assert prompt_byte_limit(512) == 4096 and prompt_byte_limit(512, 100) == 100
     assert prompt_size_error(4096, 4096) is None
     msg = prompt_size_error(10_000_000, 4096)
     assert msg is not None and "10000000 bytes" in msg and "--max-prompt-bytes" in msg
-    assert top_p_off(0.0) == 1.0 and top_p_off(0.5) == 0.5 and top_p_off(1.5) == 1.5  # 1.5: the engine says why
 
 
 def test_encode_matches_the_engine_tokenizer():

@@ -10,5 +10,11 @@ def add_openai_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     g.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
     g.add_argument("--max-queue", type=int, default=None,
-                   help="requests in flight (queued + running) before 429 (default: 4 x max_batch + 64)")
+                   help="requests in flight (queued + running) before 429 / a refusal, both frontends "
+                        "(default: 4 x max_batch + 64)")
     g.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: the directory name)")
+    g.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send its whole request before the connection is closed")
+    g.add_argument("--per-request-spec-decode-metrics", choices=("off", "summary", "detailed"), default="off",
+                   help="add per-request speculative-decoding stats to every response, as vLLM's flag of the same "
+                        "name: a top-level metrics.speculative_decoding object (default: off, responses unchanged)")

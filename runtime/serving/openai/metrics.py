@@ -9,44 +9,26 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from runtime.serving.stats import LoopStats
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-@dataclass(slots=True)
-class EngineSnapshot:
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
-    prefix_hit_tokens: int = 0
-    generated_tokens: int = 0  # engine side: also counts tokens of requests nobody reads any more
-    num_verify_steps: int = 0
-    mean_acceptance_length: float = 0.0
-    proposed_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
 
 
 class _EngineCollector(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.snap = EngineSnapshot()
+        self.snap = LoopStats()
 
-    def update(self, engine, num_pending: int) -> None:
-        m, sched = engine.metrics, engine.scheduler
-        snap = EngineSnapshot(len(sched.running), len(sched.waiting) + num_pending, engine.kv.num_used_blocks,
-                              engine.kv.num_free_blocks, engine.kv.stats.num_hit_tokens, m.num_generated_tokens,
-                              m.num_verify_steps,
-                              m.mean_acceptance_length, list(m.proposed_per_position),
-                              list(m.accepted_per_position))  # fmt: skip
+    def update(self, stats: LoopStats) -> None:
+        """The engine loop's on_step (its thread): keep the latest snapshot."""
         with self._lock:
-            self.snap = snap
+            self.snap = stats
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:

@@ -1,38 +1,31 @@
 """`mtp-serve --frontend openai`: create the engine, start the engine loop, serve the app with uvicorn.
 
-Readiness is truthful because the port is only bound after the engine loaded. SIGTERM/SIGINT: uvicorn stops
-accepting, lets in-flight responses run for up to --drain-timeout s (then cancels them, which aborts their
-requests), and the lifespan shutdown drains and joins the engine-loop thread. The process then exits 0
-(1 if the engine loop did not stop cleanly), with no thread left running.
+Readiness is truthful because the port is only bound after the engine loaded. SIGTERM, SIGINT, SIGHUP (a closed
+terminal) and SIGUSR1 all drain (runtime/serving/signals.py): uvicorn stops accepting, lets in-flight responses
+run for up to --drain-timeout s (then cancels them, which aborts their requests), and the lifespan shutdown
+drains and joins the engine-loop thread. The process then exits 0 (1 if the engine loop did not stop cleanly),
+with no thread left running. A connection whose request has not arrived within --read-timeout s is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from models.tokenizer_config import TokenizerConfigError, load_chat_template
+from runtime.serving.limits import default_max_queue, prompt_byte_limit
 from runtime.serving.openai.app import ServeState, create_app
-from runtime.serving.openai.engine_loop import EngineLoop
+from runtime.serving.openai.body import DEFAULT_READ_TIMEOUT_S, read_timeout_protocol
+from runtime.serving.openai.engine_loop import AsyncEngineLoop
 from runtime.serving.openai.metrics import ServeMetrics
+from runtime.serving.openai.structured import Structured
+from runtime.serving.signals import DRAIN_SIGNALS
 
-BYTES_PER_TOKEN_BOUND = 8  # as the Triton model: prompts are refused above 8 bytes per max_seq_len token
-
-
-def load_chat_template(directory: Path | None):
-    """The jinja2 `chat_template` of directory/tokenizer_config.json, or None."""
-    if directory is None or not (directory / "tokenizer_config.json").is_file():
-        return None
-    source = json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template")
-    if not isinstance(source, str):
-        return None
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # the template is data: render it sandboxed
-
-    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+GRACE_S = 5.0  # uvicorn's graceful-shutdown bound is --drain-timeout plus this: the engine loop cuts first
 
 
 def create_serving_engine(args: Any):
@@ -62,13 +55,17 @@ def create_serving_engine(args: Any):
 def build_state(args: Any, engine=None) -> ServeState:
     engine = engine if engine is not None else create_serving_engine(args)
     metrics = ServeMetrics()
-    max_queue = args.max_queue if args.max_queue is not None else 4 * engine.cfg.max_batch + 64
-    loop = EngineLoop(engine, max_queue, on_step=metrics.engine.update)
+    max_queue = args.max_queue if args.max_queue is not None else default_max_queue(engine.cfg.max_batch)
+    loop = AsyncEngineLoop(engine, max_queue, on_step=metrics.engine.update)
     source = Path(args.engine or args.checkpoint)
-    max_bytes = args.max_prompt_bytes or BYTES_PER_TOKEN_BOUND * engine.cfg.max_seq_len
+    max_bytes = prompt_byte_limit(engine.cfg.max_seq_len, args.max_prompt_bytes)
+    structured = None
+    if engine.tokenizer is not None:
+        structured = Structured(engine.tokenizer, engine.model_cfg.vocab_size, list(engine.model_cfg.eos_token_id))
     return ServeState(loop, metrics, engine.tokenizer, args.served_model_name or source.resolve().name,
                       engine.model_cfg.vocab_size, engine.cfg.max_seq_len, engine.k, max_bytes,
-                      load_chat_template(source))  # fmt: skip
+                      load_chat_template(source), structured,
+                      getattr(args, "per_request_spec_decode_metrics", None) or "off")  # fmt: skip
 
 
 def run(args: Any) -> int:
@@ -92,10 +89,14 @@ def run(args: Any) -> int:
 
     def lead() -> int:
         try:
-            state.append(build_state(args, engine))
+            try:
+                state.append(build_state(args, engine))
+            except TokenizerConfigError as e:  # a broken tokenizer_config.json: one line, never a traceback
+                print(f"mtp-serve: error: {e}", file=sys.stderr)
+                return 2
             return _serve(args, state[0])
-        finally:  # the followers are released by lead_or_follow, whatever ended the server, unless the loop
-            if world > 1 and state and state[0].loop.thread_alive:  # may still step: a STOP would race it
+        finally:  # lead_or_follow releases the followers, whatever ended the server, unless the loop may still
+            if world > 1 and state and state[0].loop.thread_alive:  # step: a STOP would race its broadcasts
                 exit_failed_rank(rank, RuntimeError("the engine loop did not stop; ending the job"), "mtp-serve")
 
     return lead_or_follow(engine.ranks, lead, "mtp-serve")
@@ -110,16 +111,27 @@ def _serve(args: Any, st: ServeState) -> int:
     async def lifespan(_app):
         st.loop.start()
         yield
-        drained[0] = await asyncio.to_thread(st.loop.drain, 2.0)  # uvicorn already waited for the streams
+        drained[0] = await asyncio.to_thread(st.loop.drain, args.drain_timeout)  # already cut at the deadline
+
+    class DrainingServer(uvicorn.Server):
+        """On a terminating signal the engine loop starts its bounded drain at once: requests still running at
+        --drain-timeout end with an error event (a stream then still gets `data: [DONE]`) before uvicorn's own
+        graceful-shutdown bound (a little longer) would cancel their responses mid-stream."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            st.loop.begin_drain(args.drain_timeout)
+            super().handle_exit(sig, frame)
 
     app = create_app(st, lifespan=lifespan)
+    read_timeout = getattr(args, "read_timeout", None) or DEFAULT_READ_TIMEOUT_S
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")  # fmt: skip
-    server = uvicorn.Server(config)
-    got: list[int] = []
-    # uvicorn re-raises the signal it stopped on after its own handlers are restored; these catch it, so a
-    # drained server exits 0 instead of dying of SIGTERM
-    old = {s: signal.signal(s, lambda signum, _f: got.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+                            timeout_graceful_shutdown=args.drain_timeout + GRACE_S, lifespan="on",
+                            http=read_timeout_protocol(read_timeout))  # fmt: skip
+    server = DrainingServer(config)
+    # uvicorn installs handle_exit for SIGTERM/SIGINT while it runs and re-raises the signal it stopped on once
+    # it restored the handlers found before run(): handle_exit again (a no-op now), so a drained server exits 0
+    # instead of dying of SIGTERM. SIGHUP (a closed terminal) and SIGUSR1 drain the same way.
+    old = {s: signal.signal(s, server.handle_exit) for s in DRAIN_SIGNALS}
     k = st.num_draft_tokens
     print(f"mtp-serve: OpenAI frontend on http://{args.host}:{args.port}/v1 (model {st.model_name!r}, K={k}, "
           f"max_queue={st.loop.max_queue})", flush=True)  # fmt: skip
@@ -131,5 +143,9 @@ def _serve(args: Any, st: ServeState) -> int:
     if not server.started:
         print(f"mtp-serve: error: could not serve on {args.host}:{args.port} (port in use?)", file=sys.stderr)
         return 1
-    print(f"mtp-serve: stopped ({'drained' if drained[0] else 'engine loop did not stop cleanly'})", flush=True)
-    return 0 if drained[0] else 1
+    if st.loop.thread_alive:
+        print("mtp-serve: stopped (engine loop did not stop cleanly)", flush=True)
+        return 1
+    how = "drained" if drained[0] else f"drained; requests still running after {args.drain_timeout:g} s were cut short"
+    print(f"mtp-serve: stopped ({how})", flush=True)
+    return 0

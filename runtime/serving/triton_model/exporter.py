@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.serving.triton_model.policy import OUTCOMES, Counts
+from runtime.serving.stats import OUTCOMES, LoopStats
 
 
 class MetricsExporter:
@@ -42,6 +42,8 @@ class MetricsExporter:
             preempt = family("mtp_preemptions_total", fam.COUNTER, "requests preempted for KV blocks")
             blocks = family("mtp_kv_blocks_used", fam.GAUGE, "KV blocks held (0 when idle: no leak)")
             active = family("mtp_requests_active", fam.GAUGE, "requests in the engine loop")
+            generated = family("mtp_generated_tokens_total", fam.COUNTER,
+                               "output tokens the engine generated (also those of requests cancelled later)")  # fmt: skip
             labels = [{"model": model, "position": str(i)} for i in range(k)]
             self._proposed = [proposed.Metric(labels=lab) for lab in labels]
             self._accepted = [accepted.Metric(labels=lab) for lab in labels]
@@ -51,8 +53,9 @@ class MetricsExporter:
             self._preempt = preempt.Metric(labels={"model": model})
             self._blocks = blocks.Metric(labels={"model": model})
             self._active = active.Metric(labels={"model": model})
+            self._generated = generated.Metric(labels={"model": model})
             self._metrics = [*self._proposed, *self._accepted, *self._rate, self._length, *self._requests.values(),
-                             self._preempt, self._blocks, self._active]  # fmt: skip
+                             self._preempt, self._blocks, self._active, self._generated]  # fmt: skip
             self._last: dict[str, int] = {}
             self.ok = True
         except Exception as e:
@@ -66,22 +69,23 @@ class MetricsExporter:
             metric.increment(delta)
         self._last[key] = value
 
-    def export(self, engine: Any, counts: Counts, num_active: int) -> str | None:
-        """Update every metric; returns the error (and disables the export) when that fails."""
+    def export(self, s: LoopStats) -> str | None:
+        """Update every metric from the engine loop's snapshot; returns the error (and disables the export)."""
         if not self.ok:
             return None
-        m = engine.metrics
         try:
+            rates = s.acceptance_rate_per_position
             for i in range(self.k):
-                self._count(self._proposed[i], f"p{i}", m.proposed_per_position[i])
-                self._count(self._accepted[i], f"a{i}", m.accepted_per_position[i])
-                self._rate[i].set(m.acceptance_rate_per_position[i])
-            self._length.set(m.mean_acceptance_length)
+                self._count(self._proposed[i], f"p{i}", s.proposed_per_position[i])
+                self._count(self._accepted[i], f"a{i}", s.accepted_per_position[i])
+                self._rate[i].set(rates[i])
+            self._length.set(s.mean_acceptance_length)
             for outcome, metric in self._requests.items():
-                self._count(metric, outcome, counts.by_outcome[outcome])
-            self._count(self._preempt, "preempt", m.num_preemptions)
-            self._blocks.set(engine.kv.num_used_blocks)
-            self._active.set(num_active)
+                self._count(metric, outcome, s.outcomes[outcome])
+            self._count(self._preempt, "preempt", s.num_preemptions)
+            self._blocks.set(s.kv_blocks_used)
+            self._active.set(s.active)
+            self._count(self._generated, "generated", s.generated_tokens)
         except Exception as e:
             self.ok = False
             return f"metrics update failed, disabling it: {e}"
@@ -91,6 +95,6 @@ class MetricsExporter:
         """Metric objects must go before their MetricFamily (the backend's rule)."""
         self.ok = False
         self._metrics.clear()
-        for name in ("_proposed", "_accepted", "_rate", "_length", "_requests", "_preempt", "_blocks", "_active"):
+        for name in ("_proposed", "_accepted", "_rate", "_length", "_requests", "_preempt", "_blocks", "_active", "_generated"):
             self.__dict__.pop(name, None)
         self._families.clear()

@@ -1,0 +1,93 @@
+"""torch.library custom op of one Gated DeltaNet layer's token mixing: `mtp::gdn_step` (Qwen3-Next / Qwen3.5).
+
+Semantics: plugins/reference.py `gdn_step_ref` (the row-by-row definition): a causal depthwise conv over the
+request's conv window (zeros for a fresh sequence), silu, l2-normalised q/k, and the gated delta rule over the
+recurrent state; the state after a row goes to that row's write slot (-1: not stored). Decode/verify rows and
+prefill chunks are the same op: requests are packed, a request with 0 rows (padding) reads and writes nothing.
+
+The CPU implementation vectorises over requests and heads: the conv of every row at once (an unfold over
+window ++ rows), then the recurrence one row index at a time for all requests together (a verify step of 1+k rows is
+1+k iterations for the whole batch). CUDA tensors go to the Triton kernel (plugins/gdn_triton.py). The state pools are
+mutated in place (`mutates_args`); the ONNX / ORT / TensorRT forms of this op do not exist yet (docs/MODELS.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("mtp::gdn_step", mutates_args=("conv_pool", "ssm_pool"))
+def gdn_step(
+    mixed: torch.Tensor,  # [T, C] conv input rows (q, k, v channels), packed by request
+    b: torch.Tensor,  # [T, Hv]
+    a: torch.Tensor,  # [T, Hv]
+    q_counts: torch.Tensor,  # int32 [R] rows per request (0 = padded)
+    starts: torch.Tensor,  # int32 [R] first position (0 = fresh sequence: zero state, the slot is not read)
+    read_slots: torch.Tensor,  # int32 [R]
+    write_slots: torch.Tensor,  # int32 [T] (-1 = not stored)
+    conv_pool: torch.Tensor,  # [S, C, K-1]
+    ssm_pool: torch.Tensor,  # [S, Hv, Dk, Dv] fp32
+    conv_weight: torch.Tensor,  # [C, K]
+    a_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+) -> torch.Tensor:
+    """-> core output [T, Hv, Dv] fp32 (before the gated output norm). CUDA inputs run the Triton kernel."""
+    if mixed.is_cuda:  # not executed here (no GPU); the kernel is tested under TRITON_INTERPRET=1
+        from plugins.gdn_triton import gdn_step_triton
+
+        return gdn_step_triton(mixed, b, a, q_counts, starts, read_slots, write_slots, conv_pool, ssm_pool, conv_weight,
+                               a_log, dt_bias, num_k_heads, head_k_dim, head_v_dim)  # fmt: skip
+    t_rows, c = mixed.shape
+    hv, kk = a.shape[1], conv_weight.shape[1]
+    out = torch.zeros(t_rows, hv, head_v_dim, dtype=torch.float32, device=mixed.device)
+    counts = q_counts.long()
+    if t_rows == 0 or int(counts.sum()) == 0:
+        return out
+    qmax = int(counts.max())
+    offsets = torch.cumsum(counts, 0) - counts
+    steps = torch.arange(qmax, device=mixed.device)
+    valid = steps[None, :] < counts[:, None]  # [R, qmax]
+    rows = (offsets[:, None] + steps[None, :]).clamp(max=t_rows - 1)  # [R, qmax] packed row of (request, step)
+    fresh = (starts == 0)[:, None, None]
+    slot = read_slots.long().clamp(min=0)
+    window = torch.where(fresh, 0.0, conv_pool[slot].float())  # [R, C, K-1]; where(): a poisoned slot never leaks
+    state = torch.where(fresh[..., None], 0.0, ssm_pool[slot].float())  # [R, Hv, Dk, Dv]
+    x = mixed.float()[rows] * valid[..., None]  # [R, qmax, C]
+    seq = torch.cat([window, x.transpose(1, 2)], dim=2)  # [R, C, K-1+qmax]
+    conv = F.silu((seq.unfold(2, kk, 1) * conv_weight.float()[None, :, None, :]).sum(-1)).transpose(1, 2)
+    kd, rep = num_k_heads * head_k_dim, hv // num_k_heads
+    r_n = counts.shape[0]
+    q = conv[..., :kd].reshape(r_n, qmax, num_k_heads, head_k_dim).repeat_interleave(rep, 2)
+    k = conv[..., kd : 2 * kd].reshape(r_n, qmax, num_k_heads, head_k_dim).repeat_interleave(rep, 2)
+    v = conv[..., 2 * kd :].reshape(r_n, qmax, hv, head_v_dim)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * head_k_dim**-0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    decay = (-a_log.float().exp() * F.softplus(a.float()[rows] + dt_bias.float())).exp()  # [R, qmax, Hv]
+    beta = b.float()[rows].sigmoid()
+    writes = torch.where(valid, write_slots.long()[rows], -1)  # [R, qmax]
+    outs = []
+    for j in range(qmax):
+        live = valid[:, j][:, None, None, None]
+        s = state * decay[:, j, :, None, None]
+        delta = (v[:, j] - (s * k[:, j, :, :, None]).sum(2)) * beta[:, j, :, None]  # [R, Hv, Dv]
+        s = s + k[:, j, :, :, None] * delta[:, :, None, :]
+        state = torch.where(live, s, state)
+        outs.append((state * q[:, j, :, :, None]).sum(2))
+        store = writes[:, j] >= 0
+        if bool(store.any()):
+            dst = writes[store, j]
+            ssm_pool[dst] = state[store].to(ssm_pool.dtype)
+            conv_pool[dst] = seq[store, :, j + 1 : j + kk].to(conv_pool.dtype)
+    per_step = torch.stack(outs, dim=1)  # [R, qmax, Hv, Dv]
+    out[rows[valid]] = per_step[valid]
+    return out
+
+
+@gdn_step.register_fake
+def _(mixed, b, a, q_counts, starts, read_slots, write_slots, conv_pool, ssm_pool, conv_weight, a_log, dt_bias,
+      num_k_heads, head_k_dim, head_v_dim):  # fmt: skip
+    return mixed.new_empty(mixed.shape[0], a.shape[1], head_v_dim, dtype=torch.float32)
