@@ -1,8 +1,9 @@
 // Causal paged attention over one pool plane, shared by paged_attention.cpp (GQA) and
 // mla_paged_attention.cpp (absorbed MLA: one latent "KV head", keys = the latent, values = its c_kv part).
 //
-// Per request r and KV head g, the n_q * group queries of that head are attended together: each key row is
-// read from the pool once (converted to fp32 once) and dotted with every query that sees it; query j sits at
+// Per request r and KV head g, up to 64 query rows of that head (a chunk of queries x group) are attended
+// together: each key row the chunk sees is read from the pool once per chunk (converted to fp32 once) and dotted
+// with every query of the chunk that sees it; query j sits at
 // kv_lens[r] - q_counts[r] + j and sees keys 0..that. Scores, softmax and the weighted value sum are fp32,
 // each query row computed alone (the same operations whatever the batch). Rows past sum(q_counts) are zeros;
 // a query that sees no key (kv_len < q_count) is zeros too. Semantics: plugins/reference.py.
@@ -73,71 +74,69 @@ MTP_INLINE int key_tile(const AttendArgs& a, int64_t r, int64_t g, int64_t p0, i
   return nk;
 }
 
+constexpr int64_t kChunkRows = 64;  // query rows (x group) attended together: bounds the score buffer
+
 template <class V, class Q, class P>
 void attend(const AttendArgs& a) {
   const Q* q = static_cast<const Q*>(a.q);
   Q* out = static_cast<Q*>(a.out);
   const int64_t hq = a.kv_heads * a.group;
   const int64_t q_row = hq * a.dk, out_row = hq * a.dv, width = std::max(a.dk, a.dv);
+  const int64_t chunk = std::max<int64_t>(1, kChunkRows / a.group);  // queries per chunk
+  const float* tile[kTile];
+  float part[kTile];
   int64_t row0 = 0;
   for (int64_t r = 0; r < a.num_requests; ++r) {
     const int64_t n_q = (*a.q_counts)[r], n_kv = (*a.kv_lens)[r];
     if (n_q == 0) continue;
     const int64_t first = n_kv - n_q;  // position of query 0; query j sees keys 0..first+j
-    const int64_t rows_g = n_q * a.group;
-    float* qf = scratch(0, rows_g * a.dk + kTile * width + rows_g);
-    float* kbuf = qf + rows_g * a.dk;
+    const int64_t max_rows = std::min(n_q, chunk) * a.group;
+    float* qf = scratch(0, max_rows * a.dk + kTile * width + max_rows);
+    float* kbuf = qf + max_rows * a.dk;
     float* sums = kbuf + kTile * width;
-    float* s = scratch(1, rows_g * std::max<int64_t>(n_kv, 1));
-    float* acc = scratch(2, rows_g * a.dv);
-    const float* tile[kTile];
-    float part[kTile];
-    for (int64_t g = 0; g < a.kv_heads; ++g) {
-      for (int64_t j = 0; j < n_q; ++j)
-        for (int64_t h = 0; h < a.group; ++h)
-          V::to_f32(q + (row0 + j) * q_row + (g * a.group + h) * a.dk, qf + (j * a.group + h) * a.dk, a.dk);
-      // scores of a tile of keys against every query that sees its first key (the rest of a row is ignored)
-      for (int64_t p0 = 0; p0 < n_kv; p0 += kTile) {
-        const int64_t j0 = std::max<int64_t>(0, p0 - first);
-        if (j0 >= n_q) break;
-        const int nk = key_tile<V, P>(a, r, g, p0, n_kv, 0, 0, a.dk, kbuf, tile);
-        for (int64_t jh = j0 * a.group; jh < rows_g; ++jh) {
-          dot_n<V>(nk, tile, qf + jh * a.dk, a.dk, part);
-          for (int i = 0; i < nk; ++i) s[jh * n_kv + p0 + i] = part[i] * a.scale;
+    float* s = scratch(1, max_rows * std::max<int64_t>(n_kv, 1));
+    float* acc = scratch(2, max_rows * a.dv);
+    for (int64_t g = 0; g < a.kv_heads; ++g)
+      for (int64_t ja = 0; ja < n_q; ja += chunk) {
+        const int64_t jb = std::min(n_q, ja + chunk), rows = (jb - ja) * a.group;
+        const int64_t kv_end = std::min(n_kv, first + jb);  // keys any query of the chunk sees
+        for (int64_t j = ja; j < jb; ++j)
+          for (int64_t h = 0; h < a.group; ++h)
+            V::to_f32(q + (row0 + j) * q_row + (g * a.group + h) * a.dk, qf + ((j - ja) * a.group + h) * a.dk, a.dk);
+        // scores of a tile of keys against every query that sees its first key (the rest of a row is ignored)
+        for (int64_t p0 = 0; p0 < kv_end; p0 += kTile) {
+          const int64_t l0 = (std::max(ja, p0 - first) - ja) * a.group;
+          const int nk = key_tile<V, P>(a, r, g, p0, kv_end, 0, 0, a.dk, kbuf, tile);
+          for (int64_t l = l0; l < rows; ++l) {
+            dot_n<V>(nk, tile, qf + l * a.dk, a.dk, part);
+            for (int i = 0; i < nk; ++i) s[l * n_kv + p0 + i] = part[i] * a.scale;
+          }
         }
-      }
-      // softmax numerators and sums over each query's visible keys
-      for (int64_t jh = 0; jh < rows_g; ++jh) {
-        const int64_t len = std::min(first + jh / a.group + 1, n_kv);
-        if (len <= 0) { sums[jh] = 0.0f; continue; }
-        float* row = s + jh * n_kv;
-        float m = row[0];
-        for (int64_t p = 1; p < len; ++p) m = std::max(m, row[p]);
-        V::exp_sub(row, m, len);
-        float sum = 0.0f;
-        for (int64_t p = 0; p < len; ++p) sum += row[p];
-        sums[jh] = sum;
-      }
-      // weighted values, a tile of value rows at a time, each query's sum in key order
-      std::fill(acc, acc + rows_g * a.dv, 0.0f);
-      for (int64_t p0 = 0; p0 < n_kv; p0 += kTile) {
-        const int64_t j0 = std::max<int64_t>(0, p0 - first);
-        if (j0 >= n_q) break;
-        const int nk = key_tile<V, P>(a, r, g, p0, n_kv, a.value_kv, a.value_offset, a.dv, kbuf, tile);
-        for (int64_t jh = j0 * a.group; jh < rows_g; ++jh) {
-          const int seen = static_cast<int>(std::min<int64_t>(nk, first + jh / a.group + 1 - p0));
-          axpy_n<V>(seen, s + jh * n_kv + p0, tile, acc + jh * a.dv, a.dv);
+        // softmax numerators and sums over each query's visible keys
+        for (int64_t l = 0; l < rows; ++l) {
+          const int64_t len = std::min(first + ja + l / a.group + 1, n_kv);
+          if (len <= 0) { sums[l] = 0.0f; continue; }
+          float* row = s + l * n_kv;
+          V::exp_sub(row, V::max(row, len), len);
+          sums[l] = V::sum(row, len);
         }
-      }
-      for (int64_t j = 0; j < n_q; ++j)
-        for (int64_t h = 0; h < a.group; ++h) {
-          const int64_t jh = j * a.group + h;
-          const float* src = acc + jh * a.dv;
-          Q* dst = out + (row0 + j) * out_row + (g * a.group + h) * a.dv;
-          const float sum = sums[jh];
+        // weighted values, a tile of value rows at a time, each query's sum in key order
+        std::fill(acc, acc + rows * a.dv, 0.0f);
+        for (int64_t p0 = 0; p0 < kv_end; p0 += kTile) {
+          const int64_t l0 = (std::max(ja, p0 - first) - ja) * a.group;
+          const int nk = key_tile<V, P>(a, r, g, p0, kv_end, a.value_kv, a.value_offset, a.dv, kbuf, tile);
+          for (int64_t l = l0; l < rows; ++l) {
+            const int seen = static_cast<int>(std::min<int64_t>(nk, first + ja + l / a.group + 1 - p0));
+            axpy_n<V>(seen, s + l * n_kv + p0, tile, acc + l * a.dv, a.dv);
+          }
+        }
+        for (int64_t l = 0; l < rows; ++l) {
+          const float* src = acc + l * a.dv;
+          Q* dst = out + (row0 + ja + l / a.group) * out_row + (g * a.group + l % a.group) * a.dv;
+          const float sum = sums[l];
           for (int64_t d = 0; d < a.dv; ++d) dst[d] = from_f32<Q>(sum == 0.0f ? 0.0f : src[d] / sum);  // sum >= 1 or NaN
         }
-    }
+      }
     row0 += n_q;
   }
   if (row0 < a.rows) std::memset(static_cast<void*>(out + row0 * out_row), 0, (a.rows - row0) * out_row * sizeof(Q));

@@ -5,7 +5,7 @@
 // vector primitives (dot, axpy, row conversion) in two flavours: `Generic` (portable C++) and `Avx512`
 // (intrinsics, compiled for AVX-512 by function attribute, used only when the CPU has it).
 //
-// A kernel body is a template over the ISA; `MTP_ISA_DISPATCH` instantiates it twice and calls the AVX-512
+// A kernel body is a template over the ISA; `MTP_ISA_KERNEL` instantiates it twice and calls the AVX-512
 // one through a wrapper marked target(...) + flatten, so the whole body (with the inlined primitives) is
 // compiled for AVX-512 while the library itself stays baseline x86-64 (no -march=native).
 //
@@ -141,6 +141,16 @@ struct Generic {
   static MTP_INLINE void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
   }
+  static MTP_INLINE float max(const float* x, int64_t n) {
+    float m = x[0];
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, x[i]);
+    return m;
+  }
+  static MTP_INLINE float sum(const float* x, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; ++i) s += x[i];
+    return s;
+  }
 };
 
 struct Avx512 {
@@ -167,12 +177,32 @@ struct Avx512 {
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load(src + i));
     if (i < n) _mm512_mask_storeu_ps(dst + i, tail(n - i), load(src + i, tail(n - i)));
   }
-  // Each activation row gets two accumulators (even / odd 16-lane chunks), so dot_multi<1> and every row of
-  // dot_multi<4> run the same operations: a row's result does not depend on its neighbours.
+  // Sums of 4 vectors' 16 lanes, each by the same pairing tree: lanes (i, i+8), then (i, i+4), (i, i+2),
+  // (i, i+1). A vector's sum does not depend on the other three (pass zeros for unused ones), so reducing
+  // 1 or 4 rows at once gives bit-identical results.
+  static MTP_AVX512_TARGET inline void reduce4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, t);
+    out[0] = lanes[0];
+    out[1] = lanes[4];
+    out[2] = lanes[8];
+    out[3] = lanes[12];
+  }
+  // Each activation row gets two accumulators (even / odd 16-lane chunks) and the reduce4 tree, so
+  // dot_multi<1> and every row of dot_multi<4> run the same operations: a row's result does not depend on
+  // its neighbours.
   template <int NX, class T>
   static MTP_AVX512_TARGET inline void dot_multi(const float* const* a, const T* b, int64_t n, float* out) {
-    __m512 acc0[NX], acc1[NX];
-    for (int r = 0; r < NX; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    __m512 acc0[4], acc1[4];
+    for (int r = 0; r < 4; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
       const __m512 b0 = load(b + i), b1 = load(b + i + 16);
@@ -186,7 +216,10 @@ struct Avx512 {
       const __m512 b0 = load(b + i, m);
       for (int r = 0; r < NX; ++r) acc0[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a[r] + i), b0, acc0[r]);
     }
-    for (int r = 0; r < NX; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+    float sums[4];
+    reduce4(_mm512_add_ps(acc0[0], acc1[0]), _mm512_add_ps(acc0[1], acc1[1]), _mm512_add_ps(acc0[2], acc1[2]),
+            _mm512_add_ps(acc0[3], acc1[3]), sums);
+    for (int r = 0; r < NX; ++r) out[r] = sums[r];
   }
   template <class T>
   static MTP_AVX512_TARGET inline float dot(const float* a, const T* b, int64_t n) {
@@ -239,6 +272,24 @@ struct Avx512 {
       const __mmask16 k = tail(n - i);
       _mm512_mask_storeu_ps(x + i, k, exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv)));
     }
+  }
+  static MTP_AVX512_TARGET inline float max(const float* x, int64_t n) {
+    __m512 m = _mm512_set1_ps(x[0]);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+    if (i < n) m = _mm512_mask_max_ps(m, tail(n - i), m, _mm512_maskz_loadu_ps(tail(n - i), x + i));
+    return _mm512_reduce_max_ps(m);
+  }
+  // 16 lane sums in index order, then reduce4's tree: fixed for a given n
+  static MTP_AVX512_TARGET inline float sum(const float* x, int64_t n) {
+    __m512 s = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(x + i));
+    if (i < n) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(tail(n - i), x + i));
+    float out[4];
+    const __m512 z = _mm512_setzero_ps();
+    reduce4(s, z, z, z, out);
+    return out[0];
   }
   static MTP_AVX512_TARGET inline __m512 silu_mul(__m512 g, __m512 u) {
     const __m512 one = _mm512_set1_ps(1.0f);

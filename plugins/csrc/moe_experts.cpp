@@ -138,11 +138,13 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, cons
                            const at::Tensor& w_gate_up, const at::Tensor& w_down, int64_t num_experts, int64_t ep_size,
                            int64_t tp_size, int64_t tp_rank) {
   if (ep_size > 1 || tp_size > 1) {  // the MPI exchange (Python); its local compute comes back to the kernel above
-    static const auto exchange = c10::Dispatcher::singleton()
-                                     .findSchemaOrThrow("mtp::moe_experts_exchange", "")
-                                     .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                       const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
-                                                       int64_t)>();
+    static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("mtp::moe_experts_exchange", "");
+    TORCH_CHECK_VALUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CPU),
+                      "moe_experts: ep_size > 1 or tp_size > 1 needs the MPI exchange; import plugins.ops (it registers "
+                      "plugins/moe_ep.py's mtp::moe_experts_exchange)");
+    static const auto exchange = handle.typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                         const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                                         int64_t, int64_t)>();
     return exchange.call(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts, ep_size, tp_size, tp_rank);
   }
   return moe_experts_local_cpu(x, topk_ids, topk_weights, w_gate_up, w_down, 0);

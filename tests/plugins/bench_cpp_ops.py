@@ -7,7 +7,7 @@ Each round runs one child process per checkout (baseline first, then this one; t
 times every case `--calls` times back to back and reports its median µs per call; the table prints the
 median over rounds. Shapes: models/deep (8 q heads / 2 KV heads of 32, hidden 256, 8 experts top-2,
 moe_intermediate 96, block 16) at batch 1 and 8 with 1 and 4 rows per request over a 128-token context,
-and an MLA layer of GLM-4.7-Flash's latent width (512 + 64 rope, 20 heads). Metadata is the same at every
+a 256-token prefill, and an MLA layer of GLM-4.7-Flash's latent width (512 + 64 rope, 20 heads). Metadata is the same at every
 call, as for the layers of one forward.
 """
 
@@ -34,19 +34,19 @@ def _cases():
 
     gen = torch.Generator().manual_seed(0)
     cases = {}
-    for batch, rows in ((1, 1), (1, 4), (8, 1), (8, 4)):
+    for batch, rows, context in ((1, 1, CONTEXT), (1, 4, CONTEXT), (8, 1, CONTEXT), (8, 4, CONTEXT), (1, 256, 0)):
         t = batch * rows
-        blocks = (CONTEXT + rows + 15) // 16
+        blocks = (context + rows + 15) // 16
         geom = KVPoolGeometry(2, 1 + batch * blocks, 16, 2, 32, 0)
         pool = allocate_pool(geom)
         ptr = pool_address(pool)
         tables = (1 + torch.arange(batch * blocks, dtype=torch.int32)).view(batch, blocks)
         counts = torch.full((batch,), rows, dtype=torch.int32)
-        starts = torch.full((batch,), CONTEXT, dtype=torch.int32)
+        starts = torch.full((batch,), context, dtype=torch.int32)
         k, v, q = torch.randn(t, 2, 32, generator=gen), torch.randn(t, 2, 32, generator=gen), torch.randn(t, 8, 32)
         attrs = tuple(geom.attrs().values())
         after = torch.ones(1, dtype=torch.int64)
-        tag = f"b{batch}x{rows}"
+        tag = f"b{batch}x{rows}" + ("" if context else " prefill")
         cases[f"kv_write {tag}"] = (torch.ops.mtp.kv_write, (k, v, counts, starts, tables, ptr, 1, *attrs, 0, 0.0), pool)
         cases[f"paged_attention {tag}"] = (torch.ops.mtp.paged_attention, (q, counts, starts + counts, tables, ptr,
                                                                             after, 1, *attrs, 32**-0.5), pool)  # fmt: skip
@@ -58,7 +58,7 @@ def _cases():
             dn = (torch.randn(8, 256, 96, generator=gen) / 10).to(wdt)
             name = f"moe_experts {tag} {'bf16' if wdt == torch.bfloat16 else 'fp32'} w"
             cases[name] = (torch.ops.mtp.moe_experts, (x, ids, w, gu, dn, 8, 1), None)
-        if batch == 1:
+        if batch == 1 and context:
             mgeom = KVPoolGeometry(1, 1 + blocks, 16, 1, 576, 0, kv_kind=1)
             mpool = allocate_pool(mgeom)
             mptr, mattrs = pool_address(mpool), tuple(mgeom.attrs().values())
@@ -108,7 +108,9 @@ def main() -> None:
             env = dict(os.environ, PYTHONPATH=str(roots[which]), OMP_NUM_THREADS="1")
             cmd = [sys.executable, str(here / "tests/plugins/bench_cpp_ops.py"), "--baseline", ".", "--child",
                    "--calls", str(args.calls)]  # fmt: skip
-            res = subprocess.run(cmd, env=env, cwd=roots[which], capture_output=True, text=True, check=True)
+            res = subprocess.run(cmd, env=env, cwd=roots[which], capture_output=True, text=True)
+            if res.returncode:
+                sys.exit(f"{which} ({roots[which]}) failed: {res.stderr.strip().splitlines()[-1]}")
             runs[which].append(json.loads(res.stdout.strip().splitlines()[-1]))
     print(f"{'case':40s} {'before us':>10s} {'after us':>10s} {'speed-up':>9s}")
     for name in runs["after"][0]:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import plugins.cpp_ops as cpp_ops
 import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
-from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
+from plugins.kv_pool import DTYPE_CODES, KVPoolGeometry, allocate_pool, pool_address
 from plugins.reference import (
     kv_write_ref,
     mla_kv_write_ref,
@@ -210,6 +210,35 @@ def test_a_row_does_not_depend_on_the_batch() -> None:
     for t in range(7):
         assert torch.equal(torch.ops.mtp.moe_experts(x[t : t + 1], ids[t : t + 1], w[t : t + 1], w_gate_up, w_down,
                                                      8, 1), full[t : t + 1])  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefill_attention_matches_reference(isa: str, dtype: torch.dtype) -> None:
+    """More query rows than one chunk of the kernel (64 rows of queries x group): GQA 70 queries x 4 heads per
+    KV head after 5 cached positions, MLA 9 queries x 20 heads; and the last row equals itself computed alone."""
+    gen = torch.Generator().manual_seed(2)
+    tables = torch.tensor([[3, 1, 4, 6, 2]], dtype=torch.int32)
+    counts, lens = torch.tensor([70], dtype=torch.int32), torch.tensor([75], dtype=torch.int32)
+    after = torch.zeros(1, dtype=torch.int64)
+    geom = KVPoolGeometry(1, 7, 16, 2, 32, DTYPE_CODES[dtype])
+    pool = filled_pool(geom, seed=6)
+    q = torch.randn(72, 8, 32, generator=gen).to(dtype)
+    out = torch.ops.mtp.paged_attention(q, counts, lens, tables, pool_address(pool), after, 0, *geom.attrs().values(),
+                                        0.2)  # fmt: skip
+    expected = paged_attention_ref(pool, q, counts, lens, tables, 0, 0.2)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance(dtype), rtol=0)
+    alone = torch.ops.mtp.paged_attention(q[69:70], torch.tensor([1], dtype=torch.int32), lens, tables,
+                                          pool_address(pool), after, 0, *geom.attrs().values(), 0.2)  # fmt: skip
+    assert torch.equal(alone, out[69:70])
+    mgeom = KVPoolGeometry(1, 7, 16, 1, 72, DTYPE_CODES[dtype], kv_kind=1)
+    mpool = filled_pool(mgeom, seed=7)
+    mq = torch.randn(9, 20, 72, generator=gen).to(dtype)
+    mcounts, mlens = torch.tensor([9], dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
+    mout = torch.ops.mtp.mla_paged_attention(mq, mcounts, mlens, tables, pool_address(mpool), after, 0,
+                                             *mgeom.attrs().values(), 8, 0.1)  # fmt: skip
+    mexpected = mla_paged_attention_ref(mpool, mq, mcounts, mlens, tables, 0, 8, 0.1)
+    torch.testing.assert_close(mout.float(), mexpected.float(), atol=tolerance(dtype), rtol=0)
 
 
 class _Layer(torch.nn.Module):
