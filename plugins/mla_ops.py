@@ -16,17 +16,16 @@ import torch
 
 import plugins.cpp_ops  # noqa: F401  (defines the mtp:: schemas and registers the C++ CPU kernels)
 from plugins.kv_pool import KVPoolGeometry
+from plugins.op_backends import define_torch
+from plugins.op_spec import SPECS
+
+for _op in ("mla_kv_write", "mla_paged_attention"):
+    define_torch(SPECS[_op])  # the C++ library's schema checked against the spec; the fake from its shape rule
 
 
 def mla_geometry(num_planes: int, num_blocks: int, block_size: int, latent_dim: int, dtype: int) -> KVPoolGeometry:
     """The pool geometry an MLA node's attributes describe (one latent 'head' of latent_dim values)."""
     return KVPoolGeometry(num_planes, num_blocks, block_size, 1, latent_dim, dtype, kv_kind=1)
-
-
-@torch.library.register_fake("mtp::mla_kv_write")
-def _(latent, counts, starts, block_tables, pool_ptr, inv_freq, plane, num_planes, num_blocks, block_size,
-      latent_dim, dtype, rope_dim, rope_scale):  # fmt: skip
-    return torch.empty(1, dtype=torch.int64)
 
 
 @torch.library.impl("mtp::mla_kv_write", "CUDA")
@@ -37,12 +36,6 @@ def _(latent, counts, starts, block_tables, pool_ptr, inv_freq, plane, num_plane
     geom = mla_geometry(num_planes, num_blocks, block_size, latent_dim, dtype)
     return mla_kv_write_triton(latent, counts, starts, block_tables, int(pool_ptr[0]), inv_freq, plane, geom,
                                rope_dim, rope_scale)  # fmt: skip
-
-
-@torch.library.register_fake("mtp::mla_paged_attention")
-def _(q, q_counts, kv_lens, block_tables, pool_ptr, after, plane, num_planes, num_blocks, block_size, latent_dim,
-      dtype, rope_dim, scale):  # fmt: skip
-    return q.new_empty(q.shape[0], q.shape[1], latent_dim - rope_dim)
 
 
 @torch.library.impl("mtp::mla_paged_attention", "CUDA")

@@ -2,9 +2,9 @@
 
 Their schemas and CPU kernels are C++ (plugins/csrc/, loaded by plugins/cpp_ops.py): eager torch, torch.compile,
 AOTInductor and the ONNX Runtime ops all call the same kernel, with no Python on the single-rank CPU path. This
-module adds what Python owns: the fake implementations (torch.export / torch.compile trace through them), the
-CUDA implementations (the Triton kernels), and, by importing plugins/moe_ep.py, the MPI exchange the C++
-moe_experts calls for ep_size > 1 or tp_size > 1.
+module adds what Python owns: the fakes, derived from the op specs (plugins/op_spec.py; torch.export and
+torch.compile trace through them), the CUDA implementations (the Triton kernels), and, by importing
+plugins/moe_ep.py, the MPI exchange the C++ moe_experts calls for ep_size > 1 or tp_size > 1.
 
 The KV pool travels by address (int64[1]) plus geometry ints, exactly as the plugin nodes in the exported
 graphs do (plugins/kv_pool.py says why). kv_write returns a 1-element int64 tensor (rows stored);
@@ -22,16 +22,15 @@ import torch
 import plugins.cpp_ops  # noqa: F401  (defines the mtp:: schemas and registers the C++ CPU kernels)
 import plugins.moe_ep  # noqa: F401  (implements mtp::moe_experts_exchange, the EP/TP token exchange)
 from plugins.kv_pool import KVPoolGeometry
+from plugins.op_backends import define_torch
+from plugins.op_spec import SPECS
+
+for _op in ("kv_write", "paged_attention", "moe_experts"):
+    define_torch(SPECS[_op])  # the C++ library's schema checked against the spec; the fake from its shape rule
 
 
 def _geometry(num_planes: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: int):
     return KVPoolGeometry(num_planes, num_blocks, block_size, num_kv_heads, head_dim, dtype)
-
-
-@torch.library.register_fake("mtp::kv_write")
-def _(k, v, counts, starts, block_tables, pool_ptr, plane, num_planes, num_blocks, block_size, num_kv_heads,
-      head_dim, dtype, rope_dim, rope_theta):  # fmt: skip
-    return torch.empty(1, dtype=torch.int64)
 
 
 @torch.library.impl("mtp::kv_write", "CUDA")
@@ -43,12 +42,6 @@ def _(k, v, counts, starts, block_tables, pool_ptr, plane, num_planes, num_block
     return kv_write_triton(k, v, counts, starts, block_tables, int(pool_ptr[0]), plane, geom, rope_dim, rope_theta)
 
 
-@torch.library.register_fake("mtp::paged_attention")
-def _(q, q_counts, kv_lens, block_tables, pool_ptr, after, plane, num_planes, num_blocks, block_size, num_kv_heads,
-      head_dim, dtype, scale):  # fmt: skip
-    return torch.empty_like(q)
-
-
 @torch.library.impl("mtp::paged_attention", "CUDA")
 def _(q, q_counts, kv_lens, block_tables, pool_ptr, after, plane, num_planes, num_blocks, block_size, num_kv_heads,
       head_dim, dtype, scale):  # fmt: skip
@@ -56,11 +49,6 @@ def _(q, q_counts, kv_lens, block_tables, pool_ptr, after, plane, num_planes, nu
 
     geom = _geometry(num_planes, num_blocks, block_size, num_kv_heads, head_dim, dtype)
     return paged_attention_triton(q, q_counts, kv_lens, block_tables, int(pool_ptr[0]), plane, geom, scale)
-
-
-@torch.library.register_fake("mtp::moe_experts")
-def _(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts, ep_size, tp_size=1, tp_rank=0):
-    return torch.empty_like(x)
 
 
 @torch.library.register_fake("mtp::moe_experts_local")
