@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from plugins.engine_format import EngineConfig, KVLayout, Limits, load_engine_config
+from plugins.engine_format.compiled import compiled_problem
 from plugins.engine_format.config import Parallel
 from plugins.engine_format.mapping import MappingError, check_model, rank_mapping
 from runtime.config import ConfigError, RuntimeConfig
@@ -20,7 +21,7 @@ from runtime.executors.base import Executor
 from runtime.tp_group import join
 from runtime.watchdog import DEFAULT_TIMEOUT_S
 
-EXECUTORS = ("onnxruntime", "torch", "tensorrt")
+EXECUTORS = ("auto", "compiled", "onnxruntime", "torch", "tensorrt")
 
 
 def load_tokenizer(directory: Path):
@@ -52,7 +53,8 @@ def create_engine(
     """Args:
         engine_dir: a directory built by mtp-build (validated before anything runs).
         checkpoint: a Hugging Face checkpoint directory (torch executor only, no build step).
-        executor: onnxruntime | torch | tensorrt.
+        executor: auto | compiled | onnxruntime | torch | tensorrt. auto (an engine directory): the engine's
+            compiled packages when it has them and this machine can run them (`fastest_executor`), else onnxruntime.
         device, cuda_graphs: torch executor only ("cuda" + cuda_graphs=True replays captured graphs).
         threads: onnxruntime intra-op threads (default: what the engine recorded); torch uses torch.set_num_threads.
         seed: engine seed; an unseeded request samples from a generator derived from (seed, request id).
@@ -70,6 +72,8 @@ def create_engine(
         overrides["auto_draft_tokens"] = True
     if engine_dir is not None:
         ecfg = load_engine_config(engine_dir)
+        if executor == "auto":
+            executor = fastest_executor(ecfg)
         if ecfg.world_size != world_size:
             raise ConfigError(f"engine {engine_dir} was built for world_size={ecfg.world_size} but "
                               f"{world_size} rank(s) were launched: use mpirun -np {ecfg.world_size}")  # fmt: skip
@@ -81,7 +85,11 @@ def create_engine(
         check_within_engine(cfg, ecfg.limits, ecfg.kv, ecfg.num_draft_tokens)
         model_cfg, tokenizer = ecfg.model, load_tokenizer(Path(engine_dir))
         ex: Executor
-        if executor == "onnxruntime":
+        if executor == "compiled":
+            from runtime.executors.compiled_executor import CompiledExecutor
+
+            ex = CompiledExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)
+        elif executor == "onnxruntime":
             from runtime.executors.ort_executor import OrtExecutor
 
             ex = OrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks, intra_op_threads=threads)
@@ -95,6 +103,8 @@ def create_engine(
     else:
         if checkpoint is None:
             raise ConfigError("give --engine DIR (built by mtp-build) or --checkpoint DIR (torch executor)")
+        if executor == "auto":
+            executor = "torch"
         if executor != "torch":
             raise ConfigError(f"executor {executor!r} needs an engine directory; build one with mtp-build "
                               "or use --executor torch with --checkpoint")  # fmt: skip
@@ -107,9 +117,19 @@ def create_engine(
     engine = LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1, seed=seed)
     if world_size > 1:  # collective: every rank agrees on the settings here (RanksDisagree on every rank)
         join(engine, parallel, collective_timeout, prog or Path(sys.argv[0]).stem or "mtp")
-    if engine.draft_length is not None and (executor == "onnxruntime" or (executor == "torch" and device == "cpu")):
+    if engine.draft_length is not None and (executor in ("compiled", "onnxruntime") or (executor == "torch" and device == "cpu")):
         engine.draft_clock = time.process_time  # CPU executors: auto's costs in CPU work, immune to other jobs
     return engine
+
+
+def fastest_executor(ecfg: EngineConfig) -> str:
+    """The fastest executor this machine can run the engine with: its compiled packages, else ONNX Runtime (or
+    TensorRT for a TensorRT engine). docs/PERFORMANCE.md ("Compiled engine") has the measured order."""
+    if ecfg.backend == "tensorrt":
+        return "tensorrt"
+    if ecfg.world_size == 1 and compiled_problem(ecfg) is None:
+        return "compiled"
+    return "onnxruntime"
 
 
 def engine_defaults(ecfg: EngineConfig) -> RuntimeConfig:
