@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from builder.compile_check import check_compiled
 from builder.options import BACKENDS, COMPILES, DTYPES, BuildError, BuildOptions
 from builder.pipeline import BuildInterrupted, build
 from models.checkpoint import CheckpointError
@@ -125,6 +126,7 @@ def _run(args: argparse.Namespace, err: Console) -> int:
         t0 = time.perf_counter()
         cfg = load_engine_config(args.check)
         console.print(summary(cfg, None))
+        console.print(f"[green]ok[/]: {check_compiled(cfg)}")
         console.print(f"[green]ok[/]: schema {cfg.schema_version}, plugins {cfg.plugins['nodes']}, "
                       f"{cfg.world_size} rank(s), {len(cfg.files)} files verified in {time.perf_counter() - t0:.1f}s")  # fmt: skip
         return 0

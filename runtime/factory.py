@@ -37,7 +37,7 @@ def load_tokenizer(directory: Path):
 def create_engine(
     engine_dir: str | Path | None = None,
     checkpoint: str | Path | None = None,
-    executor: str = "onnxruntime",
+    executor: str = "auto",
     rank: int = 0,
     world_size: int = 1,
     device: str = "cpu",
