@@ -6,7 +6,7 @@ TINY    := models/tiny
 DEEP    := models/deep
 ENGINE  := engines/deep
 
-.PHONY: install test lint demo bench bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
+.PHONY: install ops test lint demo bench bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	python3 -m venv .venv
@@ -18,7 +18,29 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PIP) install --quiet --no-deps -e ".[serve,bench,test]"
 	touch $(STAMP)
 
-install: $(STAMP)
+# The C++ CPU kernels of the plugin ops (plugins/csrc/): one shared library the torch dispatcher loads
+# (plugins/cpp_ops.py). Baseline x86-64 code; the AVX-512 kernels are chosen at run time by CPU feature.
+# C++20: torch 2.13's headers need it. -ffp-contract=off: only the kernels' explicit FMAs fuse (plugins/csrc/common.h).
+OPS_DIR   := build/mtp_ops
+OPS_LIB   := $(OPS_DIR)/libmtp_ops.so
+OPS_SRC   := $(wildcard plugins/csrc/*.cpp)
+OPS_OBJ   := $(patsubst plugins/csrc/%.cpp,$(OPS_DIR)/%.o,$(OPS_SRC))
+# torch's install dir, found without importing torch (evaluated once, on first use)
+TORCH_DIR  = $(eval TORCH_DIR := $(shell $(PY) -c "import importlib.util as u; \
+	print(u.find_spec('torch').submodule_search_locations[0])"))$(TORCH_DIR)
+OPS_CXXFLAGS = -O3 -std=c++20 -fPIC -fvisibility=hidden -ffp-contract=off -fno-math-errno -Wall -Wextra \
+	-Wno-unused-parameter -Wno-maybe-uninitialized -D_GLIBCXX_USE_CXX11_ABI=1 -isystem $(TORCH_DIR)/include
+
+$(OPS_DIR)/%.o: plugins/csrc/%.cpp $(wildcard plugins/csrc/*.h) | $(STAMP)
+	@mkdir -p $(OPS_DIR)
+	$(CXX) $(OPS_CXXFLAGS) -c $< -o $@
+
+$(OPS_LIB): $(OPS_OBJ)
+	$(CXX) -shared -o $@ $^ -L$(TORCH_DIR)/lib -ltorch_cpu -lc10 -Wl,-rpath,$(TORCH_DIR)/lib
+
+ops: $(OPS_LIB)
+
+install: $(STAMP) $(OPS_LIB)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -2,8 +2,11 @@
 
 Without tensor parallelism the ep group is MPI.COMM_WORLD (all ranks); rank r holds global experts
 [r*E/ep, (r+1)*E/ep). Each (token, slot) pair travels to the rank owning its expert (Alltoall of counts, then
-Alltoallv of the rows and expert ids), is computed there by `plugins.ops.moe_experts_local`, comes back by the
-reverse Alltoallv, and is weighted and summed at its origin.
+Alltoallv of the rows and expert ids), is computed there by the C++ kernel `mtp::moe_experts_local`, comes back
+by the reverse Alltoallv, and is weighted and summed at its origin.
+
+The C++ CPU kernel of `mtp::moe_experts` calls `mtp::moe_experts_exchange` (schema in plugins/csrc/registration.cpp,
+implemented here) when ep_size > 1 or tp_size > 1: the exchange is mpi4py and stays Python, the expert math is C++.
 
 With tensor parallelism (`moe_experts_tp`, the contract of docs/ARCHITECTURE.md §8) the column of tp_rank t owns
 experts [t*E/TP, (t+1)*E/TP): EP == TP holds them all on the one rank (no exchange); EP == W splits them over the
@@ -22,8 +25,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import plugins.cpp_ops  # noqa: F401  (mtp::moe_experts_local, the C++ local expert kernel)
 from plugins.collectives import groups, timed
-from plugins.ops import moe_experts_local
+
+
+def moe_experts_local(x, topk_ids, topk_weights, w_gate_up, w_down, expert_offset: int) -> torch.Tensor:
+    return torch.ops.mtp.moe_experts_local(x, topk_ids, topk_weights, w_gate_up, w_down, expert_offset)
+
+
+@torch.library.impl("mtp::moe_experts_exchange", "CPU")
+def moe_experts_exchange(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts: int, ep_size: int, tp_size: int,
+                         tp_rank: int) -> torch.Tensor:  # fmt: skip
+    """`mtp::moe_experts` with ep_size > 1 or tp_size > 1 (its C++ kernel forwards those calls here)."""
+    if tp_size > 1:
+        return moe_experts_tp(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts, ep_size, tp_size, tp_rank)
+    return moe_experts_ep(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts, ep_size)
 
 
 def _comm():
@@ -85,7 +101,7 @@ def moe_experts_tp(
                          "multiple of tp")  # fmt: skip
     lo = tp_rank * (num_experts // tp_size)
     hi = lo + num_experts // tp_size
-    if ep_size == tp_size:  # the whole column is here: no exchange (moe_experts_local skips other ranks' experts)
+    if ep_size == tp_size:  # the whole column is here: no exchange (the local kernel skips other ranks' experts)
         return moe_experts_local(x, topk_ids, topk_weights, w_gate_up_local, w_down_local, expert_offset=lo)
     column = groups(tp_size)[1]
     if column.Get_size() != ep_size // tp_size:

@@ -1,180 +1,70 @@
-"""torch.library custom ops the model calls: `mtp::kv_write`, `mtp::paged_attention`, `mtp::moe_experts`.
+"""The plugin ops the model calls: `mtp::kv_write`, `mtp::paged_attention`, `mtp::moe_experts` (MLA: mla_ops.py).
+
+Their schemas and CPU kernels are C++ (plugins/csrc/, loaded by plugins/cpp_ops.py): eager torch, torch.compile,
+AOTInductor and the ONNX Runtime ops all call the same kernel, with no Python on the single-rank CPU path. This
+module adds what Python owns: the fake implementations (torch.export / torch.compile trace through them), the
+CUDA implementations (the Triton kernels), and, by importing plugins/moe_ep.py, the MPI exchange the C++
+moe_experts calls for ep_size > 1 or tp_size > 1.
 
 The KV pool travels by address (int64[1]) plus geometry ints, exactly as the plugin nodes in the exported
-graphs do (plugins/kv_pool.py says why). CPU implementations are vectorized PyTorch equivalent to
-plugins/reference.py; CUDA inputs go to the Triton kernels. Fake implementations let torch.export trace
-the ops so plugins/onnx_export.py can map them to plugin-namespace nodes.
+graphs do (plugins/kv_pool.py says why). kv_write returns a 1-element int64 tensor (rows stored);
+paged_attention takes it as `after` so the read is ordered after the write in every graph (nothing else ties
+them together: the pool is not a tensor the graph sees). Semantics: plugins/reference.py.
 
-kv_write returns a 1-element int64 tensor (rows stored); paged_attention takes it as `after` so the
-read is ordered after the write in every graph (nothing else ties them together: the pool is not a
-tensor the graph sees).
+`moe_experts_local` below is the torch version of the local expert compute: autograd-able, the training
+forward's path (models/feed_forward.py `forward_train`); inference runs the C++ `mtp::moe_experts_local`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from plugins.kv_pool import KVPoolGeometry, plane_kv
-from plugins.rope import apply_rope
-from plugins.step_plan import AttentionPlan, cached, plan_attention, plan_write
+import plugins.cpp_ops  # noqa: F401  (defines the mtp:: schemas and registers the C++ CPU kernels)
+import plugins.moe_ep  # noqa: F401  (implements mtp::moe_experts_exchange, the EP/TP token exchange)
+from plugins.kv_pool import KVPoolGeometry
 
 
 def _geometry(num_planes: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: int):
     return KVPoolGeometry(num_planes, num_blocks, block_size, num_kv_heads, head_dim, dtype)
 
 
-@torch.library.custom_op("mtp::kv_write", mutates_args=())
-def kv_write(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    counts: torch.Tensor,
-    starts: torch.Tensor,
-    block_tables: torch.Tensor,
-    pool_ptr: torch.Tensor,
-    plane: int,
-    num_planes: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: int,
-    rope_dim: int,
-    rope_theta: float,
-) -> torch.Tensor:
-    geom = _geometry(num_planes, num_blocks, block_size, num_kv_heads, head_dim, dtype)
-    if k.device.type == "cuda":
-        from plugins.triton_kernels import kv_write_triton
-
-        return kv_write_triton(k, v, counts, starts, block_tables, int(pool_ptr[0]), plane, geom, rope_dim, rope_theta)
-    return kv_write_cpu(plane_kv(int(pool_ptr[0]), geom, plane), k, v, counts, starts, block_tables, block_size,
-                        rope_dim, rope_theta)  # fmt: skip
-
-
-def kv_write_cpu(
-    plane_views: tuple[torch.Tensor, torch.Tensor],  # one plane's K and V, [blocks * B, Hkv, D]
-    k: torch.Tensor,
-    v: torch.Tensor,
-    counts: torch.Tensor,
-    starts: torch.Tensor,
-    block_tables: torch.Tensor,
-    block_size: int,
-    rope_dim: int,
-    rope_theta: float,
-) -> torch.Tensor:
-    """Two `index_copy_` into the plane at slots planned once per forward (plugins/step_plan.py)."""
-    plan = cached("write", lambda: plan_write(counts, starts, block_tables, block_size), (block_size,),
-                  counts, starts, block_tables)  # fmt: skip
-    if plan.total > k.shape[0]:
-        raise ValueError(f"kv_write: segments hold {plan.total} rows but only {k.shape[0]} K/V rows were given")
-    keys, values = (k[: plan.written], v[: plan.written]) if plan.rows is None else (k[plan.rows], v[plan.rows])
-    if rope_dim > 0:
-        keys = apply_rope(keys.float(), plan.positions, rope_dim, rope_theta)
-    k_plane, v_plane = plane_views
-    k_plane.index_copy_(0, plan.slots, keys.to(k_plane.dtype))
-    v_plane.index_copy_(0, plan.slots, values.to(v_plane.dtype))
-    return torch.tensor([plan.written], dtype=torch.int64)
-
-
-@kv_write.register_fake
+@torch.library.register_fake("mtp::kv_write")
 def _(k, v, counts, starts, block_tables, pool_ptr, plane, num_planes, num_blocks, block_size, num_kv_heads,
       head_dim, dtype, rope_dim, rope_theta):  # fmt: skip
     return torch.empty(1, dtype=torch.int64)
 
 
-@torch.library.custom_op("mtp::paged_attention", mutates_args=())
-def paged_attention(
-    q: torch.Tensor,
-    q_counts: torch.Tensor,
-    kv_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    pool_ptr: torch.Tensor,
-    after: torch.Tensor,
-    plane: int,
-    num_planes: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: int,
-    scale: float,
-) -> torch.Tensor:
+@torch.library.impl("mtp::kv_write", "CUDA")
+def _(k, v, counts, starts, block_tables, pool_ptr, plane, num_planes, num_blocks, block_size, num_kv_heads,
+      head_dim, dtype, rope_dim, rope_theta):  # fmt: skip
+    from plugins.triton_kernels import kv_write_triton
+
     geom = _geometry(num_planes, num_blocks, block_size, num_kv_heads, head_dim, dtype)
-    if q.device.type == "cuda":
-        from plugins.triton_kernels import paged_attention_triton
-
-        return paged_attention_triton(q, q_counts, kv_lens, block_tables, int(pool_ptr[0]), plane, geom, scale)
-    plan = cached("attend", lambda: plan_attention(q_counts, kv_lens, block_tables, block_size, q.shape[0]),
-                  (block_size, q.shape[0]), q_counts, kv_lens, block_tables)  # fmt: skip
-    return paged_attention_cpu(plane_kv(int(pool_ptr[0]), geom, plane), q, plan, scale)
+    return kv_write_triton(k, v, counts, starts, block_tables, int(pool_ptr[0]), plane, geom, rope_dim, rope_theta)
 
 
-def paged_attention_cpu(
-    plane_views: tuple[torch.Tensor, torch.Tensor],  # one plane's K and V, [blocks * B, Hkv, D]
-    q: torch.Tensor,  # [T, Hq, D] packed by request
-    plan: AttentionPlan,
-    scale: float,
-) -> torch.Tensor:
-    """All requests at once: `index_select` the planned key slots, one batched masked SDPA in fp32.
-
-    Padded query slots, padded requests (q_count 0) and positions past a request's kv_len are masked
-    out and never written back, so they read nothing that matters and rows past sum(q_counts) are zeros.
-    """
-    if q.shape[0] == 0 or plan.q_max == 0:
-        return torch.zeros_like(q)
-    k_plane, v_plane = plane_views
-    r, q_max, kv_max = plan.num_requests, plan.q_max, plan.kv_max
-    keys = k_plane.index_select(0, plan.gather).view(r, kv_max, *k_plane.shape[1:]).transpose(1, 2)
-    values = v_plane.index_select(0, plan.gather).view(r, kv_max, *v_plane.shape[1:]).transpose(1, 2)
-    queries = q if plan.q_rows is None else q.index_select(0, plan.q_rows)
-    attn = torch.nn.functional.scaled_dot_product_attention(
-        queries.view(r, q_max, *q.shape[1:]).transpose(1, 2).float(),  # [R, Hq, Qmax, D]
-        keys.float(),  # [R, Hkv, Lmax, D]
-        values.float(),
-        attn_mask=plan.mask,
-        scale=scale,
-        enable_gqa=True,
-    ).transpose(1, 2).reshape(r * q_max, *q.shape[1:])  # [R * Qmax, Hq, D]
-    if plan.out_rows is None or plan.out_slots is None:
-        return attn.to(q.dtype)
-    out = torch.zeros_like(q)
-    out.index_copy_(0, plan.out_rows, attn.index_select(0, plan.out_slots).to(q.dtype))
-    return out
-
-
-@paged_attention.register_fake
+@torch.library.register_fake("mtp::paged_attention")
 def _(q, q_counts, kv_lens, block_tables, pool_ptr, after, plane, num_planes, num_blocks, block_size, num_kv_heads,
       head_dim, dtype, scale):  # fmt: skip
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("mtp::moe_experts", mutates_args=())
-def moe_experts(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    num_experts: int,
-    ep_size: int,
-    tp_size: int = 1,
-    tp_rank: int = 0,
-) -> torch.Tensor:
-    """Routed experts. tp_size 1, ep_size > 1: this rank holds experts [rank*E/ep, (rank+1)*E/ep) and exchanges
-    tokens. tp_size > 1: the output is this TP rank's partial sum (the model's TP all-reduce adds the columns);
-    see plugins/moe_ep.py `moe_experts_tp`."""
-    if tp_size > 1:
-        from plugins.moe_ep import moe_experts_tp
+@torch.library.impl("mtp::paged_attention", "CUDA")
+def _(q, q_counts, kv_lens, block_tables, pool_ptr, after, plane, num_planes, num_blocks, block_size, num_kv_heads,
+      head_dim, dtype, scale):  # fmt: skip
+    from plugins.triton_kernels import paged_attention_triton
 
-        return moe_experts_tp(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts, ep_size, tp_size, tp_rank)
-    if ep_size > 1:
-        from plugins.moe_ep import moe_experts_ep
-
-        return moe_experts_ep(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts, ep_size)
-    return moe_experts_local(x, topk_ids, topk_weights, w_gate_up, w_down, expert_offset=0)
+    geom = _geometry(num_planes, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    return paged_attention_triton(q, q_counts, kv_lens, block_tables, int(pool_ptr[0]), plane, geom, scale)
 
 
-@moe_experts.register_fake
+@torch.library.register_fake("mtp::moe_experts")
 def _(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts, ep_size, tp_size=1, tp_rank=0):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("mtp::moe_experts_local")
+def _(x, topk_ids, topk_weights, w_gate_up, w_down, expert_offset):
     return torch.empty_like(x)
 
 

@@ -1,0 +1,37 @@
+"""Loads the C++ CPU kernels of the plugin ops (plugins/csrc/, built by `make install`) into torch, once.
+
+The library defines every `mtp::` plugin op's schema and registers its CPU kernel with the dispatcher, so
+eager torch, torch.compile, AOTInductor and the ONNX Runtime ops (which call the torch ops) all run the same
+C++ code. Python adds the fake implementations, the CUDA (Triton) implementations and the MPI exchange of
+expert/tensor-parallel MoE (plugins/ops.py, plugins/mla_ops.py, plugins/moe_ep.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+LIBRARY = Path(__file__).resolve().parent.parent / "build" / "mtp_ops" / "libmtp_ops.so"
+_loaded = False
+
+
+def load() -> None:
+    """Load the library into this process (idempotent); a one-line error if it was never built."""
+    global _loaded
+    if _loaded:
+        return
+    if not LIBRARY.is_file():
+        raise ImportError("mtp: the C++ plugin library is not built; run `make install`")
+    torch.ops.load_library(str(LIBRARY))
+    _loaded = True
+
+
+def cpu_isa(choose: str = "") -> str:
+    """The instruction set the C++ kernels use ("avx512" or "generic"); choose "generic" / "avx512" / "best"
+    to switch (the portable path stays testable on an AVX-512 machine)."""
+    load()
+    return torch.ops.mtp.cpu_isa(choose)
+
+
+load()

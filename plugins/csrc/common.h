@@ -1,0 +1,221 @@
+// Shared by the C++ CPU kernels of the mtp plugin ops (one .cpp per op, schemas in registration.cpp).
+//
+// What lives here: reading the KV pool from its address plus geometry ints (plugins/kv_pool.py's layout),
+// int32/int64 metadata views, the dtype dispatch (fp32 / fp16 / bf16), the run-time ISA choice, and the
+// vector primitives (dot, axpy, row conversion) in two flavours: `Generic` (portable C++) and `Avx512`
+// (intrinsics, compiled for AVX-512 by function attribute, used only when the CPU has it).
+//
+// A kernel body is a template over the ISA; `MTP_ISA_DISPATCH` instantiates it twice and calls the AVX-512
+// one through a wrapper marked target(...) + flatten, so the whole body (with the inlined primitives) is
+// compiled for AVX-512 while the library itself stays baseline x86-64 (no -march=native).
+//
+// Numerics: fp32 accumulation everywhere; conversions to the pool / activation dtype are c10's (round to
+// nearest even, as torch's .to()); the library is compiled with -ffp-contract=off, so only the explicit
+// FMAs of the AVX-512 primitives fuse. Every output row is computed by the same sequence of operations
+// whatever else is in the batch (batch-invariant on one machine).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace mtp {
+
+#define MTP_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2,bmi2")))
+#define MTP_INLINE inline __attribute__((always_inline))
+
+// ---- run-time ISA choice ------------------------------------------------------------------------------
+enum class Isa : int { generic = 0, avx512 = 1 };
+bool cpu_has_avx512();   // what the CPU supports (checked once)
+Isa active_isa();        // what the kernels use now (the best supported unless set_isa chose generic)
+void set_isa(Isa isa);   // tests: run the portable path on an AVX-512 machine
+
+// ---- metadata ------------------------------------------------------------------------------------------
+// An int32 or int64 CPU tensor read as int64 (the graphs feed int32; Python callers sometimes int64).
+struct Ints {
+  at::Tensor keep;  // the contiguous tensor the pointer reads
+  const void* data = nullptr;
+  bool wide = false;
+  int64_t operator[](int64_t i) const {
+    return wide ? static_cast<const int64_t*>(data)[i] : static_cast<const int32_t*>(data)[i];
+  }
+};
+Ints ints(const at::Tensor& t, const char* op, const char* name);
+
+// One plane of the pool: element offsets of (kv, block, slot, head) rows of head_dim values.
+struct PoolPlane {
+  char* base = nullptr;  // start of the plane
+  int64_t kv_planes, num_blocks, block_size, heads, head_dim, elem_size;
+  c10::ScalarType dtype;
+  char* row(int64_t kv, int64_t block, int64_t slot, int64_t head) const {
+    return base + ((((kv * num_blocks + block) * block_size + slot) * heads + head) * head_dim) * elem_size;
+  }
+};
+PoolPlane pool_plane(const at::Tensor& pool_ptr, int64_t plane, int64_t num_planes, int64_t num_blocks,
+                     int64_t block_size, int64_t heads, int64_t head_dim, int64_t dtype_code, int64_t kv_planes,
+                     const char* op);
+
+// The block of position `pos` for request r, or -1 (missing or past the table). Valid ids are < num_blocks.
+int64_t block_of(const Ints& tables, int64_t cols, int64_t r, int64_t pos, int64_t block_size, int64_t num_blocks,
+                 const char* op);
+
+// A shape as Python prints a tuple ("(2,)", "(2, 6)"): error messages match the Python-side ones.
+std::string py_shape(const at::Tensor& t);
+
+// Kernels take fp32 / fp16 / bf16 tensors; anything else is refused with the op's name.
+void check_float(const at::Tensor& t, const char* op, const char* name);
+
+// Calls fn(T{}) with T the C++ type of a float dtype (float, c10::Half, c10::BFloat16).
+template <class Fn>
+auto dispatch_float(c10::ScalarType dtype, Fn&& fn) {
+  switch (dtype) {
+    case c10::ScalarType::Float: return fn(float{});
+    case c10::ScalarType::Half: return fn(c10::Half{});
+    case c10::ScalarType::BFloat16: return fn(c10::BFloat16{});
+    default: TORCH_CHECK_VALUE(false, "mtp: unsupported dtype ", dtype, " (fp32, fp16 or bf16)");
+  }
+}
+
+// ---- RoPE (neox rotate_half over x[0:rope_dim]) in fp32, exactly as plugins/rope.py / reference.py ------
+// cos/sin of angle pos * inv_freq[i], both multiplied by `scale` when scale != 1 (YaRN).
+void rope_cos_sin(int64_t pos, const float* inv_freq, int64_t half, float scale, float* cos_out, float* sin_out);
+MTP_INLINE void rope_rotate(float* x, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * c[i] + (-b) * s[i];  // x*cos + rotate_half(x)*sin, two products then a sum (no FMA)
+    x[i + half] = b * c[i] + a * s[i];
+  }
+}
+
+// ---- element conversion ---------------------------------------------------------------------------------
+template <class T>
+MTP_INLINE float f32(T v) { return static_cast<float>(v); }
+template <class T>
+MTP_INLINE T from_f32(float v) { return static_cast<T>(v); }
+
+// ---- vector primitives ----------------------------------------------------------------------------------
+struct Generic {
+  template <class T>
+  static MTP_INLINE void to_f32(const T* src, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = f32(src[i]);
+  }
+  // sum_i a[i] * b[i], fp32, in a fixed order
+  template <class T>
+  static MTP_INLINE float dot(const float* a, const T* b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * f32(b[i + l]);
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; ++i) s += a[i] * f32(b[i]);
+    return s;
+  }
+  // out[r] = dot(a[r], b, n) for r < NX: one pass over b (a weight row) for several activation rows
+  template <int NX, class T>
+  static MTP_INLINE void dot_multi(const float* const* a, const T* b, int64_t n, float* out) {
+    for (int r = 0; r < NX; ++r) out[r] = dot(a[r], b, n);
+  }
+  // y += w * x
+  template <class T>
+  static MTP_INLINE void axpy(float w, const T* x, float* y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] += w * f32(x[i]);
+  }
+  static MTP_INLINE void exp_sub(float* x, float m, int64_t n) {  // x[i] = exp(x[i] - m)
+    for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - m);
+  }
+};
+
+struct Avx512 {
+  static MTP_AVX512_TARGET inline __mmask16 tail(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+  static MTP_AVX512_TARGET inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static MTP_AVX512_TARGET inline __m512 load(const c10::BFloat16* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static MTP_AVX512_TARGET inline __m512 load(const c10::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static MTP_AVX512_TARGET inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+  static MTP_AVX512_TARGET inline __m512 load(const c10::BFloat16* p, __mmask16 m) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static MTP_AVX512_TARGET inline __m512 load(const c10::Half* p, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+  }
+  template <class T>
+  static MTP_AVX512_TARGET inline void to_f32(const T* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load(src + i));
+    if (i < n) _mm512_mask_storeu_ps(dst + i, tail(n - i), load(src + i, tail(n - i)));
+  }
+  // Each activation row gets two accumulators (even / odd 16-lane chunks), so dot_multi<1> and every row of
+  // dot_multi<4> run the same operations: a row's result does not depend on its neighbours.
+  template <int NX, class T>
+  static MTP_AVX512_TARGET inline void dot_multi(const float* const* a, const T* b, int64_t n, float* out) {
+    __m512 acc0[NX], acc1[NX];
+    for (int r = 0; r < NX; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      const __m512 b0 = load(b + i), b1 = load(b + i + 16);
+      for (int r = 0; r < NX; ++r) {
+        acc0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(a[r] + i), b0, acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(a[r] + i + 16), b1, acc1[r]);
+      }
+    }
+    for (; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xffff) : tail(n - i);
+      const __m512 b0 = load(b + i, m);
+      for (int r = 0; r < NX; ++r) acc0[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a[r] + i), b0, acc0[r]);
+    }
+    for (int r = 0; r < NX; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+  }
+  template <class T>
+  static MTP_AVX512_TARGET inline float dot(const float* a, const T* b, int64_t n) {
+    float out;
+    dot_multi<1>(&a, b, n, &out);
+    return out;
+  }
+  template <class T>
+  static MTP_AVX512_TARGET inline void axpy(float w, const T* x, float* y, int64_t n) {
+    const __m512 wv = _mm512_set1_ps(w);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, load(x + i), _mm512_loadu_ps(y + i)));
+    if (i < n) {
+      const __mmask16 m = tail(n - i);
+      _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(wv, load(x + i, m), _mm512_maskz_loadu_ps(m, y + i)));
+    }
+  }
+  static MTP_AVX512_TARGET inline void exp_sub(float* x, float m, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - m);
+  }
+};
+
+// Instantiates BODY<Generic, ...> and BODY<Avx512, ...> (the latter compiled for AVX-512 as a whole) and
+// defines NAME(args...) that calls the one active_isa() names. BODY must be a function template
+// `template <class V, class... Ts> void BODY(Args...)`.
+#define MTP_ISA_KERNEL(NAME, BODY)                                                            \
+  template <class... Ts, class... Args>                                                       \
+  MTP_AVX512_TARGET __attribute__((flatten)) auto NAME##_avx512(Args... args) {               \
+    return BODY<::mtp::Avx512, Ts...>(args...);                                               \
+  }                                                                                           \
+  template <class... Ts, class... Args>                                                       \
+  auto NAME(Args... args) {                                                                   \
+    if (::mtp::active_isa() == ::mtp::Isa::avx512) return NAME##_avx512<Ts...>(args...);      \
+    return BODY<::mtp::Generic, Ts...>(args...);                                              \
+  }
+
+// A per-thread scratch buffer of at least n floats (kernels run often with small sizes: no allocation).
+float* scratch(int slot, int64_t n);
+
+}  // namespace mtp

@@ -1,0 +1,50 @@
+// The one place the mtp plugin ops' schemas are defined. The kernels register themselves per op
+// (TORCH_LIBRARY_IMPL(mtp, CPU, ...) in kv_write.cpp, paged_attention.cpp, ...). Python adds the fake
+// (meta) implementations for torch.export / torch.compile and the CUDA implementations (Triton), and
+// implements moe_experts_exchange (the MPI token exchange of expert / tensor parallelism).
+//
+// The KV pool travels by address (int64[1]) plus geometry ints (plugins/kv_pool.py): no tensor the graph
+// sees is mutated, so the schemas are functional; kv_write returns the rows stored, which the attention
+// takes as `after` so every graph orders the read after the write.
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace mtp {
+
+// "" reads the ISA the kernels use; "generic" / "avx512" / "best" sets it (tests run both paths).
+static std::string cpu_isa(c10::string_view set) {
+  if (set == "generic") set_isa(Isa::generic);
+  else if (set == "avx512") set_isa(Isa::avx512);
+  else if (set == "best") set_isa(cpu_has_avx512() ? Isa::avx512 : Isa::generic);
+  else TORCH_CHECK_VALUE(set.empty(), "mtp::cpu_isa: unknown isa '", set, "' (generic, avx512, best or '')");
+  return active_isa() == Isa::avx512 ? "avx512" : "generic";
+}
+
+}  // namespace mtp
+
+TORCH_LIBRARY_FRAGMENT(mtp, m) {
+  m.def("kv_write(Tensor k, Tensor v, Tensor counts, Tensor starts, Tensor block_tables, Tensor pool_ptr, "
+        "SymInt plane, SymInt num_planes, SymInt num_blocks, SymInt block_size, SymInt num_kv_heads, "
+        "SymInt head_dim, SymInt dtype, SymInt rope_dim, float rope_theta) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor q_counts, Tensor kv_lens, Tensor block_tables, Tensor pool_ptr, "
+        "Tensor after, SymInt plane, SymInt num_planes, SymInt num_blocks, SymInt block_size, SymInt num_kv_heads, "
+        "SymInt head_dim, SymInt dtype, float scale) -> Tensor");
+  m.def("mla_kv_write(Tensor latent, Tensor counts, Tensor starts, Tensor block_tables, Tensor pool_ptr, "
+        "Tensor inv_freq, SymInt plane, SymInt num_planes, SymInt num_blocks, SymInt block_size, SymInt latent_dim, "
+        "SymInt dtype, SymInt rope_dim, float rope_scale) -> Tensor");
+  m.def("mla_paged_attention(Tensor q, Tensor q_counts, Tensor kv_lens, Tensor block_tables, Tensor pool_ptr, "
+        "Tensor after, SymInt plane, SymInt num_planes, SymInt num_blocks, SymInt block_size, SymInt latent_dim, "
+        "SymInt dtype, SymInt rope_dim, float scale) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
+        "SymInt num_experts, SymInt ep_size, SymInt tp_size=1, SymInt tp_rank=0) -> Tensor");
+  // The experts held here (global ids expert_offset .. expert_offset + E_local - 1), no exchange: the
+  // single-rank moe_experts and the per-rank compute of the exchange both run this kernel.
+  m.def("moe_experts_local(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
+        "int expert_offset) -> Tensor");
+  // ep_size > 1 or tp_size > 1: implemented in Python (plugins/moe_ep.py, mpi4py); moe_experts' CPU kernel
+  // calls it through the dispatcher.
+  m.def("moe_experts_exchange(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
+        "int num_experts, int ep_size, int tp_size, int tp_rank) -> Tensor");
+  m.def("cpu_isa(str set='') -> str", &mtp::cpu_isa);
+}
