@@ -9,7 +9,8 @@ own pool, prefilled identically, and must return the same greedy tokens as the t
   onnxruntime    the engine's ONNX graphs in ONNX Runtime
   aoti           the engine's AOTInductor packages (bf16-exact weights stored bf16, fp32 math)
   aoti-fp32      the same packages compiled with fp32 weights and freezing (MKL-prepacked GEMMs)
-  compile        torch.compile(cpp_wrapper, dynamic) of the same graph wrapper, fp32 weights
+  compile        torch.compile(cpp_wrapper) of the same graph wrapper, fp32 weights, specialized to each shape
+                 (dynamic=True took over 10 minutes to compile on the loaded 2-core machine)
 Rounds rotate the candidate order; a candidate's time per round is the median of `--iters` calls. Prints one
 table (median and best ms per step, ratio to torch in the same rounds); `--json` writes it too.
 """
@@ -77,7 +78,7 @@ def _torch_compile(checkpoint: Path, geom, ptr):
 
     model, _ = load_model(checkpoint)
     wrapper = MainGraph(model.eval().fuse(), geom)
-    fn = torch.compile(wrapper, dynamic=True, options={"cpp_wrapper": True})
+    fn = torch.compile(wrapper, dynamic=False, options={"cpp_wrapper": True})  # static: compiled per shape
 
     def run(inp: MainInput):
         t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (inp.input_ids, inp.positions, inp.q_counts,
