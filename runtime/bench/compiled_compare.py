@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,11 +33,10 @@ import torch
 from models.checkpoint import load_model
 from plugins.engine_format import load_engine_config
 from plugins.engine_format.compiled import AOTI_KIND
-from runtime.executors.base import MainInput
+from runtime.executors.base import MainInput, MainOutput
 from runtime.executors.compiled_executor import CompiledExecutor
 from runtime.executors.ort_executor import OrtExecutor
 from runtime.executors.torch_executor import TorchExecutor
-
 
 # CPU time of this process (every candidate runs on this thread with 1 thread): on the shared 2-core machine
 # wall time mostly measures the other tenants (load average 7-15 during these runs).
@@ -91,7 +91,7 @@ def _torch_compile(checkpoint: Path, geom, ptr):
                                                                   inp.kv_lens, inp.block_tables, inp.logit_rows)]  # fmt: skip
         with torch.inference_mode():
             h, lg = fn(*t, ptr)
-        return h.numpy(), lg.numpy()
+        return MainOutput(h.numpy(), lg.numpy())
 
     return run
 
@@ -112,9 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_engine_config(args.engine)
     tmp = Path(tempfile.mkdtemp(prefix="mtp-compare-"))
     blocks = cfg.kv.num_blocks
-    runners: dict[str, object] = {}
+    runners: dict[str, Any] = {}
     for name in args.candidates:
         t0 = time.perf_counter()
+        ex: Any
         if name == "torch":
             model, _ = load_model(args.checkpoint)
             ex = TorchExecutor(model, blocks, cfg.kv.block_size)
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             ex = CompiledExecutor(_rebuild_fp32(args.engine, args.checkpoint, tmp))
         elif name == "compile":
             ex = CompiledExecutor(args.engine)  # its pool; the torch.compile'd graph writes it by address
-            ex.run_main = _torch_compile(args.checkpoint, ex.geom, torch.tensor([ex.pool.data_ptr()]))  # type: ignore[method-assign,assignment]
+            ex.run_main = _torch_compile(args.checkpoint, ex.geom, torch.tensor([ex.pool.data_ptr()]))
         else:
             raise SystemExit(f"unknown candidate {name!r}")
         runners[name] = ex
@@ -140,9 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         ref = None
         for name, ex in runners.items():
             for prefill in prefills:
-                ex.run_main(prefill)  # type: ignore[attr-defined]
-            out = ex.run_main(step)  # type: ignore[attr-defined]
-            logits = out.logits if hasattr(out, "logits") else out[1]
+                ex.run_main(prefill)
+            logits = ex.run_main(step).logits
             tokens = np.argmax(logits, -1)
             if ref is None:
                 ref = (tokens, logits)
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 ts = []
                 for _ in range(args.iters):
                     t0 = CLOCK()
-                    ex.run_main(step)  # type: ignore[attr-defined]
+                    ex.run_main(step)
                     ts.append(CLOCK() - t0)
                 times[name].append(statistics.median(ts) * 1e3)
         base = times.get("torch")
