@@ -42,7 +42,7 @@ ops: $(OPS_LIB)
 
 install: $(STAMP) $(OPS_LIB)
 
-test: $(STAMP)
+test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)
@@ -104,7 +104,7 @@ deep-model: $(STAMP)  # ~35 min on one core; docs/DEEP_MODEL.md
 
 gpu-check: $(STAMP)
 	$(PY) -m plugins.gpu_check
-	$(PY) -m runtime.gpu_check
+	$(PY) -m runtime.bench.gpu_check
 
 clean:
 	rm -rf .venv engines build

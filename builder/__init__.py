@@ -13,6 +13,6 @@ Owns everything between `mtp-build` and the files the runtime loads (docs/ENGINE
 * `cli`         `mtp-build` (build / --check) with rich progress and a summary table.
 
 It does not own the model math (models/), the plugin ops or their ONNX/ORT/TensorRT bindings (plugins/), the
-engine format (plugins/engine_format/: KV layout, config.json, manifest, graph I/O specs, session options)
+engine format (models/engine_format/: KV layout, config.json, manifest, graph I/O specs, session options)
 or how engines are executed (runtime/executors/).
 """

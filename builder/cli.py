@@ -2,7 +2,7 @@
 
 Owns argument parsing, the rich progress display, the summary table and how failures reach the user: one line
 naming the problem and the fix, never a traceback (`--debug` shows them). The work is builder/pipeline.py
-(build) and plugins/engine_format/ (check). Exit codes: 0 ok, 1 internal error (a bug), 2 bad input / failed
+(build) and models/engine_format/ (check). Exit codes: 0 ok, 1 internal error (a bug), 2 bad input / failed
 check, 128+N killed by signal N (the temporary build directory is removed first).
 """
 
@@ -22,7 +22,7 @@ from builder.compile_check import check_compiled
 from builder.options import BACKENDS, COMPILES, DTYPES, BuildError, BuildOptions
 from builder.pipeline import BuildInterrupted, build
 from models.checkpoint import CheckpointError
-from plugins.engine_format import MANIFEST_NAME, EngineConfig, EngineDirError, load_engine_config
+from models.engine_format import MANIFEST_NAME, EngineConfig, EngineDirError, load_engine_config
 
 
 class RichReporter:

@@ -26,8 +26,8 @@ import torch
 from builder.export import dynamic_shapes
 from builder.graphs import WRAPPERS, example_inputs
 from builder.options import BuildError
+from models.engine_format.compiled import AOTI_KIND, host_isa
 from models.glm4_moe import Glm4MoeMTPModel
-from plugins.engine_format.compiled import AOTI_KIND, host_isa
 from plugins.kv_pool import KVPoolGeometry
 
 # Inductor settings of every package (recorded in config.json). Freezing folds weights into constants and

@@ -1,6 +1,6 @@
 """`mtp-build --check` of an engine's compiled packages: they load here and compute what the torch model computes.
 
-The checksums (plugins/engine_format) already prove the packages are the files the build wrote; this proves
+The checksums (models/engine_format) already prove the packages are the files the build wrote; this proves
 they still run on this installation (torch version, CPU ISA, plugin ops) and agree with models/glm4_moe.py on
 a probe batch: a mixed main step (a prefill request, a verify request, a padded request), one draft depth and
 one commit write, each on its own pool and on the torch model's pool, compared output by output and plane by
@@ -18,8 +18,8 @@ import plugins.mla_ops  # noqa: F401  (the packages call the plugin ops by name)
 import plugins.ops  # noqa: F401
 from builder.graphs import WRAPPERS
 from builder.options import BuildError
-from plugins.engine_format import EngineConfig
-from plugins.engine_format.compiled import AOTI_KIND, compiled_info, compiled_problem
+from models.engine_format import EngineConfig
+from models.engine_format.compiled import AOTI_KIND, compiled_info, compiled_problem
 from plugins.kv_pool import allocate_pool, pool_address
 
 TOLERANCE = 1e-4  # fp32 math on both sides: differences are summation order only (~1e-6 measured)

@@ -1,7 +1,7 @@
 """Thin nn.Module wrappers that give each engine graph its exact I/O contract (docs/ENGINE_FORMAT.md).
 
 Owns the wrappers and the example inputs used to trace them. The contract itself (graph names, input and
-output names, dtypes, dims) is plugins/engine_format/graph_io.py, shared with the executors; it is
+output names, dtypes, dims) is models/engine_format/graph_io.py, shared with the executors; it is
 re-exported here for the exporter. The math is not here: every wrapper calls a method of models/glm4_moe.py
 (`forward_main` + `compute_logits`, `forward_draft`, `forward_commit`), so there is one copy of it.
 
@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
-from plugins.engine_format.graph_io import SPECS
+from models.engine_format.graph_io import SPECS
+from models.glm4_moe import Glm4MoeMTPModel
+from models.layers import PagedKV, StepMeta
 from plugins.kv_pool import KVPoolGeometry
 
 

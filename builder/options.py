@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from models.config import ModelConfig, kv_geometry_fields
-from plugins.engine_format.config import Limits
-from plugins.engine_format.layout import KVLayout
-from plugins.engine_format.mapping import MappingError, check_model, check_parallel, local_kv_heads
+from models.engine_format.config import Limits
+from models.engine_format.layout import KVLayout
 from plugins.kv_pool import DTYPE_CODES
+from plugins.mapping import MappingError, check_model, check_parallel, local_kv_heads
 
 BACKENDS = ("onnxruntime", "tensorrt")
 COMPILES = ("none", "aoti")  # --compile: "aoti" adds AOTInductor packages per graph (builder/compile_aoti.py)
@@ -52,7 +52,7 @@ class BuildOptions:
         return Limits(self.max_batch, self.max_num_tokens, self.max_seq_len)
 
     def kv_layout(self, cfg: ModelConfig) -> KVLayout:
-        """The engine's KV layout (plugins/engine_format/layout.py computes the table width, lookahead included)."""
+        """The engine's KV layout (models/engine_format/layout.py computes the table width, lookahead included)."""
         kv_heads, head_dim, kv_kind = kv_geometry_fields(cfg)  # MLA: one latent row per position
         return KVLayout.plan(
             num_planes=cfg.num_hidden_layers + cfg.num_mtp_modules,

@@ -2,7 +2,7 @@
 
 Owns `optimize_graph`. The session options (`SESSION_OPTIONS`, recorded in config.json under
 build.ort_session_options and applied by runtime/executors/ort_executor.py) are engine format:
-plugins/engine_format/ort_session.py. The optimized copy is written by ORT itself
+models/engine_format/ort_session.py. The optimized copy is written by ORT itself
 (SessionOptions.optimized_model_filepath) with the plugin library registered, so it keeps the plugin nodes
 (in domain ai.onnx.contrib, which only ORT needs) and its weights go to an external file.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from plugins.engine_format.ort_session import SESSION_OPTIONS, session_options
+from models.engine_format.ort_session import SESSION_OPTIONS, session_options
 from plugins.ort_ops import prepare_for_ort
 
 

@@ -42,7 +42,7 @@ from models.checkpoint import (
     read_model_config,
 )
 from models.config import ModelConfig
-from plugins.engine_format import (
+from models.engine_format import (
     SCHEMA_VERSION,
     EngineConfig,
     KVLayout,
@@ -51,8 +51,8 @@ from plugins.engine_format import (
     rank_dir,
     write_engine_config,
 )
-from plugins.engine_format.mapping import RankMapping, rank_mapping
-from plugins.engine_format.names import installed_plugins
+from plugins.mapping import RankMapping, rank_mapping
+from plugins.names import installed_plugins
 
 COMPILED_INFO = "compiled.json"  # a rank's compile record, moved into config.json's build.compiled
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -118,7 +118,7 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
 
 
 def _mapping(rank: int, opts: BuildOptions, cfg: ModelConfig) -> RankMapping:
-    """This rank's shards (plugins/engine_format/mapping.py); config.json keeps only `parallel`."""
+    """This rank's shards (plugins/mapping.py); config.json keeps only `parallel`."""
     experts = cfg.n_routed_experts if cfg.has_moe else 0
     return rank_mapping(rank, Parallel(opts.world_size, opts.ep_size, opts.tp_size), experts)
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from builder.options import BuildError
-from plugins.engine_format.config import Limits
-from plugins.engine_format.graph_io import SPECS
-from plugins.engine_format.layout import KVLayout
+from models.engine_format.config import Limits
+from models.engine_format.graph_io import SPECS
+from models.engine_format.layout import KVLayout
 
 if TYPE_CHECKING:
     import tensorrt as trt

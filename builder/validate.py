@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from builder.options import BuildError
-from plugins.engine_format import CONFIG_NAME, MANIFEST_NAME, EngineDirError, load_engine_config, looks_like_engine_dir
+from models.engine_format import CONFIG_NAME, MANIFEST_NAME, EngineDirError, load_engine_config, looks_like_engine_dir
 from plugins.kv_pool import KVPoolGeometry
 
 # Files an engine directory holds besides those its checksum table lists (the tables themselves).

@@ -17,7 +17,7 @@ from torch import nn
 
 import plugins.collectives  # noqa: F401  (torch.ops.mtp.all_reduce)
 from models.config import ModelConfig
-from plugins.engine_format.mapping import RankMapping
+from plugins.mapping import RankMapping
 from plugins.ops import moe_experts_local
 
 
@@ -108,7 +108,7 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Routed experts (fused canonical layout, one plugin op) + shared experts.
 
-    With expert parallelism this rank holds the experts of its mapping (plugins/engine_format/mapping.py) and
+    With expert parallelism this rank holds the experts of its mapping (plugins/mapping.py) and
     the plugin op exchanges tokens with the other ranks; the router is replicated. With tensor parallelism the
     op returns this rank's partial routed sum, the shared experts are column/row-parallel, and one all-reduce
     sums both.

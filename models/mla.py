@@ -26,7 +26,7 @@ from models.config import (
     kv_geometry_fields as kv_geometry_fields,  # re-exported: the pool geometry rule lives in config.py
 )
 from models.feed_forward import fuse_linears
-from models.glm4_moe import PagedKV, RMSNorm, StepMeta
+from models.layers import PagedKV, RMSNorm, StepMeta
 from plugins.rope import RopeTable, apply_rope_freq, rope_parameters, rope_table_freq, yarn_softmax_scale
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps.

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.config import ModelConfig
-from plugins.engine_format.mapping import RankMapping, local_kv_heads
+from plugins.mapping import RankMapping, local_kv_heads
 
 Slices = tuple[slice, ...]
 

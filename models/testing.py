@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.checkpoint import save_hf_checkpoint, to_hf_config
+from models.checkpoint_export import save_hf_checkpoint, to_hf_config
 from models.config import ModelConfig
 from models.fp8 import SCALE_SUFFIX, quantize
 from models.glm4_moe import Glm4MoeMTPModel

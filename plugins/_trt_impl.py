@@ -18,24 +18,16 @@ from typing import Any
 import numpy as np
 import tensorrt as trt
 import torch
-from onnx.defs import OpSchema
 
-from plugins.engine_format.names import KV_WRITE, MLA_KV_WRITE, MLA_PAGED_ATTENTION, PAGED_ATTENTION
 from plugins.kv_pool import KVPoolGeometry
 from plugins.mla_ops import mla_geometry
 from plugins.mla_triton import mla_kv_write_triton, mla_paged_attention_triton
-from plugins.onnx_export import (
-    DOMAIN,
-    KV_WRITE_ATTRS,
-    MLA_KV_WRITE_ATTRS,
-    MLA_PAGED_ATTENTION_ATTRS,
-    PAGED_ATTENTION_ATTRS,
-    PLUGIN_VERSION,
-)
+from plugins.names import DOMAIN, KV_WRITE, MLA_KV_WRITE, MLA_PAGED_ATTENTION, PAGED_ATTENTION, PLUGIN_VERSION
+from plugins.op_spec import SPECS, OpSpec, accepts
 from plugins.triton_kernels import kv_write_triton, paged_attention_triton
 
-_FLOAT_TYPES = (trt.DataType.FLOAT, trt.DataType.HALF, trt.DataType.BF16)
-_INDEX_TYPES = (trt.DataType.INT32, trt.DataType.INT64)
+_TYPE_NAMES = {trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16", trt.DataType.BF16: "bfloat16",
+               trt.DataType.INT32: "int32", trt.DataType.INT64: "int64"}  # fmt: skip
 # __cuda_array_interface__ has no bf16 typestr: bf16 is wrapped as int16 and reinterpreted.
 _TYPESTR = {trt.DataType.FLOAT: "<f4", trt.DataType.HALF: "<f2", trt.DataType.BF16: "<i2",
             trt.DataType.INT32: "<i4", trt.DataType.INT64: "<i8"}  # fmt: skip
@@ -52,22 +44,22 @@ def _as_tensor(ptr: int, desc: trt.PluginTensorDesc) -> torch.Tensor:
     return t.view(torch.bfloat16) if desc.type == trt.DataType.BF16 else t
 
 
-def _fields(spec: list[tuple[str, Any, str]], values: dict[str, float]) -> trt.PluginFieldCollection:
+def _fields(spec: OpSpec, values: dict[str, float]) -> trt.PluginFieldCollection:
     fields = []
-    for name, attr_type, _ in spec:
+    for attr in spec.attrs:
         # FallbackString: the binding's name type (implicitly converted from str at runtime; explicit for mypy).
-        key = trt.FallbackString(name)
-        if attr_type == OpSchema.AttrType.FLOAT:
+        name, key = attr.name, trt.FallbackString(attr.name)
+        if attr.kind is float:
             fields.append(trt.PluginField(key, np.array([values[name]], np.float32), trt.PluginFieldType.FLOAT32))
         else:
             fields.append(trt.PluginField(key, np.array([values[name]], np.int32), trt.PluginFieldType.INT32))
     return trt.PluginFieldCollection(fields)
 
 
-def _read_fields(spec: list[tuple[str, Any, str]], fc: trt.PluginFieldCollection_) -> dict[str, float]:
+def _read_fields(spec: OpSpec, fc: trt.PluginFieldCollection_) -> dict[str, float]:
     """Plugin fields -> attribute values. The ONNX parser may hand ints as INT32 or INT64 and floats as
     FLOAT32 or FLOAT64, and adds the routing strings: take the first element of each known field."""
-    known = {name for name, _, _ in spec}
+    known = {a.name for a in spec.attrs}
     values: dict[str, float] = {}
     for i in range(len(fc)):
         f = fc[i]
@@ -81,7 +73,7 @@ def _read_fields(spec: list[tuple[str, Any, str]], fc: trt.PluginFieldCollection
 
 class _PluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
     name = ""
-    spec: list[tuple[str, Any, str]] = []
+    spec: OpSpec
     pool_input = 0
 
     def __init__(self, values: dict[str, float]) -> None:
@@ -98,7 +90,7 @@ class _PluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, tr
         self.format_combination_limit = trt.IPluginV3OneBuild.DEFAULT_FORMAT_COMBINATION_LIMIT
         self.values = dict(values)
         self._pool_cache: tuple[int, int] = (0, 0)  # (address of the pool_ptr buffer, pool address)
-        floats = {name for name, attr_type, _ in self.spec if attr_type == OpSchema.AttrType.FLOAT}
+        floats = {a.name for a in self.spec.attrs if a.kind is float}
         v = {k: int(x) for k, x in values.items() if k not in floats}
         self.plane = v["plane"]
         self.geom = self._geometry(v)
@@ -142,15 +134,19 @@ class _PluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, tr
             self._pool_cache = (buffer_ptr, int(host[0]))
         return self._pool_cache[1]
 
-    def _linear(self, desc: trt.PluginTensorDesc) -> bool:
-        return bool(desc.format == trt.TensorFormat.LINEAR)
+    def supports_format_combination(self, pos: int, in_out: list[trt.DynamicPluginTensorDesc], num_inputs: int) -> bool:
+        """Linear tensors whose types the op's spec accepts (plugins/op_spec.py `accepts`)."""
+        if in_out[pos].desc.format != trt.TensorFormat.LINEAR:
+            return False
+        types = [_TYPE_NAMES.get(d.desc.type, "other") for d in in_out[: pos + 1]]
+        return accepts(self.spec, pos, types)
 
 
 class KvWritePlugin(_PluginBase):
     """KvWrite: inputs k, v, counts, starts, block_tables, pool_ptr; output int64[1] rows stored."""
 
     name = KV_WRITE
-    spec = KV_WRITE_ATTRS
+    spec = SPECS["kv_write"]
     pool_input = 5
 
     def get_output_data_types(self, input_types: list[trt.DataType]) -> list[trt.DataType]:
@@ -163,17 +159,6 @@ class KvWritePlugin(_PluginBase):
         out[0] = expr_builder.constant(1)
         return [out]
 
-    def supports_format_combination(self, pos: int, in_out: list[trt.DynamicPluginTensorDesc], num_inputs: int) -> bool:
-        desc = in_out[pos].desc
-        if not self._linear(desc):
-            return False
-        if pos == 0:
-            return desc.type in _FLOAT_TYPES
-        if pos == 1:
-            return desc.type == in_out[0].desc.type
-        if pos in (2, 3, 4):
-            return desc.type in _INDEX_TYPES
-        return desc.type == trt.DataType.INT64  # pool_ptr, written
 
     def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
                 inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
@@ -189,7 +174,7 @@ class PagedAttentionPlugin(_PluginBase):
     """PagedAttention: inputs q, q_counts, kv_lens, block_tables, pool_ptr, after; output like q."""
 
     name = PAGED_ATTENTION
-    spec = PAGED_ATTENTION_ATTRS
+    spec = SPECS["paged_attention"]
     pool_input = 4
 
     def get_output_data_types(self, input_types: list[trt.DataType]) -> list[trt.DataType]:
@@ -200,17 +185,6 @@ class PagedAttentionPlugin(_PluginBase):
     ) -> list[trt.DimsExprs]:
         return [trt.DimsExprs([inputs[0][i] for i in range(len(inputs[0]))])]
 
-    def supports_format_combination(self, pos: int, in_out: list[trt.DynamicPluginTensorDesc], num_inputs: int) -> bool:
-        desc = in_out[pos].desc
-        if not self._linear(desc):
-            return False
-        if pos == 0:
-            return desc.type in _FLOAT_TYPES
-        if pos in (1, 2, 3):
-            return desc.type in _INDEX_TYPES
-        if pos in (4, 5):
-            return desc.type == trt.DataType.INT64
-        return desc.type == in_out[0].desc.type  # output
 
     def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
                 inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
@@ -226,7 +200,7 @@ class MlaKvWritePlugin(_PluginBase):
     """MlaKvWrite: inputs latent, counts, starts, block_tables, pool_ptr, inv_freq; output int64[1] rows stored."""
 
     name = MLA_KV_WRITE
-    spec = MLA_KV_WRITE_ATTRS
+    spec = SPECS["mla_kv_write"]
     pool_input = 4
 
     def _geometry(self, v: dict[str, int]) -> KVPoolGeometry:
@@ -242,17 +216,6 @@ class MlaKvWritePlugin(_PluginBase):
         out[0] = expr_builder.constant(1)
         return [out]
 
-    def supports_format_combination(self, pos: int, in_out: list[trt.DynamicPluginTensorDesc], num_inputs: int) -> bool:
-        desc = in_out[pos].desc
-        if not self._linear(desc):
-            return False
-        if pos == 0:
-            return desc.type in _FLOAT_TYPES
-        if pos in (1, 2, 3):
-            return desc.type in _INDEX_TYPES
-        if pos == 5:
-            return desc.type == trt.DataType.FLOAT  # inv_freq
-        return desc.type == trt.DataType.INT64  # pool_ptr, written
 
     def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
                 inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
@@ -269,7 +232,7 @@ class MlaPagedAttentionPlugin(_PluginBase):
     """MlaPagedAttention: inputs q, q_counts, kv_lens, block_tables, pool_ptr, after; output [T, H, latent - rope]."""
 
     name = MLA_PAGED_ATTENTION
-    spec = MLA_PAGED_ATTENTION_ATTRS
+    spec = SPECS["mla_paged_attention"]
     pool_input = 4
 
     def _geometry(self, v: dict[str, int]) -> KVPoolGeometry:
@@ -284,17 +247,6 @@ class MlaPagedAttentionPlugin(_PluginBase):
         value_dim = self.geom.head_dim - int(self.values["rope_dim"])  # the c_kv part of the latent
         return [trt.DimsExprs([inputs[0][0], inputs[0][1], expr_builder.constant(value_dim)])]
 
-    def supports_format_combination(self, pos: int, in_out: list[trt.DynamicPluginTensorDesc], num_inputs: int) -> bool:
-        desc = in_out[pos].desc
-        if not self._linear(desc):
-            return False
-        if pos == 0:
-            return desc.type in _FLOAT_TYPES
-        if pos in (1, 2, 3):
-            return desc.type in _INDEX_TYPES
-        if pos in (4, 5):
-            return desc.type == trt.DataType.INT64
-        return desc.type == in_out[0].desc.type  # output
 
     def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
                 inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
@@ -315,7 +267,7 @@ class _CreatorBase(trt.IPluginCreatorV3One):
         self.plugin_namespace = DOMAIN
         self.plugin_version = PLUGIN_VERSION
         spec = self.plugin_cls.spec
-        self.field_names = trt.PluginFieldCollection_(_fields(spec, {name: 0 for name, _, _ in spec}))
+        self.field_names = trt.PluginFieldCollection_(_fields(spec, {a.name: 0 for a in spec.attrs}))
 
     def create_plugin(self, name: str, field_collection: trt.PluginFieldCollection_, phase: Any) -> trt.IPluginV3:
         return self.plugin_cls(_read_fields(self.plugin_cls.spec, field_collection))

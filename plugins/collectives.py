@@ -25,6 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from plugins.op_backends import ORT_KERNELS, define_torch
+from plugins.op_spec import SPECS
+
 _GROUPS: dict[int, tuple[Any, Any]] = {}
 _SECONDS = [0.0]
 
@@ -98,20 +101,14 @@ def all_gather_numpy(x: np.ndarray, tp_size: int) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(recv, 0, -2).reshape(*send.shape[:-1], tp_size * send.shape[-1]))
 
 
-@torch.library.custom_op("mtp::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """torch.ops.mtp.all_reduce on any device (through host fp32; the GPU transport is NCCL in TensorRT)."""
     if tp_size == 1:
         return x.clone()
     out = torch.from_numpy(all_reduce_numpy(_host_f32(x), tp_size))
     return out.to(device=x.device, dtype=x.dtype)
 
 
-@all_reduce.register_fake
-def _(x, tp_size):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("mtp::all_gather", mutates_args=())
 def all_gather(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     if tp_size == 1:
         return x.clone()
@@ -119,6 +116,7 @@ def all_gather(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     return out.to(device=x.device, dtype=x.dtype)
 
 
-@all_gather.register_fake
-def _(x, tp_size):
-    return x.new_empty((*x.shape[:-1], x.shape[-1] * tp_size))
+# Schemas and fakes from their specs (plugins/op_spec.py); these kernels serve every device.
+define_torch(SPECS["all_reduce"], all_reduce, "CompositeExplicitAutograd")
+define_torch(SPECS["all_gather"], all_gather, "CompositeExplicitAutograd")
+ORT_KERNELS["all_reduce"], ORT_KERNELS["all_gather"] = all_reduce_numpy, all_gather_numpy  # fp32 numpy in ORT

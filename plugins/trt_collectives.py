@@ -27,9 +27,9 @@ import tensorrt as trt
 import torch
 import torch.distributed as dist
 
-from plugins._trt_impl import _FLOAT_TYPES, _as_tensor, _fields, _read_fields
-from plugins.engine_format.names import ALL_GATHER, ALL_REDUCE, DOMAIN, PLUGIN_VERSION
-from plugins.onnx_export import COLLECTIVE_ATTRS
+from plugins._trt_impl import _TYPE_NAMES, _as_tensor, _fields, _read_fields
+from plugins.names import ALL_GATHER, ALL_REDUCE, DOMAIN, PLUGIN_VERSION
+from plugins.op_spec import SPECS, accepts
 
 _TP_GROUPS: dict[int, Any] = {}
 
@@ -87,7 +87,7 @@ class _CollectivePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBui
         return type(self)(self.values)
 
     def get_fields_to_serialize(self) -> trt.PluginFieldCollection_:
-        return trt.PluginFieldCollection_(_fields(COLLECTIVE_ATTRS, self.values))
+        return trt.PluginFieldCollection_(_fields(SPECS["all_reduce"], self.values))
 
     def configure_plugin(self, inp: list[trt.DynamicPluginTensorDesc], out: list[trt.DynamicPluginTensorDesc]) -> None:
         return None
@@ -111,10 +111,10 @@ class _CollectivePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBui
         return [input_types[0]]
 
     def supports_format_combination(self, pos: int, in_out: list[trt.DynamicPluginTensorDesc], num_inputs: int) -> bool:
-        desc = in_out[pos].desc
-        if desc.format != trt.TensorFormat.LINEAR:
+        if in_out[pos].desc.format != trt.TensorFormat.LINEAR:
             return False
-        return desc.type in _FLOAT_TYPES if pos == 0 else desc.type == in_out[0].desc.type
+        types = [_TYPE_NAMES.get(d.desc.type, "other") for d in in_out[: pos + 1]]
+        return accepts(SPECS["all_reduce"], pos, types)  # AllGather's tensors are typed alike
 
 
 class AllReducePlugin(_CollectivePlugin):
@@ -167,10 +167,10 @@ class _CollectiveCreator(trt.IPluginCreatorV3One):
         self.name = self.plugin_cls.name
         self.plugin_namespace = DOMAIN
         self.plugin_version = PLUGIN_VERSION
-        self.field_names = trt.PluginFieldCollection_(_fields(COLLECTIVE_ATTRS, {"tp_size": 0}))
+        self.field_names = trt.PluginFieldCollection_(_fields(SPECS["all_reduce"], {"tp_size": 0}))
 
     def create_plugin(self, name: str, field_collection: trt.PluginFieldCollection_, phase: Any) -> trt.IPluginV3:
-        return self.plugin_cls(_read_fields(COLLECTIVE_ATTRS, field_collection))
+        return self.plugin_cls(_read_fields(SPECS["all_reduce"], field_collection))
 
 
 class AllReduceCreator(_CollectiveCreator):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugins.engine_format.names import DOMAIN, TRT_PLUGIN_NODES
+from plugins.names import DOMAIN, TRT_PLUGIN_NODES
 
 NAMESPACE = DOMAIN
 PLUGIN_NAMES = TRT_PLUGIN_NODES

@@ -1,14 +1,14 @@
-"""runtime/: loads an engine (or a checkpoint) and serves requests.
+"""runtime/: loads an engine (or a checkpoint) and serves requests. Rooms, lowest first:
 
-Owns: per-request state (request.py), admission checks (admission.py), continuous batching (scheduler.py),
-paged KV blocks with prefix caching (block_pool.py, kv_manager.py), the exact MTP step as plan-then-apply
-(mtp_plan.py plans, engine.py applies), sampling and acceptance (sampling.py), the adaptive draft length
-(draft_length.py), metrics, multi-rank lockstep and the start-up fingerprint (parallel.py, fingerprint.py),
-the tensor-parallel leader/follower split (tp_group.py) and the collective watchdog (watchdog.py),
-executors (executors/: torch, onnxruntime, tensorrt), `mtp-run` (cli.py) and `create_engine` (factory.py).
-Apps on top, which the engine never imports: bench/ (`mtp-bench`), serving/ (`mtp-serve`), demo.py.
-The control plane (everything but executors/) is torch-free and never imports the builder (tp_group.join
-imports plugins.collectives, which needs torch, only in a multi-rank job).
+* `core/`       the engine: requests, admission, scheduling, paged KV with prefix caching, the MTP step as
+                plan-then-apply, sampling, the adaptive draft length, metrics. Torch-free: it plans on ints
+                and numpy arrays and talks to an executor through runtime/executors/base.py.
+* `executors/`  torch, onnxruntime, tensorrt: run the three graphs over a KV pool they own.
+* `multirank/`  mpirun jobs: the rank strategies the engine is constructed with (single rank, DP lockstep,
+                TP leader / follower), the start-up fingerprint, the collective watchdog.
+* `factory.py`  `create_engine`: the one place that assembles executor + strategy + engine.
+* applications, which nothing above imports and which alone may import the builder: `cli.py` (`mtp-run`),
+  `serving/` (`mtp-serve`), `bench/` (`mtp-bench`), `demo.py`, `gpu_check.py`.
 """
 
 import os

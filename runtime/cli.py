@@ -11,7 +11,7 @@ rank 0 prints (it gathers the other leaders' results). --collective-timeout arms
 Errors are one line on stderr (`--debug` adds the traceback): exit 2 for bad input, 1 for a rejected
 request or an internal error, 130 for Ctrl-C (a single process still prints every finished request).
 Under mpirun a failing rank prints one line naming itself and the job ends; ranks started with different
-settings all exit with one line naming the first differing field (runtime/parallel.py).
+settings all exit with one line naming the first differing field (runtime/multirank/parallel.py).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import time
 import traceback
 from pathlib import Path
 
-from runtime.admission import RequestError, validate_params
-from runtime.config import ConfigError
+from runtime.core.admission import RequestError, validate_params
+from runtime.core.config import ConfigError
+from runtime.core.sampling import SamplingParams
 from runtime.factory import EXECUTORS, create_engine
-from runtime.parallel import EveryRankError, describe, exit_failed_rank, lockstep_stream, mpi_world
-from runtime.sampling import SamplingParams
-from runtime.tp_group import run_follower
-from runtime.watchdog import DEFAULT_TIMEOUT_S, check_timeout
+from runtime.multirank.parallel import EveryRankError, describe, exit_failed_rank, mpi_world
+from runtime.multirank.strategies import lead_or_follow
+from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S, check_timeout
 
 PROG = "mtp-run"
 # Errors that mean the user's input (flags, files, engine directory) is wrong: one line, exit 2.
@@ -118,10 +118,13 @@ def run(args, rank: int = 0, world: int = 1) -> int:
         commit_pass=False if args.no_commit_pass else None, collective_timeout=args.collective_timeout, prog=PROG,
         tp_size=args.tp_size,
     )  # fmt: skip
-    role = engine.rank_role
-    if role is not None and not role.is_leader:  # a TP follower: replays the leader's calls, prints nothing
-        return run_follower(role, PROG, args.debug)
-    dp_rank, dp_size = (role.mapping.dp_rank, role.mapping.dp) if role is not None else (0, 1)
+    return lead_or_follow(engine.ranks, lambda: _lead(engine, args, params, prompts, world), PROG, args.debug)
+
+
+def _lead(engine, args, params: SamplingParams, prompts: list[str], world: int) -> int:
+    """A rank that steps the engine: its DP group's share of the prompts, then the records (group 0 prints all)."""
+    ranks = engine.ranks
+    dp_rank, dp_size = ranks.dp_rank, ranks.dp_size
     mine = list(range(dp_rank, len(prompts), dp_size))
     ids, errors = {}, {}
     for i in mine:
@@ -133,7 +136,7 @@ def run(args, rank: int = 0, world: int = 1) -> int:
     t0 = time.perf_counter()
     finals, shown, interrupted = {}, "", False
     try:
-        for out in lockstep_stream(engine):
+        for out in engine.stream():
             if stream_live and out.new_token_ids and out.text.startswith(shown):
                 sys.stdout.write(out.text[len(shown) :])  # print only the new text (a stop string may cut it back)
                 shown = out.text
@@ -146,13 +149,12 @@ def run(args, rank: int = 0, world: int = 1) -> int:
         interrupted = True  # a single process keeps what finished and prints it below
         errors.update({i: "interrupted (Ctrl-C) before it finished" for i in mine if i not in finals})
     wall = time.perf_counter() - t0
-    if role is not None:
-        role.stop()  # the followers leave follow() and exit 0
+    ranks.stop()  # the followers leave follow() and exit 0
     records = [_record(prompts[i], finals.get(i), errors.get(i)) for i in mine]
     summary = engine.metrics.summary(wall, len(mine))
-    if role is not None and dp_size > 1:  # one record set per DP group, from its leader
-        gathered = role.leaders_comm.gather((mine, records, summary, engine.metrics, wall), root=0)
-        if dp_rank != 0:
+    if dp_size > 1:  # one record set per DP group, from its leader
+        gathered = ranks.gather_to_first((mine, records, summary, engine.metrics, wall))
+        if gathered is None:
             return 0
         order = [i for g in gathered for i in g[0]]
         records = [r for _, r in sorted(zip(order, [r for g in gathered for r in g[1]], strict=True), key=lambda x: x[0])]

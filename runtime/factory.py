@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from plugins.engine_format import EngineConfig, KVLayout, Limits, load_engine_config
-from plugins.engine_format.compiled import compiled_problem
-from plugins.engine_format.config import Parallel
-from plugins.engine_format.mapping import MappingError, check_model, rank_mapping
-from runtime.config import ConfigError, RuntimeConfig
-from runtime.engine import LLMEngine
+from models.engine_format import EngineConfig, KVLayout, Limits, load_engine_config
+from models.engine_format.compiled import compiled_problem
+from plugins.mapping import MappingError, Parallel, check_model, rank_mapping
+from runtime.core.config import ConfigError, RuntimeConfig
+from runtime.core.draft_length import DraftLengthController
+from runtime.core.engine import LLMEngine
 from runtime.executors.base import Executor
-from runtime.tp_group import join
-from runtime.watchdog import DEFAULT_TIMEOUT_S
+from runtime.multirank.strategies import rank_strategy
+from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S
 
 EXECUTORS = ("auto", "compiled", "onnxruntime", "torch", "tensorrt")
 
@@ -48,6 +49,8 @@ def create_engine(
     ep_size: int | None = None,
     collective_timeout: float = DEFAULT_TIMEOUT_S,
     prog: str | None = None,
+    wrap_executor: Callable[[Executor], Executor] | None = None,
+    draft_length: DraftLengthController | None = None,
     **overrides,
 ) -> LLMEngine:
     """Args:
@@ -61,8 +64,10 @@ def create_engine(
         tp_size, ep_size: the mapping of a checkpoint run (an engine directory records its own): the weights
             are sharded at load per the mapping contract (ep_size default: world_size).
         collective_timeout, prog: multi-rank only: the watchdog's deadline and the program its line names.
+        wrap_executor: wraps the executor before the engine is built (tests record or fault its calls).
+        draft_length: a controller for `auto` in place of the default one (runtime/core/draft_length.py).
         overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...); num_draft_tokens="auto"
-            picks the draft length per step, up to the engine's built K (runtime/draft_length.py).
+            picks the draft length per step, up to the engine's built K (runtime/core/draft_length.py).
     """
     if executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
@@ -114,12 +119,13 @@ def create_engine(
         tokenizer = load_tokenizer(Path(checkpoint))
     if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:
         cfg = replace(cfg, num_draft_tokens=0)  # the checkpoint has no MTP module: plain decoding
-    engine = LLMEngine(ex, model_cfg, cfg, tokenizer, lockstep=world_size > 1, seed=seed)
-    if world_size > 1:  # collective: every rank agrees on the settings here (RanksDisagree on every rank)
-        join(engine, parallel, collective_timeout, prog or Path(sys.argv[0]).stem or "mtp")
-    if engine.draft_length is not None and (executor in ("compiled", "onnxruntime") or (executor == "torch" and device == "cpu")):
-        engine.draft_clock = time.process_time  # CPU executors: auto's costs in CPU work, immune to other jobs
-    return engine
+    if wrap_executor is not None:
+        ex = wrap_executor(ex)
+    # collective under mpirun: every rank agrees on the settings here (RanksDisagree on every rank)
+    ranks = rank_strategy(ex, model_cfg, cfg, parallel, collective_timeout, prog or Path(sys.argv[0]).stem or "mtp")
+    cpu = executor in ("compiled", "onnxruntime") or (executor == "torch" and device == "cpu")
+    return LLMEngine(ex, model_cfg, cfg, tokenizer, seed=seed, ranks=ranks, draft_length=draft_length,
+                     draft_clock=time.process_time if cpu else time.perf_counter)  # fmt: skip
 
 
 def fastest_executor(ecfg: EngineConfig) -> str:

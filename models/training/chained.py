@@ -1,7 +1,7 @@
 """The chained-depth MTP training forward: depths 1..K of ONE MTP module, each depth fed exactly what the
 runtime's serial draft loop feeds it.
 
-What the runtime does (runtime/mtp_plan.py, docs/MTP_HIDDEN_STATES.md): the MTP plane holds, at every
+What the runtime does (runtime/core/mtp_plan.py, docs/MTP_HIDDEN_STATES.md): the MTP plane holds, at every
 committed position q, the K/V of the depth-1 entry (h_q, t_{q+1}) written by the commit pass from the main
 model's post-final-norm hidden h_q. Drafting from base position b, depth 1 writes position b-1 from
 (h_{b-1}, t_b); depth j writes position b-2+j from (g_{j-1}, token), where g_{j-1} is depth j-1's output AFTER

@@ -39,7 +39,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from safetensors.torch import save_file
 
-from models.checkpoint import to_hf_config, to_hf_tensors
+from models.checkpoint_export import to_hf_config, to_hf_tensors
 from models.config import ModelConfig
 from models.feed_forward import Router
 from models.glm4_moe import Glm4MoeMTPModel

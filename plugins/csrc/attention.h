@@ -51,64 +51,79 @@ inline void check_attend(const AttendArgs& a) {
   }
 }
 
+constexpr int kTile = 4;  // keys (values) read per pass over the queries
+
+template <class V, class P>
+MTP_INLINE int key_tile(const AttendArgs& a, int64_t r, int64_t g, int64_t p0, int64_t n, int64_t kv, int64_t offset,
+                        int64_t width, float* buf, const float** rows) {
+  const int nk = static_cast<int>(std::min<int64_t>(kTile, n - p0));
+  const int64_t bs = a.pool->block_size;
+  for (int i = 0; i < nk; ++i) {
+    const int64_t p = p0 + i;
+    int64_t block = (*a.tables)[r * a.cols + p / bs];
+    if (block < 0) block = 0;  // a hole inside kv_len reads the null block (outside the contract)
+    const P* src = reinterpret_cast<const P*>(a.pool->row(kv, block, p % bs, g)) + offset;
+    if constexpr (std::is_same_v<P, float>) {
+      rows[i] = src;
+    } else {
+      V::to_f32(src, buf + i * width, width);
+      rows[i] = buf + i * width;
+    }
+  }
+  return nk;
+}
+
 template <class V, class Q, class P>
 void attend(const AttendArgs& a) {
   const Q* q = static_cast<const Q*>(a.q);
   Q* out = static_cast<Q*>(a.out);
-  const int64_t hq = a.kv_heads * a.group, bs = a.pool->block_size;
-  const int64_t q_row = hq * a.dk, out_row = hq * a.dv;
+  const int64_t hq = a.kv_heads * a.group;
+  const int64_t q_row = hq * a.dk, out_row = hq * a.dv, width = std::max(a.dk, a.dv);
   int64_t row0 = 0;
   for (int64_t r = 0; r < a.num_requests; ++r) {
     const int64_t n_q = (*a.q_counts)[r], n_kv = (*a.kv_lens)[r];
     if (n_q == 0) continue;
-    const int64_t first = n_kv - n_q;  // position of query 0
+    const int64_t first = n_kv - n_q;  // position of query 0; query j sees keys 0..first+j
     const int64_t rows_g = n_q * a.group;
-    float* qf = scratch(0, rows_g * a.dk + 2 * std::max(a.dk, a.dv) + rows_g);
+    float* qf = scratch(0, rows_g * a.dk + kTile * width + rows_g);
     float* kbuf = qf + rows_g * a.dk;
-    float* sums = kbuf + 2 * std::max(a.dk, a.dv);
+    float* sums = kbuf + kTile * width;
     float* s = scratch(1, rows_g * std::max<int64_t>(n_kv, 1));
     float* acc = scratch(2, rows_g * a.dv);
+    const float* tile[kTile];
+    float part[kTile];
     for (int64_t g = 0; g < a.kv_heads; ++g) {
       for (int64_t j = 0; j < n_q; ++j)
         for (int64_t h = 0; h < a.group; ++h)
           V::to_f32(q + (row0 + j) * q_row + (g * a.group + h) * a.dk, qf + (j * a.group + h) * a.dk, a.dk);
-      // scores: key p is seen by queries j >= p - first
-      for (int64_t p = 0; p < n_kv; ++p) {
-        const int64_t j0 = std::max<int64_t>(0, p - first);
+      // scores of a tile of keys against every query that sees its first key (the rest of a row is ignored)
+      for (int64_t p0 = 0; p0 < n_kv; p0 += kTile) {
+        const int64_t j0 = std::max<int64_t>(0, p0 - first);
         if (j0 >= n_q) break;
-        int64_t block = (*a.tables)[r * a.cols + p / bs];
-        if (block < 0) block = 0;  // a hole inside kv_len reads the null block (outside the contract)
-        const P* kp = reinterpret_cast<const P*>(a.pool->row(0, block, p % bs, g));
-        const float* kf;
-        if constexpr (std::is_same_v<P, float>) kf = kp;
-        else { V::to_f32(kp, kbuf, a.dk); kf = kbuf; }
-        for (int64_t jh = j0 * a.group; jh < rows_g; ++jh)
-          s[jh * n_kv + p] = V::dot(qf + jh * a.dk, kf, a.dk) * a.scale;
+        const int nk = key_tile<V, P>(a, r, g, p0, n_kv, 0, 0, a.dk, kbuf, tile);
+        for (int64_t jh = j0 * a.group; jh < rows_g; ++jh) {
+          dot_n<V>(nk, tile, qf + jh * a.dk, a.dk, part);
+          for (int i = 0; i < nk; ++i) s[jh * n_kv + p0 + i] = part[i] * a.scale;
+        }
       }
-      // softmax numerators and sums
+      // softmax numerators and sums over each query's visible keys
       for (int64_t jh = 0; jh < rows_g; ++jh) {
         const int64_t len = std::min(first + jh / a.group + 1, n_kv);
         if (len <= 0) { sums[jh] = 0.0f; continue; }
         float* row = s + jh * n_kv;
-        float m = row[0];
-        for (int64_t p = 1; p < len; ++p) m = std::max(m, row[p]);
-        V::exp_sub(row, m, len);
-        float sum = 0.0f;
-        for (int64_t p = 0; p < len; ++p) sum += row[p];
-        sums[jh] = sum;
+        V::exp_sub(row, V::max(row, len), len);
+        sums[jh] = V::sum(row, len);
       }
-      // weighted values
+      // weighted values, a tile of value rows at a time, each query's sum in key order
       std::fill(acc, acc + rows_g * a.dv, 0.0f);
-      for (int64_t p = 0; p < n_kv; ++p) {
-        const int64_t j0 = std::max<int64_t>(0, p - first);
+      for (int64_t p0 = 0; p0 < n_kv; p0 += kTile) {
+        const int64_t j0 = std::max<int64_t>(0, p0 - first);
         if (j0 >= n_q) break;
-        int64_t block = (*a.tables)[r * a.cols + p / bs];
-        if (block < 0) block = 0;
-        const P* vp = reinterpret_cast<const P*>(a.pool->row(a.value_kv, block, p % bs, g)) + a.value_offset;
-        const float* vf;
-        if constexpr (std::is_same_v<P, float>) vf = vp;
-        else { V::to_f32(vp, kbuf, a.dv); vf = kbuf; }
-        for (int64_t jh = j0 * a.group; jh < rows_g; ++jh) V::axpy(s[jh * n_kv + p], vf, acc + jh * a.dv, a.dv);
+        const int nk = key_tile<V, P>(a, r, g, p0, n_kv, a.value_kv, a.value_offset, a.dv, kbuf, tile);
+        for (int64_t jh = j0 * a.group; jh < rows_g; ++jh) {
+          const int seen = static_cast<int>(std::min<int64_t>(nk, first + jh / a.group + 1 - p0));
+          axpy_n<V>(seen, s + jh * n_kv + p0, tile, acc + jh * a.dv, a.dv);
+        }
       }
       for (int64_t j = 0; j < n_q; ++j)
         for (int64_t h = 0; h < a.group; ++h) {

@@ -130,8 +130,26 @@ struct Generic {
   static MTP_INLINE void axpy(float w, const T* x, float* y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) y[i] += w * f32(x[i]);
   }
+  // y += w[0] * x[0] + w[1] * x[1] + ..., accumulated in that order (== NX successive axpy calls)
+  template <int NX, class T>
+  static MTP_INLINE void axpy_multi(const float* w, const T* const* x, float* y, int64_t n) {
+    for (int r = 0; r < NX; ++r) axpy(w[r], x[r], y, n);
+  }
   static MTP_INLINE void exp_sub(float* x, float m, int64_t n) {  // x[i] = exp(x[i] - m)
     for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - m);
+  }
+  static MTP_INLINE void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  }
+  static MTP_INLINE float max(const float* x, int64_t n) {
+    float m = x[0];
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, x[i]);
+    return m;
+  }
+  static MTP_INLINE float sum(const float* x, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; ++i) s += x[i];
+    return s;
   }
 };
 
@@ -159,12 +177,32 @@ struct Avx512 {
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load(src + i));
     if (i < n) _mm512_mask_storeu_ps(dst + i, tail(n - i), load(src + i, tail(n - i)));
   }
-  // Each activation row gets two accumulators (even / odd 16-lane chunks), so dot_multi<1> and every row of
-  // dot_multi<4> run the same operations: a row's result does not depend on its neighbours.
+  // Sums of 4 vectors' 16 lanes, each by the same pairing tree: lanes (i, i+8), then (i, i+4), (i, i+2),
+  // (i, i+1). A vector's sum does not depend on the other three (pass zeros for unused ones), so reducing
+  // 1 or 4 rows at once gives bit-identical results.
+  static MTP_AVX512_TARGET inline void reduce4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, t);
+    out[0] = lanes[0];
+    out[1] = lanes[4];
+    out[2] = lanes[8];
+    out[3] = lanes[12];
+  }
+  // Each activation row gets two accumulators (even / odd 16-lane chunks) and the reduce4 tree, so
+  // dot_multi<1> and every row of dot_multi<4> run the same operations: a row's result does not depend on
+  // its neighbours.
   template <int NX, class T>
   static MTP_AVX512_TARGET inline void dot_multi(const float* const* a, const T* b, int64_t n, float* out) {
-    __m512 acc0[NX], acc1[NX];
-    for (int r = 0; r < NX; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    __m512 acc0[4], acc1[4];
+    for (int r = 0; r < 4; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
       const __m512 b0 = load(b + i), b1 = load(b + i + 16);
@@ -178,7 +216,10 @@ struct Avx512 {
       const __m512 b0 = load(b + i, m);
       for (int r = 0; r < NX; ++r) acc0[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a[r] + i), b0, acc0[r]);
     }
-    for (int r = 0; r < NX; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+    float sums[4];
+    reduce4(_mm512_add_ps(acc0[0], acc1[0]), _mm512_add_ps(acc0[1], acc1[1]), _mm512_add_ps(acc0[2], acc1[2]),
+            _mm512_add_ps(acc0[3], acc1[3]), sums);
+    for (int r = 0; r < NX; ++r) out[r] = sums[r];
   }
   template <class T>
   static MTP_AVX512_TARGET inline float dot(const float* a, const T* b, int64_t n) {
@@ -188,18 +229,101 @@ struct Avx512 {
   }
   template <class T>
   static MTP_AVX512_TARGET inline void axpy(float w, const T* x, float* y, int64_t n) {
-    const __m512 wv = _mm512_set1_ps(w);
+    axpy_multi<1>(&w, &x, y, n);
+  }
+  template <int NX, class T>
+  static MTP_AVX512_TARGET inline void axpy_multi(const float* w, const T* const* x, float* y, int64_t n) {
+    __m512 wv[NX];
+    for (int r = 0; r < NX; ++r) wv[r] = _mm512_set1_ps(w[r]);
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, load(x + i), _mm512_loadu_ps(y + i)));
+    for (; i + 16 <= n; i += 16) {
+      __m512 acc = _mm512_loadu_ps(y + i);
+      for (int r = 0; r < NX; ++r) acc = _mm512_fmadd_ps(wv[r], load(x[r] + i), acc);
+      _mm512_storeu_ps(y + i, acc);
+    }
     if (i < n) {
       const __mmask16 m = tail(n - i);
-      _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(wv, load(x + i, m), _mm512_maskz_loadu_ps(m, y + i)));
+      __m512 acc = _mm512_maskz_loadu_ps(m, y + i);
+      for (int r = 0; r < NX; ++r) acc = _mm512_fmadd_ps(wv[r], load(x[r] + i, m), acc);
+      _mm512_mask_storeu_ps(y + i, m, acc);
     }
   }
+  // exp(x), Cephes' expf polynomial (about 1 ulp): 2^n * p(r), n = round(x / ln 2), r = x - n ln 2
+  static MTP_AVX512_TARGET inline __m512 exp(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.37626f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+  }
   static MTP_AVX512_TARGET inline void exp_sub(float* x, float m, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - m);
+    const __m512 mv = _mm512_set1_ps(m);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv)));
+    if (i < n) {
+      const __mmask16 k = tail(n - i);
+      _mm512_mask_storeu_ps(x + i, k, exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv)));
+    }
+  }
+  static MTP_AVX512_TARGET inline float max(const float* x, int64_t n) {
+    __m512 m = _mm512_set1_ps(x[0]);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+    if (i < n) m = _mm512_mask_max_ps(m, tail(n - i), m, _mm512_maskz_loadu_ps(tail(n - i), x + i));
+    return _mm512_reduce_max_ps(m);
+  }
+  // 16 lane sums in index order, then reduce4's tree: fixed for a given n
+  static MTP_AVX512_TARGET inline float sum(const float* x, int64_t n) {
+    __m512 s = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(x + i));
+    if (i < n) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(tail(n - i), x + i));
+    float out[4];
+    const __m512 z = _mm512_setzero_ps();
+    reduce4(s, z, z, z, out);
+    return out[0];
+  }
+  static MTP_AVX512_TARGET inline __m512 silu_mul(__m512 g, __m512 u) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, exp(_mm512_sub_ps(_mm512_setzero_ps(), g)))), u);
+  }
+  static MTP_AVX512_TARGET inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, silu_mul(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i)));
+    if (i < n) {
+      const __mmask16 k = tail(n - i);
+      _mm512_mask_storeu_ps(out + i, k, silu_mul(_mm512_maskz_loadu_ps(k, gate + i), _mm512_maskz_loadu_ps(k, up + i)));
+    }
   }
 };
+
+// dot_multi / axpy_multi for a run-time row count 1..4 (tiles of keys, values or tokens)
+template <class V, class T>
+MTP_INLINE void dot_n(int rows, const float* const* a, const T* b, int64_t n, float* out) {
+  switch (rows) {
+    case 4: V::template dot_multi<4>(a, b, n, out); break;
+    case 3: V::template dot_multi<3>(a, b, n, out); break;
+    case 2: V::template dot_multi<2>(a, b, n, out); break;
+    default: V::template dot_multi<1>(a, b, n, out); break;
+  }
+}
+template <class V, class T>
+MTP_INLINE void axpy_n(int rows, const float* w, const T* const* x, float* y, int64_t n) {
+  switch (rows) {
+    case 4: V::template axpy_multi<4>(w, x, y, n); break;
+    case 3: V::template axpy_multi<3>(w, x, y, n); break;
+    case 2: V::template axpy_multi<2>(w, x, y, n); break;
+    default: V::template axpy_multi<1>(w, x, y, n); break;
+  }
+}
 
 // Instantiates BODY<Generic, ...> and BODY<Avx512, ...> (the latter compiled for AVX-512 as a whole) and
 // defines NAME(args...) that calls the one active_isa() names. BODY must be a function template

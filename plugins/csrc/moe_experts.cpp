@@ -61,26 +61,12 @@ void experts(const MoeArgs& a) {
         hs[i] = h + i * a.inter;
       }
       for (int64_t o = 0; o < two_i; ++o) {
-        switch (nx) {
-          case 4: V::template dot_multi<4>(xs, wg + o * a.hidden, a.hidden, tmp); break;
-          case 3: V::template dot_multi<3>(xs, wg + o * a.hidden, a.hidden, tmp); break;
-          case 2: V::template dot_multi<2>(xs, wg + o * a.hidden, a.hidden, tmp); break;
-          default: V::template dot_multi<1>(xs, wg + o * a.hidden, a.hidden, tmp); break;
-        }
+        dot_n<V>(nx, xs, wg + o * a.hidden, a.hidden, tmp);
         for (int i = 0; i < nx; ++i) gu[i * two_i + o] = tmp[i];
       }
-      for (int i = 0; i < nx; ++i)
-        for (int64_t d = 0; d < a.inter; ++d) {
-          const float g = gu[i * two_i + d];
-          h[i * a.inter + d] = g / (1.0f + std::exp(-g)) * gu[i * two_i + a.inter + d];  // silu(gate) * up
-        }
+      for (int i = 0; i < nx; ++i) V::silu_mul(gu + i * two_i, gu + i * two_i + a.inter, h + i * a.inter, a.inter);
       for (int64_t o = 0; o < a.hidden; ++o) {
-        switch (nx) {
-          case 4: V::template dot_multi<4>(hs, wd + o * a.inter, a.inter, tmp); break;
-          case 3: V::template dot_multi<3>(hs, wd + o * a.inter, a.inter, tmp); break;
-          case 2: V::template dot_multi<2>(hs, wd + o * a.inter, a.inter, tmp); break;
-          default: V::template dot_multi<1>(hs, wd + o * a.inter, a.inter, tmp); break;
-        }
+        dot_n<V>(nx, hs, wd + o * a.inter, a.inter, tmp);
         for (int i = 0; i < nx; ++i) y[order[c + i] * a.hidden + o] = tmp[i];
       }
     }

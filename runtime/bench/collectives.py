@@ -7,7 +7,7 @@ For each model (models/tiny, models/deep) and mapping (1 rank; TP2; DP2 x TP2 wi
 `mpirun -np W --oversubscribe python -m runtime.bench.collectives --worker ...` (torch executor, weights sharded at
 load, 1 thread per rank, greedy, K=2). Every leader times each engine.step() and the growth of
 plugins.collectives.collective_seconds() (TP all-reduce / all-gather and the MoE all-to-all) over it, plus the
-TP command broadcast (runtime/tp_group.py) and the DP lockstep check; followers report their whole-run share.
+TP command broadcast (runtime/multirank/tp_group.py) and the DP lockstep check; followers report their whole-run share.
 Medians over steps. Then, in the same processes (2 and 4 ranks), mpi4py `Allreduce` and torch.distributed gloo
 `all_reduce` on the activation of a decode step and of a prefill chunk, interleaved call by call, medians.
 
@@ -44,45 +44,37 @@ def worker(model: str, tp: int, ep: int, gloo_port: int) -> None:
 
     torch.set_num_threads(1)
     from plugins.collectives import collective_seconds
+    from runtime.core.sampling import SamplingParams
     from runtime.factory import create_engine
-    from runtime.parallel import lockstep_stream, mpi_world
-    from runtime.sampling import SamplingParams
+    from runtime.multirank.parallel import mpi_world
 
     comm, rank, world = mpi_world()
     engine = create_engine(checkpoint=ROOT / "models" / model, executor="torch", rank=rank, world_size=world,
                            tp_size=tp, ep_size=ep, num_draft_tokens=K, max_batch=BATCH, max_num_tokens=PREFILL_ROWS,
                            max_prefill_chunk=PREFILL_ROWS, max_seq_len=PROMPT_LEN + MAX_TOKENS + 8, num_blocks=64,
                            block_size=16, prog="bench-collectives")  # fmt: skip
-    role = engine.rank_role
+    ranks = engine.ranks
+    role = getattr(ranks, "role", None)  # the RankRole of a multi-rank strategy (its bcast time is reported)
     steps: list[tuple[float, float, float]] = []  # per leader step: (wall, collective seconds, command bcast)
     t_run = time.perf_counter()
     c_run = collective_seconds()
-    if role is not None and not role.is_leader:
+    if role is not None and ranks.is_follower:
         role.follow()
     else:
         gen = torch.Generator().manual_seed(5)
-        dp_rank, dp = (role.mapping.dp_rank, role.mapping.dp) if role is not None else (0, 1)
-        for i in range(BATCH * dp):
-            if i % dp == dp_rank:
+        for i in range(BATCH * ranks.dp_size):
+            if i % ranks.dp_size == ranks.dp_rank:
                 ids = torch.randint(0, engine.model_cfg.vocab_size, (PROMPT_LEN,), generator=gen).tolist()
                 engine.add_request(ids, SamplingParams(max_tokens=MAX_TOKENS), req_id=f"r{i}")
-        step = engine.step
-
-        def timed_step():
+        while ranks.any_busy(engine.has_unfinished()):  # engine.stream(), one step at a time, timed
             c0, b0, t0 = collective_seconds(), role.bcast_seconds if role else 0.0, time.perf_counter()
-            out = step()
+            engine.step()
             steps.append((time.perf_counter() - t0, collective_seconds() - c0,
                           (role.bcast_seconds if role else 0.0) - b0))  # fmt: skip
-            return out
-
-        engine.step = timed_step  # type: ignore[method-assign]
-        for _ in lockstep_stream(engine):
-            pass
-        if role is not None:
-            role.stop()
+        ranks.stop()
     run_wall, run_coll = time.perf_counter() - t_run, collective_seconds() - c_run
     latency = _latency(comm, rank, world, gloo_port, engine.model_cfg.hidden_size) if world > 1 else None
-    mine = {"rank": rank, "leader": role is None or role.is_leader, "steps": steps, "run_wall": run_wall,
+    mine = {"rank": rank, "leader": not ranks.is_follower, "steps": steps, "run_wall": run_wall,
             "run_collective": run_coll}  # fmt: skip
     gathered = comm.gather(mine, root=0) if comm is not None else [mine]
     if rank == 0:

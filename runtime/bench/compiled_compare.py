@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from models.checkpoint import load_model
-from plugins.engine_format import load_engine_config
-from plugins.engine_format.compiled import AOTI_KIND
+from models.engine_format import load_engine_config
+from models.engine_format.compiled import AOTI_KIND
 from runtime.executors.base import MainInput, MainOutput
 from runtime.executors.compiled_executor import CompiledExecutor
 from runtime.executors.ort_executor import OrtExecutor
@@ -64,7 +64,7 @@ def step_inputs(batch: int, rows: int, context: int, block: int, width: int, voc
 def _rebuild_fp32(engine: Path, checkpoint: Path, tmp: Path) -> Path:
     """A copy of the engine whose main package is compiled with fp32 weights (freezing)."""
     from builder import compile_aoti
-    from plugins.engine_format import write_engine_config
+    from models.engine_format import write_engine_config
 
     copy = tmp / "engine-fp32"
     shutil.copytree(engine, copy)

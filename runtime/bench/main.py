@@ -30,8 +30,8 @@ from runtime.bench.gguf import GGUFError
 from runtime.bench.llama_cpp import LlamaCppError
 from runtime.bench.runners import RunResult
 from runtime.bench.setup import DEFAULT_LLAMA_BIN, DEFAULT_LLAMA_SRC, BenchSetup, make_setup
-from runtime.config import ConfigError
-from runtime.engine import RequestError
+from runtime.core.config import ConfigError
+from runtime.core.engine import RequestError
 
 DEFAULT_KS = "0,1,2,3,4,auto"
 

@@ -14,10 +14,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.config import ConfigError
-from runtime.engine import LLMEngine
-from runtime.metrics import Metrics
-from runtime.sampling import SamplingParams
+from runtime.core.config import ConfigError
+from runtime.core.engine import LLMEngine
+from runtime.core.sampling import SamplingParams
 
 # Fallback prompt files when the checkpoint has no training_report.json (relative to the stdlib root).
 FALLBACK_FILES = ("json/decoder.py", "textwrap.py", "shlex.py", "fnmatch.py", "colorsys.py", "bisect.py",
@@ -125,7 +124,7 @@ def _drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int, tag: str) -> RunResult:
     """batch 1: one request at a time; batch B: B requests in flight together (continuous batching)."""
-    engine.metrics = Metrics(engine.k)  # fresh counters per run
+    engine.reset_metrics()  # fresh counters per run
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outputs: list[list[int]] = []
     dec_tokens = total = steps = 0

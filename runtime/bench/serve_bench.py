@@ -155,7 +155,7 @@ class InProcess:
         self.loop.start()
 
     async def request(self, prompt: str, max_tokens: int) -> RequestResult:
-        from runtime.sampling import SamplingParams
+        from runtime.core.sampling import SamplingParams
 
         res = RequestResult(False, num_prompt_chars=len(prompt))
         ids = await asyncio.to_thread(lambda: list(self.engine.tokenizer.encode_batch([prompt])[0].ids))

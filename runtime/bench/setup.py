@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from plugins.engine_format.layout import cdiv
+from models.engine_format.layout import cdiv
 from runtime.bench.llama_cpp import LlamaCppError, LlamaCppRunner
 from runtime.bench.runners import HFRunner, RunResult, Workload, make_workload, run_engine
-from runtime.config import ConfigError, RuntimeConfig
-from runtime.engine import LLMEngine
+from runtime.core.config import ConfigError, RuntimeConfig
+from runtime.core.engine import LLMEngine
 from runtime.factory import create_engine, load_tokenizer
 
 DEFAULT_LLAMA_SRC = Path("build/peers/llama_cpp_python-0.3.36/vendor/llama.cpp")
@@ -95,8 +95,8 @@ def token_budget(max_batch: int, max_k: int) -> int:
 
 def ensure_engine_dir(args, max_k: int, max_batch: int, console) -> None:
     """Build --engine with mtp-build when it is missing or too small for the largest K and batch."""
-    from plugins.engine_format import EngineDirError, load_engine_config
-    from plugins.engine_format.compiled import compiled_problem
+    from models.engine_format import EngineDirError, load_engine_config
+    from models.engine_format.compiled import compiled_problem
 
     engine_dir = args.engine
     try:

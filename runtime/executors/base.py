@@ -2,7 +2,7 @@
 
 The runtime's scheduling and MTP logic never knows which executor runs: it hands over numpy arrays
 in these dataclasses and gets numpy arrays back. Executors own the KV pool (allocated once, at a
-stable address) and the model/engine; they never own blocks (runtime/kv_manager.py does).
+stable address) and the model/engine; they never own blocks (runtime/core/kv_manager.py does).
 
 Shapes: T packed main rows, R requests in the forward, N commit rows, H hidden, V vocab, MB max blocks.
 Padding: a request with count 0 and block table row of -1 (or the null block 0) reads and writes nothing.

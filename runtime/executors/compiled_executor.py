@@ -21,9 +21,9 @@ import torch
 
 import plugins.mla_ops  # noqa: F401  (registers the ops the packages call by name)
 import plugins.ops  # noqa: F401
-from plugins.engine_format import EngineConfig, EngineDirError, load_engine_config
-from plugins.engine_format.compiled import AOTI_KIND, compiled_problem
-from plugins.engine_format.graph_io import SPECS, GraphSpec
+from models.engine_format import EngineConfig, EngineDirError, load_engine_config
+from models.engine_format.compiled import AOTI_KIND, compiled_problem
+from models.engine_format.graph_io import SPECS, GraphSpec
 from plugins.kv_pool import allocate_pool, pool_address
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
 from runtime.executors.torch_executor import warn_spinning_threads

@@ -1,13 +1,13 @@
 """The `onnxruntime` executor: runs a built engine directory's ONNX graphs on CPU.
 
 Owns one InferenceSession per graph of one rank and the KV pool those graphs write through. The engine
-directory is checked first (plugins.engine_format.load_engine_config: schema, manifest checksums, paths,
+directory is checked first (models.engine_format.load_engine_config: schema, manifest checksums, paths,
 plugin versions, ranks, config vs graphs). Plugin nodes are bound to the onnxruntime-extensions Python ops
 by an in-memory domain rewrite (plugins.ort_ops.prepare_for_ort); the files on disk are not touched. The
 pool is allocated here, kept alive for the executor's lifetime (its address is baked into every step's
 `kv_pool_ptr`), and may be sized differently from the build default: the plugin nodes' `num_blocks`
 attribute is then rewritten in memory too, since it is part of the pool geometry the ops index with.
-Feeds come from the graph I/O spec (plugins.engine_format.graph_io), outputs are matched to it by name.
+Feeds come from the graph I/O spec (models.engine_format.graph_io), outputs are matched to it by name.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from plugins.engine_format import EngineConfig, EngineDirError, load_engine_config
-from plugins.engine_format.graph_io import POOL_INPUT, SPECS, feeds
-from plugins.engine_format.names import POOL_NODES
-from plugins.engine_format.ort_session import SESSION_OPTIONS, session_options
+from models.engine_format import EngineConfig, EngineDirError, load_engine_config
+from models.engine_format.graph_io import POOL_INPUT, SPECS, feeds
+from models.engine_format.ort_session import SESSION_OPTIONS, session_options
 from plugins.kv_pool import allocate_pool, pool_address
+from plugins.names import POOL_NODES
 from plugins.ort_ops import prepare_for_ort
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
 

@@ -14,9 +14,10 @@ import numpy as np
 import torch
 
 from models.config import kv_geometry_fields
-from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
-from plugins.engine_format.mapping import local_kv_heads  # TP: the pool holds this rank's KV heads
+from models.glm4_moe import Glm4MoeMTPModel
+from models.layers import PagedKV, StepMeta
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
+from plugins.mapping import local_kv_heads  # TP: the pool holds this rank's KV heads
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
 from runtime.executors.cuda_graphs import GraphedFunction
 

@@ -14,7 +14,7 @@ from then on; a refused capture falls back to plain enqueue for that key (a refu
 would otherwise record an empty graph, so the return value is checked).
 
 The pool geometry (num_blocks included) is baked into the plans' plugin fields, so the pool has exactly
-the engine's `kv.num_blocks`. Feeds come from the graph I/O spec (plugins.engine_format.graph_io).
+the engine's `kv.num_blocks`. Feeds come from the graph I/O spec (models.engine_format.graph_io).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from plugins.engine_format import EngineConfig, EngineDirError, load_engine_config
-from plugins.engine_format.graph_io import POOL_INPUT, SPECS, feeds
+from models.engine_format import EngineConfig, EngineDirError, load_engine_config
+from models.engine_format.graph_io import POOL_INPUT, SPECS, feeds
 from plugins.kv_pool import allocate_pool
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
 

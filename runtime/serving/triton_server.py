@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 from string import Template
 
-from runtime.draft_length import parse_num_draft_tokens
+from runtime.core.draft_length import parse_num_draft_tokens
 from runtime.factory import EXECUTORS
-from runtime.parallel import launched_by_mpi, mpi_world
+from runtime.multirank.parallel import launched_by_mpi, mpi_world
+from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S
 from runtime.serving.openai.cli_args import add_openai_args
 from runtime.serving.process import MODEL_NAME, ServeError, TritonServer, free_ports, port_is_free
-from runtime.watchdog import DEFAULT_TIMEOUT_S
 
 __all__ = ["MODEL_NAME", "ServeError", "TritonServer", "free_ports", "main", "port_is_free", "write_model_repo"]
 TEMPLATE_DIR = Path(__file__).resolve().parent / "triton_model"

@@ -6,8 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
-from plugins.engine_format import CONFIG_NAME, MANIFEST_NAME
-from plugins.engine_format.directory import sha256_file
+from models.engine_format import CONFIG_NAME, MANIFEST_NAME
+from models.engine_format.directory import sha256_file
 
 
 def copy_engine(engine: Path, tmp_path: Path) -> Path:

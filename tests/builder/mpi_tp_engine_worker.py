@@ -10,8 +10,8 @@ import numpy as np
 from mpi4py import MPI
 
 from models.checkpoint import load_model
-from plugins.engine_format import load_engine_config
-from plugins.engine_format.mapping import rank_mapping
+from models.engine_format import load_engine_config
+from plugins.mapping import rank_mapping
 from runtime.executors.base import CommitInput, DraftInput, MainInput
 from runtime.executors.ort_executor import OrtExecutor
 from runtime.executors.torch_executor import TorchExecutor

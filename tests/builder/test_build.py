@@ -12,7 +12,7 @@ from onnx import numpy_helper
 from builder import cli
 from builder.pipeline import build
 from models.checkpoint import load_model
-from plugins.engine_format import SCHEMA_VERSION, EngineDirError, Limits, Parallel, load_engine_config
+from models.engine_format import SCHEMA_VERSION, EngineDirError, Limits, Parallel, load_engine_config
 from tests.builder.conftest import tiny_opts
 from tests.builder.engine_edits import copy_engine, edit_config
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from builder import cli, validate
-from plugins.engine_format import load_engine_config
+from models.engine_format import load_engine_config
 from plugins.kv_pool import KVPoolGeometry
 from tests.builder.test_bad_checkpoint import _argv, refused
 

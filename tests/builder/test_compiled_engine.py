@@ -13,11 +13,11 @@ import pytest
 
 from builder import cli
 from models.checkpoint import load_model
-from plugins.engine_format import load_engine_config, write_engine_config
+from models.engine_format import load_engine_config, write_engine_config
+from runtime.core.sampling import SamplingParams
 from runtime.executors.compiled_executor import CompiledExecutor
 from runtime.executors.torch_executor import TorchExecutor
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 from tests.builder.conftest import LIMITS
 from tests.builder.test_ort_executor import check_ort_matches_torch
 from tests.runtime.engine_utils import random_prompts

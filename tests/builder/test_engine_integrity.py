@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from builder import cli
-from plugins.engine_format import CONFIG_NAME, EngineConfig, EngineDirError, load_engine_config
-from plugins.engine_format.directory import sha256_file
+from models.engine_format import CONFIG_NAME, EngineConfig, EngineDirError, load_engine_config
+from models.engine_format.directory import sha256_file
 from runtime.executors.ort_executor import OrtExecutor
 from tests.builder.engine_edits import copy_engine, edit_config, reseal_manifest
 
@@ -43,7 +43,7 @@ def _refused(path: Path, message: str, capsys) -> None:
             dict(model__hidden_size=64, model__num_attention_heads=8),
             "declares hidden float32\\[.tokens., 32\\], the config implies float32\\[.tokens., 64\\]",
         ),
-        (dict(parallel__ep_size=2), "ep_size 2 must divide world_size 1"),  # plugins/engine_format/mapping.py
+        (dict(parallel__ep_size=2), "ep_size 2 must divide world_size 1"),  # plugins/mapping.py
         (dict(kv__block_size="4"), "lacks or mistypes field .*kv.block_size='4' is not an int"),
     ],
     ids=[

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from builder import cli
 from models.checkpoint import load_model
+from models.engine_format import load_engine_config
 from models.testing import quantize_checkpoint_fp8
-from plugins.engine_format import load_engine_config
 from runtime.executors.base import MainInput
 from runtime.executors.ort_executor import OrtExecutor
 from runtime.executors.torch_executor import TorchExecutor

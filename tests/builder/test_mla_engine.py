@@ -14,12 +14,12 @@ import pytest
 
 from builder import cli
 from models.checkpoint import load_model
+from models.engine_format import load_engine_config
 from models.testing import MLA_VARIANTS, make_mla_checkpoint
-from plugins.engine_format import load_engine_config
+from runtime.core.sampling import SamplingParams
 from runtime.executors.ort_executor import OrtExecutor
 from runtime.executors.torch_executor import TorchExecutor
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 from tests.builder.conftest import LIMITS, write_tokenizer
 from tests.builder.test_ort_executor import check_ort_matches_torch
 from tests.runtime.engine_utils import random_prompts

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.checkpoint import load_model
-from plugins.engine_format import EngineDirError
+from models.engine_format import EngineDirError
 from runtime.executors.base import CommitInput, DraftInput, MainInput
 from runtime.executors.ort_executor import OrtExecutor
 from runtime.executors.torch_executor import TorchExecutor
@@ -115,11 +115,11 @@ def test_every_step_of_a_built_engine_fits_its_recorded_limits(engine):
     """The engine's own config.json (limits, layout, K) bounds what the runtime sends: requests run to
     max_seq_len with K drafts through the ORT executor, each call checked against the profiles and width."""
     from builder.trt_build import profile_dims
-    from plugins.engine_format import load_engine_config
-    from plugins.engine_format.graph_io import GRAPH_NAMES
-    from runtime.engine import LLMEngine
+    from models.engine_format import load_engine_config
+    from models.engine_format.graph_io import GRAPH_NAMES
+    from runtime.core.engine import LLMEngine
+    from runtime.core.sampling import SamplingParams
     from runtime.factory import engine_defaults
-    from runtime.sampling import SamplingParams
     from tests.runtime.engine_utils import random_prompts
     from tests.runtime.test_engine_limits import ProfileCheckingExecutor
 
@@ -136,7 +136,7 @@ def test_every_step_of_a_built_engine_fits_its_recorded_limits(engine):
 def test_intra_op_threads_is_a_runtime_choice(engine):
     """The thread count is the caller's (machine, neighbours), not the engine's: it reaches every session
     without touching the sealed config.json (the bench once edited config.json for this)."""
-    from plugins.engine_format import load_engine_config
+    from models.engine_format import load_engine_config
 
     recorded = load_engine_config(engine).build["ort_session_options"]["intra_op_num_threads"]
     for threads in (1, 2):

@@ -10,10 +10,10 @@ import onnx
 import pytest
 
 from builder import cli
+from models.engine_format import load_engine_config
+from models.engine_format.directory import sha256_file
 from models.testing import make_checkpoint, tiny_config
-from plugins.engine_format import load_engine_config
-from plugins.engine_format.config import Parallel
-from plugins.engine_format.directory import sha256_file
+from plugins.mapping import Parallel
 from tests.builder.conftest import LIMITS
 from tests.builder.engine_edits import copy_engine, reseal_manifest
 from tests.mpi_launch import mpirun_path, run_mpi

@@ -1,4 +1,4 @@
-"""Run under `mpirun -np W`: the tensor-parallel model (plugins/engine_format/mapping.py + models/sharding.py)
+"""Run under `mpirun -np W`: the tensor-parallel model (plugins/mapping.py + models/sharding.py)
 equals the single-rank model. Args: world ep tp [fused|plain].
 
 Each DP group gets its own requests (a different number of rows per group, so the EP == W column exchange sees
@@ -15,10 +15,10 @@ import torch
 from mpi4py import MPI
 
 from models.checkpoint import load_model
-from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
-from plugins.engine_format.config import Parallel
-from plugins.engine_format.mapping import rank_mapping
+from models.glm4_moe import Glm4MoeMTPModel
+from models.layers import PagedKV, StepMeta
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
+from plugins.mapping import Parallel, rank_mapping
 from tests.mpi_launch import abort_on_error
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"

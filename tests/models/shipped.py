@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from models.glm4_moe import Glm4MoeMTPModel, PagedKV, StepMeta
+from models.glm4_moe import Glm4MoeMTPModel
+from models.layers import PagedKV, StepMeta
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 
 MODELS = Path(__file__).resolve().parents[2] / "models"

@@ -3,7 +3,7 @@
 models/training/chained.py trains depth j > 1 of the MTP module in one parallel pass with a custom attention
 mask. These tests replay the runtime instead: main forward and commit pass over a real paged KV pool, then
 `forward_draft` once per depth, each depth fed the previous depth's output hidden (post shared_head.norm), at
-the positions runtime/mtp_plan.py uses. Logits must agree with the training forward's at every depth, so the
+the positions runtime/core/mtp_plan.py uses. Logits must agree with the training forward's at every depth, so the
 loss the model is trained on is the loss of the drafts it will actually make.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.glm4_moe import PagedKV, StepMeta
+from models.layers import PagedKV, StepMeta
 from models.testing import random_model, tiny_config
 from models.training.chained import chain_mask, chain_matches, chained_forward, chained_losses
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
@@ -38,7 +38,7 @@ def runtime_drafts(model, ids: torch.Tensor, base: int, depths: int) -> list[tor
         model.forward_commit(hidden[: base - 1], ids[1:base], torch.tensor([base - 1], dtype=torch.int32),
                              torch.tensor([0], dtype=torch.int32), table, kv)  # fmt: skip
     h, token, out = hidden[base - 1 : base], ids[base : base + 1], []
-    for d in range(depths):  # depth d writes position base-1+d (runtime/mtp_plan.py)
+    for d in range(depths):  # depth d writes position base-1+d (runtime/core/mtp_plan.py)
         h, logits = model.forward_draft(h, token, torch.tensor([base - 1 + d]), one, table, kv)
         out.append(logits[0])
         token = ids[base + d + 1 : base + d + 2]  # the draft, when accepted, is the true next token

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from models.checkpoint import load_model
-from models.glm4_moe import PagedKV, StepMeta
+from models.layers import PagedKV, StepMeta
 from models.testing import make_checkpoint, tiny_config
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.checkpoint import CheckpointError, load_model, read_model_config, to_hf_tensors
+from models.checkpoint import CheckpointError, load_model, read_model_config
+from models.checkpoint_export import to_hf_tensors
 from models.config import ConfigError, ModelConfig
 from models.mla import kv_geometry_fields
 from models.testing import YARN, tiny_config

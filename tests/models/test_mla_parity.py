@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from models.checkpoint import load_model
-from models.glm4_moe import PagedKV, StepMeta
+from models.layers import PagedKV, StepMeta
 from models.mla import MLAAttention, kv_geometry_fields
 from models.testing import MLA_VARIANTS, make_mla_checkpoint
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
@@ -220,8 +220,8 @@ def test_deepseek_k1_acceptance_matches_hf_generate_use_mtp(tmp_path):
     both accepted and rejected drafts in 30 tokens."""
     from transformers.generation.candidate_generator import MTPCandidateGenerator
 
+    from runtime.core.sampling import SamplingParams
     from runtime.factory import create_engine
-    from runtime.sampling import SamplingParams
 
     model_type, overrides = MLA_VARIANTS["dsv3_yarn"]
     make_mla_checkpoint(tmp_path, model_type, seed=3, **{**overrides, "vocab_size": 8})

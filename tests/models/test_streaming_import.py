@@ -33,9 +33,8 @@ from models.checkpoint import (
     plan_weights,
     rank_weight_bytes,
     read_model_config,
-    to_hf_config,
-    to_hf_tensors,
 )
+from models.checkpoint_export import to_hf_config, to_hf_tensors
 from models.config import ModelConfig
 from models.glm4_moe import Glm4MoeMTPModel
 from models.testing import make_checkpoint, tiny_config

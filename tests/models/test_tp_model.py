@@ -10,8 +10,7 @@ import torch
 from models.glm4_moe import Glm4MoeMTPModel
 from models.sharding import local_shape, shard_slice
 from models.testing import tiny_config
-from plugins.engine_format.config import Parallel
-from plugins.engine_format.mapping import rank_mapping
+from plugins.mapping import Parallel, rank_mapping
 from tests.mpi_launch import mpirun_path, run_mpi
 
 

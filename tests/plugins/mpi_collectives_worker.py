@@ -67,8 +67,7 @@ def _moe_tp_cases(rank: int, size: int) -> list[str]:
     """mtp::moe_experts with tp_size > 1, all-reduced over the TP comm, equals moe_experts_ref (contract of
     docs/ARCHITECTURE.md §8): EP == TP (no exchange) and EP == W (column exchange, uneven and empty DP groups)."""
     import plugins.ops  # noqa: F401  (torch.ops.mtp.moe_experts)
-    from plugins.engine_format.config import Parallel
-    from plugins.engine_format.mapping import rank_mapping
+    from plugins.mapping import Parallel, rank_mapping
     from plugins.reference import moe_experts_ref
 
     out: list[str] = []

@@ -1,13 +1,12 @@
 """The TP collectives (`mtp::all_reduce`, `mtp::all_gather`, plugins/collectives.py) under a real mpirun, and
-the mapping contract of plugins/engine_format/mapping.py."""
+the mapping contract of plugins/mapping.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from plugins.engine_format.config import Parallel
-from plugins.engine_format.mapping import MappingError, check_model, rank_mapping
+from plugins.mapping import MappingError, Parallel, check_model, rank_mapping
 from tests.mpi_launch import mpirun_path, run_mpi
 
 needs_mpi = pytest.mark.skipif(mpirun_path() is None, reason="mpirun not found")

@@ -11,10 +11,10 @@ import pytest
 
 from builder.options import BuildOptions
 from models.checkpoint import CheckpointError, read_checkpoint, read_model_config
+from models.engine_format.graph_io import GRAPH_NAMES, SPECS, feeds
+from models.engine_format.layout import table_width
 from models.testing import make_checkpoint, tiny_config
-from plugins.engine_format.graph_io import GRAPH_NAMES, SPECS, feeds
-from plugins.engine_format.layout import table_width
-from runtime.config import RuntimeConfig
+from runtime.core.config import RuntimeConfig
 from runtime.executors import base
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def _graph(top_level_only: bool) -> dict[str, set[str]]:
 def test_no_executor_imports_the_builder():
     graph = _graph(top_level_only=False)  # lazy (function-level) imports count too
     offenders = {m: sorted(d for d in deps if d.split(".")[0] == "builder") for m, deps in graph.items()
-                 if m.startswith(("runtime.executors", "plugins.engine_format", "runtime.factory", "runtime.config"))}  # fmt: skip
+                 if m.startswith(("runtime.executors", "models.engine_format", "runtime.factory", "runtime.core.config"))}  # fmt: skip
     assert not {m: d for m, d in offenders.items() if d}, offenders
     fmt = {m: sorted(d for d in deps if d.split(".")[0] == "runtime") for m, deps in graph.items()
            if m.startswith("plugins.")}  # fmt: skip
@@ -153,8 +153,8 @@ def _pool_node(op_type: str, **attrs: int):
 
 def test_pool_node_attributes_must_match_config_kv_gqa_and_mla():
     """MLA nodes call head_dim latent_dim and imply kv_kind 1; a mismatch names the attribute and the kv field."""
-    from plugins.engine_format.crosscheck import node_mismatch
-    from plugins.engine_format.layout import KVLayout
+    from models.engine_format.crosscheck import node_mismatch
+    from models.engine_format.layout import KVLayout
 
     moe = {"num_experts": 4, "ep_size": 1}
     gqa = KVLayout(4, 9, 3, 2, 8, 0, 5)
@@ -183,9 +183,9 @@ def test_config_kv_kind_round_trip_and_default():
     """kv.kv_kind is written by every new build; a config.json from before it existed means 0 (GQA)."""
     from dataclasses import asdict
 
-    from plugins.engine_format.config import _ints
-    from plugins.engine_format.crosscheck import _pool_rows
-    from plugins.engine_format.layout import KVLayout
+    from models.engine_format.config import _ints
+    from models.engine_format.crosscheck import _pool_rows
+    from models.engine_format.layout import KVLayout
 
     mla = KVLayout(4, 9, 3, 1, 72, 2, 5, kv_kind=1)
     assert asdict(mla)["kv_kind"] == 1 and _ints(KVLayout, asdict(mla), "kv") == mla

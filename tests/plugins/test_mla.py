@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from onnx import helper
 
 import plugins.mla_ops  # noqa: F401  (defines torch.ops.mtp.mla_*)
-from plugins.engine_format.layout import KVLayout
+from models.engine_format.layout import KVLayout
 from plugins.kv_pool import DTYPE_CODES, KVPoolGeometry, allocate_pool, plane_kv, pool_address
 from plugins.reference import mla_kv_write_ref, mla_paged_attention_ref
 from plugins.rope import apply_rope

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugins import trt_plugins
-from plugins.engine_format import names
+from plugins import names, trt_plugins
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,36 +39,37 @@ def test_gpu_check_skips_cleanly_without_cuda() -> None:
     assert json.loads(done.stdout) == {"skipped": "no CUDA device: skipping GPU check"}
 
 
-def test_every_trt_plugin_node_has_a_plugin_class_with_its_attribute_spec() -> None:
-    """Without TensorRT: read plugins/_trt_impl.py's classes (name = NODE, spec = NODE_ATTRS) and its creators()."""
+def test_every_trt_plugin_node_has_a_plugin_class_with_its_op_spec() -> None:
+    """Without TensorRT: read plugins/_trt_impl.py's classes (name = NODE, spec = SPECS["op"]) and its creators()."""
+    from plugins.op_spec import SPECS
+
     tree = ast.parse((ROOT / "plugins" / "_trt_impl.py").read_text())
-    plugins: dict[str, tuple[str, str]] = {}  # class -> (node constant, spec constant)
+    plugins: dict[str, tuple[str, str]] = {}  # class -> (node constant, spec op)
     creators: dict[str, str] = {}  # creator class -> plugin class
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
-        assigned = {t.id: v.id for a in cls.body if isinstance(a, ast.Assign) and isinstance(v := a.value, ast.Name)
-                    for t in a.targets if isinstance(t, ast.Name)}  # fmt: skip
-        if "name" in assigned and "spec" in assigned:
-            plugins[cls.name] = (assigned["name"], assigned["spec"])
-        if "plugin_cls" in assigned:
-            creators[cls.name] = assigned["plugin_cls"]
-    nodes = {getattr(names, node): spec for node, spec in plugins.values()}
-    assert sorted(nodes) == sorted(names.TRT_PLUGIN_NODES)
-    assert nodes["MlaKvWrite"] == "MLA_KV_WRITE_ATTRS" and nodes["MlaPagedAttention"] == "MLA_PAGED_ATTENTION_ATTRS"
+        assigned = {t.id: a.value for a in cls.body if isinstance(a, ast.Assign) for t in a.targets
+                    if isinstance(t, ast.Name)}  # fmt: skip
+        if isinstance(assigned.get("name"), ast.Name) and isinstance(assigned.get("spec"), ast.Subscript):
+            plugins[cls.name] = (assigned["name"].id, ast.literal_eval(assigned["spec"].slice))
+        if isinstance(assigned.get("plugin_cls"), ast.Name):
+            creators[cls.name] = assigned["plugin_cls"].id
+    nodes = {getattr(names, node): op for node, op in plugins.values()}
+    assert sorted(nodes) == sorted(names.TRT_PLUGIN_NODES) == sorted(s.node for s in SPECS.values() if s.tensorrt)
+    assert all(SPECS[op].node == node for node, op in nodes.items())
     listed = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "creators")
     called = [c.func.id for c in ast.walk(listed) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
     assert [plugins[creators[c]][0] for c in called] == ["KV_WRITE", "PAGED_ATTENTION", "MLA_KV_WRITE",
                                                          "MLA_PAGED_ATTENTION"]  # fmt: skip
 
 
-@pytest.mark.parametrize("op, spec", [("kv_write", "KV_WRITE_ATTRS"), ("paged_attention", "PAGED_ATTENTION_ATTRS"),
-                                      ("mla_kv_write", "MLA_KV_WRITE_ATTRS"),
-                                      ("mla_paged_attention", "MLA_PAGED_ATTENTION_ATTRS")])  # fmt: skip
-def test_node_attributes_are_the_torch_ops_non_tensor_arguments(op: str, spec: str) -> None:
-    """The ORT ops and the TensorRT plugins read fields by these specs: their names and order are the op's."""
+def test_node_attributes_are_the_torch_ops_non_tensor_arguments() -> None:
+    """The ORT ops and the TensorRT plugins read fields by the specs: their names and order are the torch op's."""
+    import plugins.collectives  # noqa: F401
     import plugins.mla_ops  # noqa: F401
     import plugins.ops  # noqa: F401
-    from plugins import onnx_export
+    from plugins.op_spec import SPECS
 
-    args = getattr(torch.ops.mtp, op).default._schema.arguments
-    non_tensor = [a.name for a in args if not str(a.type).startswith("Tensor")]
-    assert [name for name, _, _ in getattr(onnx_export, spec)] == non_tensor
+    for spec in SPECS.values():
+        args = getattr(torch.ops.mtp, spec.op).default._schema.arguments
+        assert [a.name for a in args if str(a.type).startswith("Tensor")] == [t.name for t in spec.inputs]
+        assert [a.name for a in args if not str(a.type).startswith("Tensor")] == [a.name for a in spec.attrs]

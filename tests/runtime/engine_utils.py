@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from models.testing import random_model, tiny_config
-from runtime.config import RuntimeConfig
-from runtime.engine import LLMEngine
+from runtime.core.config import RuntimeConfig
+from runtime.core.engine import LLMEngine
 from runtime.executors.torch_executor import TorchExecutor
 
 _MODELS: dict = {}
@@ -23,12 +23,23 @@ def cached_model(seed: int = 3, **overrides):
     return _MODELS[key]
 
 
-def make_engine(k: int, model=None, executor_cls=TorchExecutor, **rc) -> LLMEngine:
+def make_engine(k: int, model=None, executor_cls=TorchExecutor, wrap=None, draft_length=None, **rc) -> LLMEngine:
+    """wrap: wraps the executor before the engine is built (recording, fault injection); draft_length: a
+    DraftLengthController in place of auto's own."""
     cfg, m = model or cached_model()
     defaults = dict(max_batch=4, max_num_tokens=64, max_seq_len=128, block_size=4, num_blocks=200, num_draft_tokens=k)
     defaults.update(rc)
     rcfg = RuntimeConfig(**defaults)
-    return LLMEngine(executor_cls(m, rcfg.num_blocks, rcfg.block_size), cfg, rcfg)
+    executor = executor_cls(m, rcfg.num_blocks, rcfg.block_size)
+    return LLMEngine(wrap(executor) if wrap else executor, cfg, rcfg, draft_length=draft_length)
+
+
+def make_recorded_engine(k: int, **kw) -> tuple[LLMEngine, RecordingExecutor]:
+    """make_engine with a RecordingExecutor around its executor that checks writes against the engine's KV."""
+    made: list[RecordingExecutor] = []
+    engine = make_engine(k, wrap=lambda ex: made.append(RecordingExecutor(ex)) or made[0], **kw)
+    made[0].kv = engine.kv
+    return engine, made[0]
 
 
 def random_prompts(lengths, vocab=96, seed=0) -> list[list[int]]:

@@ -5,30 +5,34 @@ rank 0 writes every request's output ids and every rank's choices to OUT as JSON
 import json
 import sys
 
+from runtime.core.config import RuntimeConfig
+from runtime.core.draft_length import DraftLengthController
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.parallel import abort_on_error, lockstep_stream, mpi_world
-from runtime.sampling import SamplingParams
+from runtime.multirank.parallel import abort_on_error, mpi_world
 from tests.runtime.engine_utils import random_prompts
 
 
 def main() -> None:
     ckpt, out_path = sys.argv[1], sys.argv[2]
     comm, rank, world = mpi_world()
+    chosen: list[int] = []
+
+    class Recorded(DraftLengthController):
+        """auto's controller, recording every k it picks (each rank's list must be the same)."""
+
+        def choose(self, num_drafting, base_rows, remaining=None):
+            k = super().choose(num_drafting, base_rows, remaining)
+            chosen.append(k)
+            return k
+
     engine = create_engine(checkpoint=ckpt, executor="torch", rank=rank, world_size=world, num_draft_tokens="auto",
-                           block_size=4, num_blocks=100, max_batch=4, max_num_tokens=64, max_seq_len=128)  # fmt: skip
+                           block_size=4, num_blocks=100, max_batch=4, max_num_tokens=64, max_seq_len=128,
+                           draft_length=Recorded(RuntimeConfig().num_draft_tokens))  # fmt: skip
     prompts = random_prompts((5, 11, 8), seed=7)
     for i in range(rank, len(prompts), world):
         engine.add_request(prompts[i], SamplingParams(max_tokens=16), req_id=str(i))
-    chosen: list[int] = []
-    choose = engine._choose_draft_length
-
-    def record(sample):
-        k = choose(sample)
-        chosen.append(k)
-        return k
-
-    engine._choose_draft_length = record
-    outputs = {o.req_id: o.output_ids for o in lockstep_stream(engine) if o.finished}
+    outputs = {o.req_id: o.output_ids for o in engine.stream() if o.finished}
     gathered = comm.gather((outputs, chosen), root=0)
     if rank == 0:
         merged = {k: v for d, _ in gathered for k, v in d.items()}

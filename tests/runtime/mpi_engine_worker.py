@@ -12,9 +12,9 @@ import json
 import os
 import sys
 
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.parallel import RanksDisagree, abort_on_error, lockstep_stream, mpi_world
-from runtime.sampling import SamplingParams
+from runtime.multirank.parallel import RanksDisagree, abort_on_error, mpi_world
 from tests.runtime.engine_utils import random_prompts
 
 
@@ -27,23 +27,24 @@ def main() -> None:
     prompts = random_prompts((5, 11, 8), seed=7)
     for i in range(rank, len(prompts), world):
         engine.add_request(prompts[i], SamplingParams(max_tokens=10), req_id=str(i))
-    if mode == "fail" and rank == 1:
-        real_step, calls = engine.step, [0]
+    fail_at = 3 if mode == "fail" and rank == 1 else None
 
-        def failing_step():
-            calls[0] += 1
-            if calls[0] == 3:
+    def stream():
+        """engine.stream(), with rank 1 failing before its third step in mode "fail"."""
+        steps = 0
+        while engine.ranks.any_busy(engine.has_unfinished()):
+            steps += 1
+            if steps == fail_at:
                 raise RuntimeError("injected failure on rank 1")
-            return real_step()
+            yield from engine.step()
 
-        engine.step = failing_step
     if mode == "kill":
         with open(f"{out_path}.pid{rank}", "w") as f:
             f.write(str(os.getpid()))
         engine.add_request(prompts[0], SamplingParams(max_tokens=10), req_id=f"r{rank}-0")
-        for n, _ in enumerate(o for o in lockstep_stream(engine) if o.finished):
+        for n, _ in enumerate(o for o in stream() if o.finished):
             engine.add_request(prompts[n % 3], SamplingParams(max_tokens=10), req_id=f"r{rank}-{n + 1}")
-    outputs = {o.req_id: o.output_ids for o in lockstep_stream(engine) if o.finished}
+    outputs = {o.req_id: o.output_ids for o in stream() if o.finished}
     gathered = comm.gather(outputs, root=0)
     if rank == 0:
         merged = {k: v for d in gathered for k, v in d.items()}

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 from plugins.collectives import collective_seconds
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.parallel import RanksDisagree, abort_on_error, lockstep_stream, mpi_world
-from runtime.sampling import SamplingParams
-from runtime.tp_group import run_follower
+from runtime.multirank.parallel import RanksDisagree, abort_on_error, mpi_world
+from runtime.multirank.tp_group import run_follower
 from tests.runtime.engine_utils import random_prompts
 
 PROG = "mpi_tp_worker"
@@ -44,9 +44,9 @@ def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: 
     engine = create_engine(**kwargs, rank=rank, world_size=world, num_draft_tokens=k, collective_timeout=timeout,
                            prog=PROG)  # fmt: skip
     if kwargs.get("engine_dir"):
-        par = engine.rank_role.executor.config.parallel if engine.rank_role else None
+        par = getattr(engine.ranks, "role", None) and engine.ranks.role.executor.config.parallel
         assert par is not None and (par.tp_size, par.ep_size) == (tp, ep), f"engine mapping {par} != tp={tp} ep={ep}"
-    role = engine.rank_role
+    role = engine.ranks.role  # a multi-rank strategy's RankRole
     assert role is not None
     if mode == "kill":
         Path(f"{os.environ['OUT']}.pid{rank}").write_text(str(os.getpid()))
@@ -65,16 +65,15 @@ def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: 
             for i in late_mine:
                 engine.add_request(late[i], params, req_id=f"b{i}")
         outputs, added, n = {}, not mine, 0
-        if mode == "idle":
-            step = engine.step
 
-            def idling_step():
-                if role.dog.step == 2:
+        def stream():
+            """engine.stream(); in mode "idle" the leader sits idle past the watchdog's timeout before step 2."""
+            while engine.ranks.any_busy(engine.has_unfinished()):
+                if mode == "idle" and role.dog.step == 2:
                     time.sleep(2.5 * timeout)
-                return step()
+                yield from engine.step()
 
-            engine.step = idling_step
-        for out in lockstep_stream(engine):
+        for out in stream():
             if out.finished:
                 outputs[out.req_id] = out.output_ids
                 if not added:  # late arrivals join a batch still decoding the first wave

@@ -7,9 +7,9 @@ import re
 import numpy as np
 import pytest
 
-from runtime.config import ConfigError, RuntimeConfig
-from runtime.engine import RequestError
-from runtime.sampling import SamplingParams
+from runtime.core.config import ConfigError, RuntimeConfig
+from runtime.core.engine import RequestError
+from runtime.core.sampling import SamplingParams
 from tests.runtime.engine_utils import make_engine, random_prompts
 
 BAD = [

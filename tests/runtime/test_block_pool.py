@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolError
+from runtime.core.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolError
 
 B = 4
 

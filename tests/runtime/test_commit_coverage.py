@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from runtime.sampling import SamplingParams
-from tests.runtime.engine_utils import RecordingExecutor, make_engine, random_prompts
+from runtime.core.sampling import SamplingParams
+from tests.runtime.engine_utils import make_recorded_engine, random_prompts
 
 
 def last_mtp_writes(writes):
@@ -20,10 +20,8 @@ def last_mtp_writes(writes):
 
 
 def run_and_check(k, chunk, lengths, seed, commit_pass=True, max_batch=3, budget=24):
-    engine = make_engine(k, max_prefill_chunk=chunk, max_batch=max_batch, max_num_tokens=budget,
-                         commit_pass=commit_pass, num_blocks=120)  # fmt: skip
-    rec = RecordingExecutor(engine.executor, kv=engine.kv)
-    engine.executor = rec
+    engine, rec = make_recorded_engine(k, max_prefill_chunk=chunk, max_batch=max_batch, max_num_tokens=budget,
+                                       commit_pass=commit_pass, num_blocks=120)  # fmt: skip
     prompts = random_prompts(lengths, seed=seed)
     prompts.append(prompts[0] + prompts[-1])  # shares prompt 0 as a prefix
     for p in prompts:

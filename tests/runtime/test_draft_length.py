@@ -9,9 +9,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from runtime.draft_length import DraftLengthController, StepSample, combine, parse_num_draft_tokens
-from runtime.sampling import SamplingParams
-from tests.runtime.engine_utils import make_engine, random_prompts
+from runtime.core.draft_length import DraftLengthController, StepSample, combine, parse_num_draft_tokens
+from runtime.core.sampling import SamplingParams
+from tests.runtime.engine_utils import make_engine, make_recorded_engine, random_prompts
 
 K_MAX = 3
 R = 4  # drafting requests
@@ -122,22 +122,18 @@ def test_auto_is_lossless_and_reports_the_chosen_lengths(chunk):
 
 def test_auto_with_forced_length_changes_keeps_the_invariants():
     """k jumping between 0 and K_max every step: drafts of the last step are fewer or more than the new k."""
-    from tests.runtime.engine_utils import RecordingExecutor
     from tests.runtime.test_commit_coverage import last_mtp_writes
 
     prompts = random_prompts((7, 12, 4), seed=3)
     params = SamplingParams(max_tokens=16)
     reference = [o.output_ids for o in make_engine(0, enable_prefix_caching=False).generate(prompts, params)]
-    engine = make_engine(3, auto_draft_tokens=True, max_prefill_chunk=5)
     lengths = iter([3, 0, 1, 3, 2, 0, 3, 1] * 50)
 
     class Scripted(DraftLengthController):
         def choose(self, num_drafting, base_rows, remaining=None):
             return next(lengths) if num_drafting else 0
 
-    engine.draft_length = Scripted(3)
-    rec = RecordingExecutor(engine.executor, kv=engine.kv)
-    engine.executor = rec
+    engine, rec = make_recorded_engine(3, auto_draft_tokens=True, max_prefill_chunk=5, draft_length=Scripted(3))
     ids = [engine.add_request(p, params) for p in prompts]
     finals = {}
     while engine.has_unfinished():
@@ -156,7 +152,7 @@ def test_auto_with_forced_length_changes_keeps_the_invariants():
 
 
 def test_conditional_acceptance_counts_only_steps_that_reached_the_depth():
-    from runtime.metrics import Metrics
+    from runtime.core.metrics import Metrics
 
     m = Metrics(3)
     m.record_verify(3, 2, 3)  # depths 0, 1 accepted, 2 rejected

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from builder.trt_build import profile_dims
-from plugins.engine_format import KVLayout, Limits
-from plugins.engine_format.graph_io import GRAPH_NAMES, SPECS
-from runtime.config import ConfigError, RuntimeConfig
-from runtime.engine import LLMEngine
+from models.engine_format import KVLayout, Limits
+from models.engine_format.graph_io import GRAPH_NAMES, SPECS
+from runtime.core.config import ConfigError, RuntimeConfig
+from runtime.core.engine import LLMEngine
+from runtime.core.sampling import SamplingParams
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, Executor, MainInput, MainOutput
 from runtime.executors.torch_executor import TorchExecutor
 from runtime.factory import check_within_engine
-from runtime.sampling import SamplingParams
 from tests.runtime.engine_utils import cached_model, random_prompts
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams
 from tests.runtime.engine_utils import cached_model, make_engine, random_prompts
 
 PROMPTS = random_prompts((5, 13, 9, 22, 3, 17), seed=0)
@@ -31,7 +31,7 @@ def reference():
 
 def test_reference_matches_hugging_face(tmp_path, reference):
     transformers = pytest.importorskip("transformers")
-    from models.checkpoint import save_hf_checkpoint, to_hf_config
+    from models.checkpoint_export import save_hf_checkpoint, to_hf_config
 
     cfg, model = cached_model()
     save_hf_checkpoint(model, to_hf_config(cfg), tmp_path)
@@ -95,7 +95,7 @@ def test_lossless_without_commit_pass(reference):
 def ort_engine_dir(tmp_path_factory):
     """The same random model built into an onnxruntime engine with mtp-build."""
     from builder import cli
-    from models.checkpoint import save_hf_checkpoint, to_hf_config
+    from models.checkpoint_export import save_hf_checkpoint, to_hf_config
 
     cfg, model = cached_model()
     ckpt = tmp_path_factory.mktemp("ckpt")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.sampling import SamplingParams
-from tests.runtime.engine_utils import RecordingExecutor, make_engine
+from runtime.core.sampling import SamplingParams
+from tests.runtime.engine_utils import make_engine, make_recorded_engine
 
 _REFERENCE: dict[tuple[int, ...], list[int]] = {}
 MAX_TOKENS = 10
@@ -52,13 +52,11 @@ def workloads(draw):
 @given(workloads())
 def test_random_schedules_are_lossless_and_keep_the_invariants(w):
     k = w["k"]
-    engine = make_engine(
+    engine, rec = make_recorded_engine(
         k, max_prefill_chunk=w["max_prefill_chunk"], max_batch=w["max_batch"],
         max_num_tokens=w["max_batch"] * (1 + k) + w["budget_slack"], num_blocks=w["num_blocks"], max_seq_len=48,
         enable_prefix_caching=w["caching"] != "off", prefix_cache_cow=w["caching"] == "cow",
     )  # fmt: skip
-    rec = RecordingExecutor(engine.executor, kv=engine.kv)
-    engine.executor = rec
     ids = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in w["prompts"]]
     finals = {}
     while engine.has_unfinished():

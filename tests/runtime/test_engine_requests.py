@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.request import ChunkCarry
-from runtime.sampling import SamplingParams
+from runtime.core.request import ChunkCarry
+from runtime.core.sampling import SamplingParams
 from tests.runtime.engine_utils import make_engine, random_prompts
 
 PROMPTS = random_prompts((6, 11, 4, 9), seed=7)
@@ -58,8 +58,9 @@ def test_finished_requests_leave_the_engine():
 class PoisonLogits:
     """Fault injection around the real executor: NaN logits for one request's rows from a given step on."""
 
-    def __init__(self, engine, victim: str, from_step: int) -> None:
-        self.inner, self.engine, self.victim, self.from_step, self.step = engine.executor, engine, victim, from_step, 0
+    def __init__(self, inner, victim: str, from_step: int) -> None:
+        self.inner, self.victim, self.from_step, self.step = inner, victim, from_step, 0
+        self.engine = None  # set once the engine exists (its KV manager says which rows are the victim's)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -80,8 +81,10 @@ class PoisonLogits:
 @pytest.mark.parametrize("k", [0, 3])
 def test_non_finite_logits_abort_only_that_request(k):
     reference = [o.output_ids for o in finals(make_engine(k), PROMPTS, GREEDY)]
-    engine = make_engine(k, enable_prefix_caching=False)
-    engine.executor = PoisonLogits(engine, "r1", from_step=4)
+    poison: list[PoisonLogits] = []
+    engine = make_engine(k, enable_prefix_caching=False,
+                         wrap=lambda ex: poison.append(PoisonLogits(ex, "r1", from_step=4)) or poison[0])  # fmt: skip
+    poison[0].engine = engine
     outs = finals(engine, PROMPTS, GREEDY)
     assert outs[1].finish_reason == "error" and "non-finite logits" in outs[1].error
     assert outs[1].output_ids == reference[1][: len(outs[1].output_ids)]  # what it emitted before is kept

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import runtime.kv_manager as kv_manager
-from runtime.kv_manager import KVCacheManager
+import runtime.core.kv_manager as kv_manager
+from runtime.core.kv_manager import KVCacheManager
 
 B = 4
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from models.testing import MLA_VARIANTS, make_mla_checkpoint
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 from tests.runtime.engine_utils import random_prompts
 
 VOCAB = 6  # a random MTP module agrees with the main model ~1/vocab of the time: accepted drafts happen

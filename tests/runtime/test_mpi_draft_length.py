@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 from tests.runtime.engine_utils import random_prompts
 from tests.runtime.test_mpi_lockstep import MPIRUN, ROOT, checkpoint, pytestmark  # noqa: F401 - shared fixture/marker
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from models.testing import make_checkpoint, tiny_config
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 from tests.runtime.engine_utils import random_prompts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """Tensor parallelism under a real `mpirun --oversubscribe`: the TP leader runs the engine, its followers replay
-every executor call (runtime/tp_group.py); outputs equal the single-rank run; a killed, stalled or differently
+every executor call (runtime/multirank/tp_group.py); outputs equal the single-rank run; a killed, stalled or differently
 configured rank ends every rank with one line. Every launch has a timeout, so a hang fails the test.
 
 Mappings (tests/runtime/mpi_tp_worker.py, a random tiny 4-expert checkpoint sharded at load per the mapping
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from models.testing import make_checkpoint, tiny_config
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 from tests.runtime.mpi_tp_worker import SETTINGS, prompts
 from tests.runtime.test_mpi_lockstep import ENV, MPIRUN, ROOT, _alive, our_lines, pytestmark  # noqa: F401
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 from runtime.serving.openai import protocol as P
 from runtime.serving.openai.app import _stable_text
 from runtime.serving.openai.engine_loop import EngineLoop, NotServing, QueueFull

@@ -13,8 +13,8 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 from runtime.serving.openai.server import load_chat_template
 from runtime.serving.process import children, pid_alive
 from tests.runtime.openai_helpers import TINY, OpenAIServer

@@ -2,14 +2,14 @@
 
 Padded draft rows (count 0, block table -1) and padded verify requests (q_count 0) must leave the live
 rows' outputs and every KV plane exactly as the unpadded forward does. (The graph capture itself needs a
-GPU: runtime/gpu_check.py.)
+GPU: runtime/bench/gpu_check.py.)
 """
 
 from __future__ import annotations
 
 import torch
 
-from models.glm4_moe import PagedKV, StepMeta
+from models.layers import PagedKV, StepMeta
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 from tests.runtime.engine_utils import cached_model
 
@@ -80,8 +80,8 @@ def test_static_buffer_bucketing_is_lossless():
     """The captured-execution path (static buffers, power-of-two request buckets, padding, output slicing)
     in its CPU-runnable "eager" mode gives the same tokens as the plain executor; the bucketed path is
     really taken for drafts and decode-only verify steps."""
+    from runtime.core.sampling import SamplingParams
     from runtime.executors.torch_executor import TorchExecutor
-    from runtime.sampling import SamplingParams
     from tests.runtime.engine_utils import make_engine, random_prompts
 
     # 5 requests through 4 slots, finishing at different times: buckets are refilled with fewer live rows

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from runtime.sampling import (
+from runtime.core.sampling import (
     SamplingParams,
     accept_exact_match,
     accept_greedy,

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from models.glm4_moe import PagedKV, StepMeta
+from models.layers import PagedKV, StepMeta
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
-from runtime.kv_manager import cdiv
-from runtime.sampling import SamplingParams
+from runtime.core.kv_manager import cdiv
+from runtime.core.sampling import SamplingParams
 from tests.runtime.engine_utils import cached_model, make_engine
 
 PROMPT = [5, 17, 33, 2, 60, 11]

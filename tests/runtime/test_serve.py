@@ -13,8 +13,8 @@ import urllib.request
 
 import pytest
 
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 from runtime.serving.triton_server import MODEL_NAME, ServeError, TritonServer, free_ports, main, write_model_repo
 from tests.runtime import serve_helpers as h
 from tests.runtime.serve_helpers import TINY

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 from runtime.serving.process import tritonserver_dir
 from runtime.serving.triton_model.policy import (
     Control,

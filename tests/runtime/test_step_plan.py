@@ -7,8 +7,8 @@ import copy
 
 import numpy as np
 
-from runtime.mtp_plan import plan_main, plan_step, table_array
-from runtime.sampling import SamplingParams
+from runtime.core.mtp_plan import plan_main, plan_step, table_array
+from runtime.core.sampling import SamplingParams
 from tests.runtime.engine_utils import make_engine, random_prompts
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 SNIPPETS = [

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.watchdog import Stall, Watchdog, parse_stall
+from runtime.multirank.watchdog import Stall, Watchdog, parse_stall
 from tests.runtime.test_mpi_lockstep import ENV, ROOT
 
 
@@ -29,7 +29,7 @@ def test_timeout_must_be_positive():
 SCRIPT = """
 import time
 from pathlib import Path
-from runtime.watchdog import Watchdog
+from runtime.multirank.watchdog import Watchdog
 dog = Watchdog({timeout}, rank=3, prog="mtp-run")
 with dog.guard("a quick one"):
     pass

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.admission import RequestError, validate_prompt
+from runtime.core.admission import RequestError, validate_prompt
 from runtime.serving.openai import protocol as P
 from runtime.serving.openai.engine_loop import EngineLoop, Event, NotServing, QueueFull
 from runtime.serving.openai.metrics import CONTENT_TYPE, ServeMetrics

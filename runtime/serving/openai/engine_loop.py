@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.admission import RequestError
-from runtime.sampling import SamplingParams
+from runtime.core.admission import RequestError
+from runtime.core.sampling import SamplingParams
 
 log = logging.getLogger("mtp.openai")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from runtime.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams
 
 
 class ProtocolError(ValueError):

@@ -40,7 +40,7 @@ def create_serving_engine(args: Any):
     serves HTTP and every other rank is a follower; several DP groups would need an HTTP server per leader
     and are refused (the same on every rank, so every rank exits 2 and rank 0 prints the line)."""
     from runtime.factory import create_engine
-    from runtime.parallel import EveryRankError, mpi_world
+    from runtime.multirank.parallel import EveryRankError, mpi_world
 
     if args.torch_threads:
         import torch
@@ -53,11 +53,9 @@ def create_serving_engine(args: Any):
                            num_blocks=args.num_blocks, rank=rank, world_size=world,
                            collective_timeout=getattr(args, "collective_timeout", 60.0),
                            tp_size=getattr(args, "tp_size", None), prog="mtp-serve")  # fmt: skip
-    role = engine.rank_role
-    if role is not None and role.mapping.dp > 1:
-        raise EveryRankError(f"mtp-serve serves one TP group; this engine has {role.mapping.dp} data-parallel groups "
-                          f"(world_size {role.mapping.world}, tp_size {role.mapping.tp}): rebuild it with "
-                          f"--world-size equal to --tp-size, or use mtp-run")  # fmt: skip
+    if engine.ranks.dp_size > 1:
+        raise EveryRankError(f"mtp-serve serves one TP group; this engine has {engine.ranks.dp_size} data-parallel "
+                             "groups: rebuild it with --world-size equal to --tp-size, or use mtp-run")  # fmt: skip
     return engine
 
 
@@ -74,9 +72,9 @@ def build_state(args: Any, engine=None) -> ServeState:
 
 
 def run(args: Any) -> int:
-    from runtime.config import ConfigError
-    from runtime.parallel import EveryRankError, exit_failed_rank, mpi_world
-    from runtime.tp_group import run_follower
+    from runtime.core.config import ConfigError
+    from runtime.multirank.parallel import EveryRankError, exit_failed_rank, mpi_world
+    from runtime.multirank.strategies import lead_or_follow
 
     _, rank, world = mpi_world()
     try:
@@ -90,18 +88,17 @@ def run(args: Any) -> int:
             exit_failed_rank(rank, e, "mtp-serve", code=2)
         print(f"mtp-serve: error: {e}", file=sys.stderr)
         return 2
-    role = engine.rank_role
-    if role is not None and not role.is_leader:  # replays the leader's executor calls until it shuts down
-        return run_follower(role, "mtp-serve")
-    st: ServeState | None = None
-    try:
-        st = build_state(args, engine)
-        return _serve(args, st)
-    finally:
-        if role is not None:  # the followers exit with us, whatever ended the server
-            if st is not None and st.loop.thread_alive:  # it may still step: a STOP now would race its broadcasts; end the job
+    state: list[ServeState] = []
+
+    def lead() -> int:
+        try:
+            state.append(build_state(args, engine))
+            return _serve(args, state[0])
+        finally:  # the followers are released by lead_or_follow, whatever ended the server, unless the loop
+            if world > 1 and state and state[0].loop.thread_alive:  # may still step: a STOP would race it
                 exit_failed_rank(rank, RuntimeError("the engine loop did not stop; ending the job"), "mtp-serve")
-            role.stop()
+
+    return lead_or_follow(engine.ranks, lead, "mtp-serve")
 
 
 def _serve(args: Any, st: ServeState) -> int:

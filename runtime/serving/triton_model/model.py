@@ -156,9 +156,9 @@ class TritonPythonModel:
             import torch
 
             torch.set_num_threads(int(opt["torch_threads"]))
-        from runtime.engine import RequestError
+        from runtime.core.engine import RequestError
+        from runtime.core.sampling import SamplingParams
         from runtime.factory import create_engine
-        from runtime.sampling import SamplingParams
 
         self._RequestError, self._SamplingParams = RequestError, SamplingParams
 

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plugins.engine_format.config import Parallel
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    """The whole mapping of a job, as config.json records it (`parallel`)."""
+
+    world_size: int
+    ep_size: int
+    tp_size: int
 
 
 class MappingError(ValueError):

@@ -15,13 +15,13 @@ import torch
 from onnx.helper import tensor_dtype_to_np_dtype
 
 from models.config import ModelConfig, kv_geometry_fields
-from plugins.engine_format.config import EngineConfig
-from plugins.engine_format.graph_io import GRAPH_NAMES, SPECS
-from plugins.engine_format.layout import KVLayout, table_width
-from plugins.engine_format.mapping import MappingError, RankMapping, check_model, local_kv_heads, rank_mapping
-from plugins.engine_format.names import MLA_NODES, MOE_EXPERTS, POOL_NODES
-from plugins.engine_format.paths import EngineDirError, rank_dir
+from models.engine_format.config import EngineConfig
+from models.engine_format.graph_io import GRAPH_NAMES, SPECS
+from models.engine_format.layout import KVLayout, table_width
+from models.engine_format.paths import EngineDirError, rank_dir
 from plugins.kv_pool import DTYPE_CODES
+from plugins.mapping import MappingError, RankMapping, check_model, local_kv_heads, rank_mapping
+from plugins.names import MLA_NODES, MOE_EXPERTS, POOL_NODES
 
 _FIX = "the config does not describe the graphs it ships with; rebuild with `mtp-build --checkpoint CKPT --output {}`"
 # Graph files the checks read (a TensorRT plan is opaque here: its recorded profiles are checked instead).

@@ -1,11 +1,11 @@
 """LLMEngine: continuous batching + the exact MTP speculative step, over any executor.
 
 One `step()` is plan, then apply; the phases run in this order and no other:
-  1. schedule   which requests forward how many tokens (runtime/scheduler.py)
+  1. schedule   which requests forward how many tokens (runtime/core/scheduler.py)
   2. verify     one main forward over the packed batch (plan_main); main KV appended inside
   3. accept     greedy / exact-match / rejection sampling -> a_r accepted drafts + one main token;
-                then this step's draft length k (fixed K, or `auto`: runtime/draft_length.py, same on all ranks)
-  4. plan       plan_step (runtime/mtp_plan.py, pure): commit input, chunk carries, rewinds (bases),
+                then this step's draft length k (fixed K, or `auto`: runtime/core/draft_length.py, same on all ranks)
+  4. plan       plan_step (runtime/core/mtp_plan.py, pure): commit input, chunk carries, rewinds (bases),
                 emitted tokens and draft rows, all from the verify results before any state changes
                 (with k = 0 depth 0's entry at base-1 is carried, then written by a later commit)
   5. commit     one packed varlen write of the MTP plane from main hiddens (the plan's commit input)
@@ -24,22 +24,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 from models.config import ModelConfig
-from runtime.admission import RequestError, validate_params, validate_prompt, validate_request_id
-from runtime.block_pool import NULL_BLOCK_ID
-from runtime.config import ConfigError, RuntimeConfig
-from runtime.draft_length import DraftLengthController, StepSample, combine
-from runtime.executors.base import DraftInput, Executor, MainInput
-from runtime.kv_manager import KVCacheManager
-from runtime.metrics import Metrics
-from runtime.mtp_plan import MainPlan, RequestUpdate, StepPlan, plan_draft, plan_main, plan_step, table_array
-from runtime.request import Request, RequestOutput, RequestStatus, request_rng
-from runtime.sampling import (
+from runtime.core.admission import RequestError, validate_params, validate_prompt, validate_request_id
+from runtime.core.block_pool import NULL_BLOCK_ID
+from runtime.core.config import ConfigError, RuntimeConfig
+from runtime.core.draft_length import DraftLengthController, StepSample, combine
+from runtime.core.kv_manager import KVCacheManager
+from runtime.core.metrics import Metrics
+from runtime.core.mtp_plan import MainPlan, RequestUpdate, StepPlan, plan_draft, plan_main, plan_step, table_array
+from runtime.core.ranks import SINGLE_RANK, RankStrategy
+from runtime.core.request import Request, RequestOutput, RequestStatus, request_rng
+from runtime.core.sampling import (
     SamplingParams,
     accept_exact_match,
     accept_greedy,
@@ -47,21 +46,26 @@ from runtime.sampling import (
     probs_from_logits,
     sample,
 )
-from runtime.scheduler import ScheduledRequest, Scheduler
-
-if TYPE_CHECKING:
-    from runtime.tp_group import RankRole
+from runtime.core.scheduler import ScheduledRequest, Scheduler
+from runtime.executors.base import DraftInput, Executor, MainInput
 
 __all__ = ["LLMEngine", "RequestError", "RequestOutput"]
 
 
 class LLMEngine:
     def __init__(self, executor: Executor, model_cfg: ModelConfig, cfg: RuntimeConfig, tokenizer=None,
-                 lockstep: bool = False, seed: int = 0) -> None:  # fmt: skip
-        """seed: engine seed; an unseeded request samples from a generator derived from (seed, request id)."""
+                 seed: int = 0, ranks: RankStrategy = SINGLE_RANK,
+                 draft_length: DraftLengthController | None = None, draft_clock=time.perf_counter) -> None:  # fmt: skip
+        """seed: engine seed; an unseeded request samples from a generator derived from (seed, request id).
+        ranks: this rank's part in an mpirun job (runtime/core/ranks.py); the default is a rank alone.
+        draft_length: the controller of `auto` (default: DraftLengthController(K) when cfg asks for auto).
+        draft_clock: auto's clock; wall time (the objective) by default, time.process_time for CPU executors,
+            whose wall time on shared cores mostly measures the other jobs (create_engine picks)."""
         if cfg.num_draft_tokens > 0 and model_cfg.num_mtp_modules == 0:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
-        self.executor, self.model_cfg, self.cfg, self.tokenizer = executor, model_cfg, cfg, tokenizer
+        self.model_cfg, self.cfg, self.tokenizer = model_cfg, cfg, tokenizer
+        self.ranks = ranks
+        self.executor = ranks.executor(executor)
         self.k = cfg.num_draft_tokens
         self.seed = seed
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
@@ -71,22 +75,15 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # unfinished requests only: a finished one leaves with its output
         self._arrivals = itertools.count()
         self.width = cfg.max_blocks_per_request
-        # Multi-rank expert parallelism: every rank must issue the same collective-bearing forwards each step
-        # (1 main + k drafts), so an idle rank runs dummy forwards that touch only the null block (invariant 9).
-        self.lockstep = lockstep
         self._exec_seconds = 0.0  # executor time within the current step
         # --num-draft-tokens auto: self.k is the maximum, the controller picks each step's k (draft_length.py)
-        self.draft_length = DraftLengthController(self.k) if cfg.auto_draft_tokens and self.k else None
-        # Multi-rank (set by runtime/tp_group.join from create_engine): this rank's RankRole, and with several
-        # DP groups the leaders comm's allgather of every leader's StepSample, so all decide from the same numbers
-        self.rank_role: RankRole | None = None
-        self.lockstep_gather: Callable[[np.ndarray], list[np.ndarray]] | None = None
+        if draft_length is None and cfg.auto_draft_tokens and self.k:
+            draft_length = DraftLengthController(self.k)
+        self.draft_length = draft_length
         # auto's cost of a draft length k is a cycle: the draft loop that made k drafts plus the next step
         self._prev_draft = (0.0, 0.0, 0.0)  # the previous step's draft loop: (wall seconds, depths, requests)
         self._cycle = (0.0, 0.0, 0.0, 0.0)  # the last finished cycle: (seconds, depths, requests, verify rows)
-        # auto's clock: wall time (the objective) by default; create_engine picks time.process_time for CPU
-        # executors, whose wall time on shared cores mostly measures the other jobs.
-        self.draft_clock = time.perf_counter
+        self.draft_clock = draft_clock
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, req_id: str | None = None) -> str:
@@ -110,11 +107,22 @@ class LLMEngine:
         if req is not None:
             self._finish(req, "abort")
 
+    def reset_metrics(self) -> None:
+        """Fresh counters (the benchmarks measure each run apart)."""
+        self.metrics = Metrics(self.k)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        self.ranks.begin_step()
+        try:
+            return self._step()
+        finally:
+            self.ranks.end_step()
+
+    def _step(self) -> list[RequestOutput]:
         t_start, c_start = time.perf_counter(), self.draft_clock()
         self._exec_seconds = 0.0
         sched = self.scheduler.schedule()  # 1. schedule
@@ -123,7 +131,7 @@ class LLMEngine:
             self.executor.copy_blocks(sched.block_copies)
             self.kv.complete_copies()
         if not sched.scheduled:
-            if self.lockstep:
+            if self.ranks.lockstep:  # invariant 9: an idle rank still enters every collective-bearing forward
                 self.executor.run_main(self._dummy_main_input())
                 self._dummy_drafts(self._choose_draft_length(StepSample()))
             return []
@@ -144,7 +152,7 @@ class LLMEngine:
             if drafting and k:
                 self._draft_loop([scheduled[i].req for i in drafting], [plan.updates[i] for i in drafting],
                                  main.hidden, tables[drafting], outputs, k)  # fmt: skip
-            elif self.lockstep:
+            elif self.ranks.lockstep:
                 self._dummy_drafts(k)
             if drafting:
                 self.metrics.record_draft_length(k)
@@ -185,8 +193,8 @@ class LLMEngine:
         ctl = self.draft_length
         if ctl is None:
             return self.k
-        if self.lockstep_gather is not None:
-            sample = combine(self.lockstep_gather(sample.to_array(self.k)), self.k)
+        if self.ranks.lockstep:
+            sample = combine(self.ranks.gather_draft_samples(sample.to_array(self.k)), self.k)
         ctl.observe(sample)
         return ctl.choose(sample.num_drafting, sample.base_rows, sample.remaining)
 
@@ -371,7 +379,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ convenience
     def stream(self) -> Iterator[RequestOutput]:
-        while self.has_unfinished():
+        """Step until no request is left (in a lockstep job: until no DP group has one; every rank steps alike)."""
+        while self.ranks.any_busy(self.has_unfinished()):
             yield from self.step()
 
     def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | None = None) -> list[RequestOutput]:

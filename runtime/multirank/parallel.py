@@ -1,15 +1,15 @@
-"""Multi-rank driving under mpirun: the DP lockstep of the schedulers (design: docs/ARCHITECTURE.md §8).
+"""The MPI world, the start-up settings agreement and one-line failure exits under mpirun (docs/ARCHITECTURE.md §8).
 
-Each DP group (a TP group: runtime/tp_group.py; with TP1 a single rank) serves its own share of the requests;
+Each DP group (a TP group: runtime/multirank/tp_group.py; with TP1 a single rank) serves its own share of the requests;
 its leader runs the engine. MoE layers exchange tokens with all-to-all inside the forwards, so the leaders
 step in lockstep: before each step they agree (allreduce over the leaders comm) whether any group still has
-work, and an idle leader runs dummy forwards (runtime/engine.py), which its followers replay. Sampling
+work, and an idle leader runs dummy forwards (runtime/core/engine.py), which its followers replay. Sampling
 decisions are per request and each request lives in exactly one group, so they are made once.
 
 No path may hang silently:
-* at start-up the ranks allgather their settings fingerprint (runtime/fingerprint.py); on any difference
+* at start-up the ranks allgather their settings fingerprint (runtime/multirank/fingerprint.py); on any difference
   every rank raises the same `RanksDisagree` (rank 0 prints it) instead of entering mismatched collectives;
-* a collective that waits past --collective-timeout ends its rank with one line (runtime/watchdog.py);
+* a collective that waits past --collective-timeout ends its rank with one line (runtime/multirank/watchdog.py);
 * a rank that fails prints one line and exits non-zero; the launcher then terminates the others, which are
   blocked in a collective (see `exit_failed_rank`).
 
@@ -22,12 +22,11 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
-from runtime.config import ConfigError
-from runtime.engine import LLMEngine, RequestOutput
-from runtime.fingerprint import first_difference, settings_fingerprint
+from runtime.core.config import ConfigError
+from runtime.multirank.fingerprint import first_difference
 
 T = TypeVar("T")
 # Set by every launcher we support: Open MPI (mpirun / prterun), PMIx launchers (srun --mpi=pmix), MPICH hydra.
@@ -39,7 +38,7 @@ class EveryRankError(ConfigError):
 
 
 class RanksDisagree(EveryRankError):
-    """The start-up settings agreement failed (runtime/fingerprint.py names the first difference)."""
+    """The start-up settings agreement failed (runtime/multirank/fingerprint.py names the first difference)."""
 
 
 def launched_by_mpi() -> bool:
@@ -58,29 +57,14 @@ def mpi_world():
     return comm, comm.Get_rank(), comm.Get_size()
 
 
-def agree_on_settings(engine: LLMEngine, comm, extra: dict | None = None) -> None:
-    """Allgather every rank's settings fingerprint (+ extra: the mapping); raise RanksDisagree on every rank
-    if any differs. Called once at start-up by runtime/tp_group.join, over COMM_WORLD (followers included)."""
+def agree_on_settings(comm, fingerprint: dict) -> None:
+    """Allgather every rank's settings fingerprint (runtime/multirank/fingerprint.py); raise RanksDisagree on
+    every rank if any differs. Called once at start-up over COMM_WORLD (followers included)."""
     if comm is None or comm.Get_size() == 1:
         return
-    problem = first_difference(comm.allgather(settings_fingerprint(engine, extra)))
+    problem = first_difference(comm.allgather(fingerprint))
     if problem is not None:
         raise RanksDisagree(problem)
-
-
-def lockstep_stream(engine: LLMEngine) -> Iterator[RequestOutput]:
-    """A leader's stream: step until no DP group has work; every leader calls step() equally often.
-
-    The busy check runs over the leaders comm (runtime/tp_group.py; armed by the watchdog) and only with
-    several DP groups; the ranks agreed on their settings when the engine was created (create_engine).
-    """
-    role = engine.rank_role
-    leaders = role if role is not None and role.mapping.dp > 1 else None
-    while True:
-        busy = engine.has_unfinished()
-        if not (leaders.leaders_allreduce(int(busy)) if leaders is not None else busy):
-            return
-        yield from engine.step()
 
 
 def exit_failed_rank(rank: int, error: BaseException, prog: str, debug: bool = False, code: int = 1) -> NoReturn:

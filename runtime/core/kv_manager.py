@@ -34,8 +34,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from plugins.engine_format.layout import cdiv
-from runtime.block_pool import BlockPool
+from models.engine_format.layout import cdiv
+from runtime.core.block_pool import BlockPool
 
 ROOT_HASH = 0  # parent hash of block 0 (not hash(None): that differs between processes on Python 3.11)
 

@@ -1,7 +1,7 @@
 """Request admission: the complete, pure validation of one request before the engine queues it.
 
 Owns the prompt contract (`validate_prompt`) and the request-id contract; the sampling policy's own
-checks live in `SamplingParams.validate` (runtime/sampling.py) and are called from `validate_params`.
+checks live in `SamplingParams.validate` (runtime/core/sampling.py) and are called from `validate_params`.
 Everything here raises `RequestError` with one line naming the problem and the fix, and has no side
 effects, so a rejected request changes nothing in the engine and cannot fail a later step for the
 others (a value that slips through here surfaces as a TypeError inside engine.step() for the whole batch).
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runtime.sampling import SamplingParams, is_int
+from runtime.core.sampling import SamplingParams, is_int
 
 
 class RequestError(ValueError):

@@ -1,7 +1,7 @@
 """The KV layout of an engine: pool geometry plus block-table width, computed once by `table_width`.
 
 The builder computes a `KVLayout` from its options and records it in config.json (`kv`); the runtime
-reads it back and sizes every block table with the same `table_width` function (runtime/config.py),
+reads it back and sizes every block table with the same `table_width` function (runtime/core/config.py),
 so the width the graphs and TensorRT profiles were built for and the width the scheduler can produce
 cannot disagree (they once did: ceil(L/B) in the builder vs ceil((L+2k)/B) in the runtime).
 """
@@ -9,8 +9,10 @@ cannot disagree (they once did: ceil(L/B) in the builder vs ceil((L+2k)/B) in th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from plugins.kv_pool import KVPoolGeometry
+if TYPE_CHECKING:  # plugins.kv_pool imports torch; the control plane reads layouts without it
+    from plugins.kv_pool import KVPoolGeometry
 
 
 def cdiv(a: int, b: int) -> int:
@@ -22,7 +24,7 @@ def table_width(max_seq_len: int, num_draft_tokens: int, block_size: int) -> int
     """Blocks a request may own: max_seq_len positions plus the MTP lookahead.
 
     A step verifying k drafts at the last position before max_seq_len writes main KV up to
-    max_seq_len - 1 + k and MTP KV up to k - 1 positions further (runtime/scheduler.py
+    max_seq_len - 1 + k and MTP KV up to k - 1 positions further (runtime/core/scheduler.py
     `lookahead_tokens`), so 2k positions past max_seq_len bound every write.
     """
     return cdiv(max_seq_len + 2 * num_draft_tokens, block_size)
@@ -55,6 +57,8 @@ class KVLayout:
 
     def geometry(self, num_blocks: int | None = None) -> KVPoolGeometry:
         """The pool geometry, optionally with another block count (only the ORT executor may change it)."""
+        from plugins.kv_pool import KVPoolGeometry
+
         blocks = self.num_blocks if num_blocks is None else num_blocks
         return KVPoolGeometry(self.num_planes, blocks, self.block_size, self.num_kv_heads, self.head_dim,
                               self.dtype_code, self.kv_kind)  # fmt: skip

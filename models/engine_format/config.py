@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from models.config import ModelConfig
-from plugins.engine_format.layout import KVLayout
-from plugins.engine_format.paths import safe_path
+from models.engine_format.layout import KVLayout
+from models.engine_format.paths import safe_path
+from plugins.mapping import Parallel
 
 SCHEMA_VERSION = 2  # 2: typed kv layout (table_width incl. lookahead), manifest.json covering config.json
 CONFIG_NAME = "config.json"
@@ -27,13 +28,6 @@ class Limits:
     max_batch: int  # requests per step
     max_num_tokens: int  # packed main rows per step, >= max_batch * (1 + K)
     max_seq_len: int  # positions per request
-
-
-@dataclass(frozen=True, slots=True)
-class Parallel:
-    world_size: int
-    ep_size: int
-    tp_size: int
 
 
 T = TypeVar("T")

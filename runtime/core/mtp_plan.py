@@ -1,7 +1,7 @@
 """Pure planning for one engine step: which rows the main forward, the commit pass and the draft depths
 get. No executor, no state changes: inputs are the scheduled requests and numbers, outputs are arrays.
 
-Two plans per step (runtime/engine.py applies them): `plan_main` before verify, and `plan_step` after
+Two plans per step (runtime/core/engine.py applies them): `plan_main` before verify, and `plan_step` after
 accept, which derives everything the rest of the step needs (commit input, chunk carries, rewinds, draft
 rows and bases) from the verify results before any request state changes; `plan_draft` shapes one depth.
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.core.request import ChunkCarry
+from runtime.core.scheduler import ScheduledRequest
 from runtime.executors.base import CommitInput, DraftInput, MainInput
-from runtime.request import ChunkCarry
-from runtime.scheduler import ScheduledRequest
 
 
 @dataclass(slots=True)

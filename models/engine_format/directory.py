@@ -13,10 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from plugins.engine_format.config import CONFIG_NAME, MANIFEST_NAME, SCHEMA_VERSION, EngineConfig
-from plugins.engine_format.crosscheck import check_against_graphs, check_consistent
-from plugins.engine_format.names import installed_plugins
-from plugins.engine_format.paths import EngineDirError, rank_dir, safe_path
+from models.engine_format.config import CONFIG_NAME, MANIFEST_NAME, SCHEMA_VERSION, EngineConfig
+from models.engine_format.paths import EngineDirError, rank_dir, safe_path
+from plugins.names import installed_plugins
 
 _REBUILD = "rebuild it with `mtp-build --checkpoint CKPT --output {path} --force`"
 
@@ -171,6 +170,8 @@ def load_engine_config(path: str | Path, verify_checksums: bool = True) -> Engin
     if verify_checksums:
         for rel, digest in sorted(files.items()):
             _check_file(path, rel, digest)
+    from models.engine_format.crosscheck import check_against_graphs, check_consistent  # torch + onnx: lazy
+
     check_consistent(cfg)
     check_against_graphs(cfg)
     return cfg

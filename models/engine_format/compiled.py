@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from plugins.engine_format.config import EngineConfig
+from models.engine_format.config import EngineConfig
 
 AOTI_KIND = "aoti"  # graph kind in config.json's `graphs`, and the package name suffix (main.aoti.pt2)
 

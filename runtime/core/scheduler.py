@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.config import RuntimeConfig
-from runtime.kv_manager import KVCacheManager
-from runtime.request import Request, RequestStatus
+from runtime.core.config import RuntimeConfig
+from runtime.core.kv_manager import KVCacheManager
+from runtime.core.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

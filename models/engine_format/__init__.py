@@ -1,4 +1,4 @@
-"""plugins/engine_format/: the engine format both the builder and the runtime depend on (neither imports the other).
+"""models/engine_format/: the engine format both the builder and the runtime depend on (neither imports the other).
 
 * `names`       plugin node names, their ONNX domain and versions (`installed_plugins`), incl. the TP collective nodes
 * `layout`      `KVLayout` (pool geometry + block-table width) and `table_width`, the one width function
@@ -13,10 +13,10 @@
 Documented in docs/ENGINE_FORMAT.md. The names below are re-exported for convenience.
 """
 
-from plugins.engine_format.config import CONFIG_NAME, MANIFEST_NAME, SCHEMA_VERSION, EngineConfig, Limits, Parallel
-from plugins.engine_format.directory import load_engine_config, looks_like_engine_dir, write_engine_config
-from plugins.engine_format.layout import KVLayout, table_width
-from plugins.engine_format.paths import EngineDirError, rank_dir, safe_path
+from models.engine_format.config import CONFIG_NAME, MANIFEST_NAME, SCHEMA_VERSION, EngineConfig, Limits, Parallel
+from models.engine_format.directory import load_engine_config, looks_like_engine_dir, write_engine_config
+from models.engine_format.layout import KVLayout, table_width
+from models.engine_format.paths import EngineDirError, rank_dir, safe_path
 
 __all__ = [
     "CONFIG_NAME", "MANIFEST_NAME", "SCHEMA_VERSION", "EngineConfig", "EngineDirError", "KVLayout", "Limits",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.config import ConfigError  # one error type for every bad configuration
-from plugins.engine_format.layout import table_width
+from models.engine_format.layout import table_width
 
 __all__ = ["ConfigError", "RuntimeConfig"]
 

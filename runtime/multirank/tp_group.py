@@ -13,7 +13,7 @@ The command stream on the TP comm, leader -> followers (pickled bcast):
     (STEP_END, step)              the leader finished a step: the next wait may be idle (not armed)
     (STOP,)                       leave follow(): the leader is done (end of mtp-run, server shutdown)
 A leader that fails exits at once (runtime/parallel.exit_failed_rank); the launcher then ends its
-followers, which are blocked in the bcast, and the collective watchdog (runtime/watchdog.py) ends any
+followers, which are blocked in the bcast, and the collective watchdog (runtime/multirank/watchdog.py) ends any
 rank whose peer stalls mid-step.
 """
 
@@ -24,11 +24,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from plugins.engine_format.config import Parallel
-from plugins.engine_format.mapping import RankMapping, rank_mapping
-from runtime.config import ConfigError
-from runtime.parallel import agree_on_settings, exit_failed_rank, mpi_world
-from runtime.watchdog import Watchdog
+from plugins.mapping import RankMapping
+from runtime.multirank.parallel import exit_failed_rank
+from runtime.multirank.watchdog import Watchdog
 
 CALL, STEP_END, STOP = "call", "step_end", "stop"
 # What each executor call is called in the watchdog's message.
@@ -128,54 +126,6 @@ class LeaderExecutor:
 
     def copy_blocks(self, pairs):
         return self._call("copy_blocks", pairs)
-
-
-def join(engine, parallel: Parallel, collective_timeout: float, prog: str) -> RankRole | None:
-    """Wire a freshly created engine into the job (every rank calls this once, at start-up); None: one rank.
-
-    Agrees on the settings over COMM_WORLD first (RanksDisagree on every rank), then: the leader's executor
-    becomes a LeaderExecutor and its step() announces each step's end to the followers; DP lockstep
-    (dummies, the draft-length allgather) runs over the leaders comm only when there are several DP groups.
-    """
-    comm, rank, world = mpi_world()
-    if comm is None or world == 1:
-        return None
-    from plugins.collectives import groups  # lazy: imports torch
-
-    mc = engine.model_cfg
-    m = rank_mapping(rank, parallel, mc.n_routed_experts if mc.has_moe else 0)
-    if m.world != world:
-        raise ConfigError(f"the mapping is for world_size={m.world} but {world} rank(s) were launched: "
-                          f"use mpirun -np {m.world}")  # fmt: skip
-    tp, column = groups(m.tp)  # collective (Split), shared with the collective plugin ops
-    # Commands travel on their own copy of the TP comm, so they never interleave with the forwards' collectives.
-    commands = tp.Dup() if m.tp > 1 else None
-    launch = {"parallel.world_size": m.world, "parallel.tp_size": m.tp, "parallel.ep_size": m.ep,
-              "watchdog.collective_timeout": collective_timeout}  # fmt: skip
-    agree_on_settings(engine, comm, launch)
-    role = RankRole(m, commands, column, Watchdog(collective_timeout, rank, prog), engine.executor)
-    engine.rank_role = role
-    engine.lockstep = m.dp > 1  # with one DP group the followers replay whatever the leader runs
-    if engine.draft_length is not None and m.dp > 1:
-        engine.lockstep_gather = role.dog.guarded(column.allgather, "draft-length agreement (allgather over the DP leaders)")
-    if m.is_leader:
-        engine.executor = LeaderExecutor(role)
-        engine.step = _announcing_step(engine.step, role)
-    return role
-
-
-def _announcing_step(step, role: RankRole):
-    """The leader's engine.step: numbers the step for the watchdog and tells the followers when it ends."""
-
-    def announced():
-        role.dog.step += 1
-        try:
-            return step()
-        finally:
-            if role.tp_comm is not None and not role._stopped:
-                role.tp_comm.bcast((STEP_END, role.dog.step), root=0)
-
-    return announced
 
 
 def run_follower(role: RankRole, prog: str, debug: bool = False) -> int:

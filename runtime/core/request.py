@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -4,7 +4,7 @@ Ranks exchange tokens inside every MoE layer, so they must issue the same collec
 same model layers, same draft depth k, same limits, same executor, same rank mapping (tp/ep/world size). A rank launched with other settings
 (say another --num-draft-tokens) would otherwise block forever in a mismatched collective. This module is
 pure: `settings_fingerprint` flattens the engine's dataclasses into a dict of dotted keys, and
-`first_difference` compares the gathered dicts; runtime/parallel.py does the allgather.
+`first_difference` compares the gathered dicts; runtime/multirank/parallel.py does the allgather.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value if isinstance(value, int | float | str | bool | None) else repr(value)
 
 
-def settings_fingerprint(engine, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def settings_fingerprint(executor, model_cfg, runtime_cfg, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Dotted keys -> plain values: model.*, runtime.*, executor, engine.* (engine-directory executors), plus
     `extra` (the launch-wide settings: the rank mapping parallel.*, the collective timeout)."""
-    out: dict[str, Any] = {"executor": type(engine.executor).__name__, **(extra or {})}
-    _flatten("model", engine.model_cfg, out)
-    _flatten("runtime", engine.cfg, out)
-    engine_cfg = getattr(engine.executor, "config", None)  # the EngineConfig of onnxruntime / tensorrt
+    out: dict[str, Any] = {"executor": type(executor).__name__, **(extra or {})}
+    _flatten("model", model_cfg, out)
+    _flatten("runtime", runtime_cfg, out)
+    engine_cfg = getattr(executor, "config", None)  # the EngineConfig of onnxruntime / tensorrt
     if engine_cfg is not None and hasattr(engine_cfg, "to_json"):
         _flatten("engine", {k: v for k, v in engine_cfg.to_json().items() if k not in _SKIPPED_ENGINE_KEYS}, out)
     return out

@@ -1,4 +1,4 @@
-"""`python -m runtime.gpu_check` (part of `make gpu-check`): the whole engine on a CUDA device.
+"""`python -m runtime.bench.gpu_check` (part of `make gpu-check`): the whole engine on a CUDA device.
 
 Runs the shipped tiny model greedy with the torch executor on CUDA, with CUDA graphs per request bucket
 (runtime/executors/cuda_graphs.py), for K = 0 and K = 3, and checks the outputs equal the CPU engine's
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from runtime.bench.report import first_mismatch
+from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from runtime.sampling import SamplingParams
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "tiny"
 PROMPTS = ["def main(argv=None):\n    ", "class Stack:\n    def push(self, item):\n        ", "import os\n\n\n",

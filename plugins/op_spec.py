@@ -1,0 +1,200 @@
+"""One spec per plugin op: the single place that says what an op takes and returns.
+
+An `OpSpec` names the torch op (`mtp::<op>`) and the graph node (`<Node>`, ONNX domain `mtp` = the TensorRT plugin
+namespace), and lists the tensor inputs with their dtype class, the attributes (the torch op's trailing ints and
+floats, in order) and the outputs, plus the shape rule. Everything else is derived from it by
+plugins/op_backends.py: the torch schema and fake, the ONNX schema and the exporter's translation, the ONNX Runtime
+binding, and the TensorRT plugins' format checks (plugins/_trt_impl.py). Adding an op is one `OpSpec` here plus
+its kernels; adding a backend is one derivation in op_backends.py. The node contracts are documented field by
+field in docs/ENGINE_FORMAT.md ("Plugin nodes").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from plugins.names import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    KV_WRITE,
+    MLA_KV_WRITE,
+    MLA_PAGED_ATTENTION,
+    MOE_EXPERTS,
+    PAGED_ATTENTION,
+)
+
+# Dtype classes of a tensor input or output. Each backend maps a class to what it supports:
+#   ONNX              TensorRT               ONNX Runtime (Python ops: one fixed type)
+FLOAT = "float"  # float32 | float16 | bfloat16, one type var per op  same as input 0     float32
+INDEX = "index"  # int32 | int64 (per-request metadata, block tables) int32 | int64     int32
+INT64 = "int64"  # int64 only (pool address, expert ids, counters)   int64               int64
+FP32 = "fp32"  # float32 only (rope inverse frequencies)           float32             float32
+DTYPE_CLASSES = (FLOAT, INDEX, INT64, FP32)
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    name: str
+    dtype: str  # one of DTYPE_CLASSES
+    shape: str  # documentation: "[T, Hkv, D]"
+    type_var: str = ""  # ONNX type variable of a FLOAT tensor ("T" unless another float type is allowed)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CLASSES:
+            raise ValueError(f"tensor {self.name}: dtype class {self.dtype!r} is not one of {DTYPE_CLASSES}")
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    name: str
+    kind: type  # int or float
+    doc: str
+    default: int | float | None = None  # torch default (trailing attributes only)
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    op: str  # torch.ops.mtp.<op>
+    node: str  # ONNX / TensorRT node name
+    doc: str
+    inputs: tuple[Tensor, ...]
+    attrs: tuple[Attr, ...]
+    outputs: tuple[Tensor, ...]
+    shape: Callable[..., torch.Tensor]  # the fake: shape(*inputs, **attrs) -> the output (fake tensors)
+    tensorrt: bool = True  # has a TensorRT plugin (plugins/trt_plugins.py)
+
+    @property
+    def torch_schema(self) -> str:
+        """The torch schema, e.g. `kv_write(Tensor k, ..., int plane, ..., float rope_theta) -> Tensor`."""
+        args = [f"Tensor {t.name}" for t in self.inputs]
+        for a in self.attrs:
+            kind = "int" if a.kind is int else "float"
+            args.append(f"{kind} {a.name}" + ("" if a.default is None else f"={a.default}"))
+        out = "Tensor" if len(self.outputs) == 1 else "(" + ", ".join("Tensor" for _ in self.outputs) + ")"
+        return f"{self.op}({', '.join(args)}) -> {out}"
+
+
+SPECS: dict[str, OpSpec] = {}  # by torch op name; `register` adds, plugins/op_backends.py `install` derives
+
+
+def register(spec: OpSpec) -> OpSpec:
+    if spec.op in SPECS and SPECS[spec.op] != spec:
+        raise ValueError(f"op {spec.op!r} is specified twice")
+    SPECS[spec.op] = spec
+    return spec
+
+
+def _written(*inputs, **attrs) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64)
+
+
+def _like_first(x, *inputs, **attrs) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _int(name: str, doc: str) -> Attr:
+    return Attr(name, int, doc)
+
+
+_PLANE = _int("plane", "pool plane this node reads/writes")
+_POOL = (
+    _int("num_planes", "pool geometry: planes"),
+    _int("num_blocks", "pool geometry: blocks per plane (block 0 is the null block)"),
+    _int("block_size", "pool geometry: positions per block"),
+)
+_GQA_POOL = (*_POOL, _int("num_kv_heads", "pool geometry: KV heads"), _int("head_dim", "pool geometry: head dimension"),
+             _int("dtype", "pool element type: 0 fp32, 1 fp16, 2 bf16"))  # fmt: skip
+_MLA_POOL = (*_POOL, _int("latent_dim", "pool geometry: latent row = qk_rope_head_dim + kv_lora_rank values"),
+             _int("dtype", "pool element type: 0 fp32, 1 fp16, 2 bf16"))  # fmt: skip
+_TABLES = Tensor("block_tables", INDEX, "[R, max_blocks]")
+_POOL_PTR = Tensor("pool_ptr", INT64, "[1] pool address")
+_WRITTEN = Tensor("written", INT64, "[1] rows stored")
+
+register(OpSpec(
+    "kv_write", KV_WRITE, "Varlen paged KV write into the pool at pool_ptr, in place. Output: rows stored.",
+    (Tensor("k", FLOAT, "[T, Hkv, D]"), Tensor("v", FLOAT, "[T, Hkv, D]"), Tensor("counts", INDEX, "[R]"),
+     Tensor("starts", INDEX, "[R]"), _TABLES, _POOL_PTR),
+    (_PLANE, *_GQA_POOL, _int("rope_dim", "rope K's first rope_dim dims at the write position; 0 = off"),
+     Attr("rope_theta", float, "rope base")),
+    (_WRITTEN,), _written,
+))  # fmt: skip
+register(OpSpec(
+    "paged_attention", PAGED_ATTENTION,
+    "Varlen paged causal GQA attention over the pool at pool_ptr; `after` orders it after a KvWrite.",
+    (Tensor("q", FLOAT, "[T, Hq, D]"), Tensor("q_counts", INDEX, "[R]"), Tensor("kv_lens", INDEX, "[R]"), _TABLES,
+     _POOL_PTR, Tensor("after", INT64, "[1] a KvWrite output (ordering only)")),
+    (_PLANE, *_GQA_POOL, Attr("scale", float, "softmax scale applied to q.k")),
+    (Tensor("out", FLOAT, "[T, Hq, D]"),), _like_first,
+))  # fmt: skip
+register(OpSpec(
+    "moe_experts", MOE_EXPERTS,
+    "Routed experts: sum_k w[t,k] * down(silu(gate(x_t)) * up(x_t)); ep_size > 1 exchanges tokens.",
+    (Tensor("x", FLOAT, "[T, H]"), Tensor("topk_ids", INT64, "[T, K] global expert ids"),
+     Tensor("topk_weights", FLOAT, "[T, K]", type_var="W"), Tensor("w_gate_up", FLOAT, "[E_local, 2*I, H]"),
+     Tensor("w_down", FLOAT, "[E_local, H, I]")),
+    (_int("num_experts", "global number of routed experts"),
+     _int("ep_size", "expert-parallel group size; this rank holds num_experts/ep_size experts"),
+     Attr("tp_size", int, "tensor-parallel group size; > 1: the output is this rank's partial sum", 1),
+     Attr("tp_rank", int, "this rank's place in its TP group = its expert column", 0)),
+    (Tensor("out", FLOAT, "[T, H]"),), _like_first, tensorrt=False,  # its ep_size > 1 form needs NCCL
+))  # fmt: skip
+register(OpSpec(
+    "mla_kv_write", MLA_KV_WRITE,
+    "Varlen paged write of MLA latent rows [k_pe ; c_kv] into the pool at pool_ptr, in place. Output: rows stored.",
+    (Tensor("latent", FLOAT, "[T, latent_dim]"), Tensor("counts", INDEX, "[R]"), Tensor("starts", INDEX, "[R]"),
+     _TABLES, _POOL_PTR, Tensor("inv_freq", FP32, "[rope_dim / 2] rope inverse frequencies")),
+    (_PLANE, *_MLA_POOL, _int("rope_dim", "rope the latent's first rope_dim dims at the write position; 0 = off"),
+     Attr("rope_scale", float, "YaRN attention factor multiplying cos and sin (1.0 = none)")),
+    (_WRITTEN,), _written,
+))  # fmt: skip
+register(OpSpec(
+    "mla_paged_attention", MLA_PAGED_ATTENTION,
+    "Varlen paged causal absorbed-MLA attention over the latent pool at pool_ptr (keys = latent, values = c_kv); "
+    "`after` orders it after an MlaKvWrite.",
+    (Tensor("q", FLOAT, "[T, H, latent_dim] absorbed queries"), Tensor("q_counts", INDEX, "[R]"),
+     Tensor("kv_lens", INDEX, "[R]"), _TABLES, _POOL_PTR, Tensor("after", INT64, "[1] an MlaKvWrite output")),
+    (_PLANE, *_MLA_POOL, _int("rope_dim", "values are latent[:, rope_dim:] (c_kv)"),
+     Attr("scale", float, "softmax scale applied to q.latent")),
+    (Tensor("out", FLOAT, "[T, H, latent_dim - rope_dim]"),),
+    lambda q, *_, latent_dim, rope_dim, **__: q.new_empty(q.shape[0], q.shape[1], latent_dim - rope_dim),
+))  # fmt: skip
+
+
+# Tensor-parallel collectives (plugins/collectives.py: mpi4py on CPU, numpy kernels for ONNX Runtime too;
+# plugins/trt_collectives.py: NCCL).
+_TP_SIZE = _int("tp_size", "ranks in the TP group (> 1)")
+register(OpSpec(
+    "all_reduce", ALL_REDUCE, "Sum of x over the TP group; same shape and type.",
+    (Tensor("x", FLOAT, "[...]"),), (_TP_SIZE,), (Tensor("y", FLOAT, "[...]"),), _like_first,
+    tensorrt=False,  # its TensorRT plugin is plugins/trt_collectives.py (NCCL)
+))  # fmt: skip
+register(OpSpec(
+    "all_gather", ALL_GATHER, "x of every TP rank concatenated along the last axis, in rank order.",
+    (Tensor("x", FLOAT, "[..., N]"),), (_TP_SIZE,), (Tensor("y", FLOAT, "[..., tp_size * N]"),),
+    lambda x, tp_size: x.new_empty((*x.shape[:-1], x.shape[-1] * tp_size)), tensorrt=False,
+))  # fmt: skip
+
+
+def by_node(node: str) -> OpSpec:
+    return next(s for s in SPECS.values() if s.node == node)
+
+
+FLOAT_TYPES = ("float32", "float16", "bfloat16")
+
+
+def accepts(spec: OpSpec, pos: int, types: list[str]) -> bool:
+    """Whether position `pos` of (inputs + outputs) may have dtype types[pos], given the dtypes at the positions
+    before it (TensorRT asks position by position: supports_format_combination). Names: FLOAT_TYPES, int32, int64."""
+    tensors = (*spec.inputs, *spec.outputs)
+    t, dtype = tensors[pos], types[pos]
+    if t.dtype == INDEX:
+        return dtype in ("int32", "int64")
+    if t.dtype == INT64:
+        return dtype == "int64"
+    if t.dtype == FP32:
+        return dtype == "float32"
+    first = next(i for i, u in enumerate(tensors) if u.dtype == FLOAT and u.type_var == t.type_var)
+    return dtype in FLOAT_TYPES if first == pos else dtype == types[first]

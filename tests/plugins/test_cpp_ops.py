@@ -1,0 +1,320 @@
+"""The C++ CPU kernels (plugins/csrc/): they are what the dispatcher runs, they match plugins/reference.py at the
+model's real widths under both instruction sets (AVX-512 and the portable path), a row's result does not depend
+on the rest of the batch, they run under torch.compile(fullgraph=True) exactly as in eager, and bad input gets
+a one-line ValueError. (tests/plugins/test_kv_attention.py, test_mla.py and test_moe.py run the same ops on the
+small hypothesis geometries: padded rows, -1 holes, count-0 segments, the poisoned pool, fp32/fp16/bf16.)"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import plugins.cpp_ops as cpp_ops
+import plugins.mla_ops  # noqa: F401
+import plugins.ops  # noqa: F401
+from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
+from plugins.reference import (
+    kv_write_ref,
+    mla_kv_write_ref,
+    mla_paged_attention_ref,
+    moe_experts_ref,
+    paged_attention_ref,
+)
+from tests.plugins.cases import Case, cases, filled_pool, tolerance
+
+# The `isa` fixture holds for all examples of a test on purpose (it picks the kernels' instruction set).
+SETTINGS = settings(max_examples=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
+OPS = ["kv_write", "paged_attention", "moe_experts", "moe_experts_local", "mla_kv_write", "mla_paged_attention"]
+ISAS = ["generic", "best"]  # "best" is avx512 where the CPU has it
+
+
+@pytest.fixture
+def isa(request):
+    before = cpp_ops.cpu_isa()
+    cpp_ops.cpu_isa(request.param)
+    yield request.param
+    cpp_ops.cpu_isa(before)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_the_cpu_kernel_is_the_cpp_library(op: str) -> None:
+    """The dispatcher's CPU kernel of every op was registered from plugins/csrc/ (not a Python kernel), and the
+    schema comes from the one C++ registration file."""
+    dump = torch._C._dispatch_dump(f"mtp::{op}")
+    cpu = [line for line in dump.splitlines() if line.startswith("CPU:")]
+    assert len(cpu) == 1 and "plugins/csrc/" in cpu[0] and ".cpp" in cpu[0], dump
+    assert "registration.cpp" in dump.split("debug:")[1].splitlines()[0], dump
+    assert "Python" not in cpu[0]
+
+
+def test_isa_follows_the_cpu() -> None:
+    flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
+    has = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2", "bmi2"))
+    assert cpp_ops.cpu_isa() == ("avx512" if has else "generic")
+    with pytest.raises(ValueError, match="unknown isa"):
+        cpp_ops.cpu_isa("sse9")
+
+
+def _widen(c: Case, head_dim: int, gen: torch.Generator) -> Case:
+    """The same segments and tables at a real head width (the AVX-512 loops' full chunks and tails)."""
+    geom = dataclasses.replace(c.geom, head_dim=head_dim)
+    rows, dtype = c.k.shape[0], c.k.dtype
+    k, v = (torch.randn(rows, geom.num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(rows, geom.num_kv_heads * c.group, head_dim, generator=gen).to(dtype)
+    rope = min(c.rope_dim * head_dim // c.geom.head_dim, head_dim) // 2 * 2
+    return dataclasses.replace(c, geom=geom, k=k, v=v, q=q, rope_dim=rope)
+
+
+WIDE = st.builds(_widen, cases(), st.sampled_from([32, 40, 64]),
+                 st.integers(0, 2**16).map(lambda s: torch.Generator().manual_seed(s)))  # fmt: skip
+WIDE_NO_HOLES = st.builds(_widen, cases(holes=False), st.sampled_from([32, 40, 64]),
+                          st.integers(0, 2**16).map(lambda s: torch.Generator().manual_seed(s)))  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@SETTINGS
+@given(c=WIDE)
+def test_kv_write_at_model_width(isa: str, c: Case) -> None:
+    """Poisoned pool: every slot the reference does not write stays NaN, bit for bit; written slots match."""
+    pool = torch.full(c.geom.shape, float("nan"), dtype=c.geom.dtype)
+    expected = pool.clone()
+    n_ref = kv_write_ref(expected, c.k, c.v, c.counts, c.starts, c.tables, c.plane, c.rope_dim, 10000.0)
+    out = torch.ops.mtp.kv_write(c.k, c.v, c.counts, c.starts, c.tables, pool_address(pool), c.plane,
+                                 *c.geom.attrs().values(), c.rope_dim, 10000.0)  # fmt: skip
+    assert int(out[0]) == n_ref
+    assert torch.equal(pool.isnan(), expected.isnan())
+    torch.testing.assert_close(pool.float().nan_to_num(), expected.float().nan_to_num(), atol=tolerance(c.geom.dtype),
+                               rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@SETTINGS
+@given(c=WIDE_NO_HOLES)
+def test_paged_attention_at_model_width(isa: str, c: Case) -> None:
+    pool = filled_pool(c.geom, seed=3)
+    scale = c.geom.head_dim**-0.5
+    expected = paged_attention_ref(pool, c.q, c.counts, c.kv_lens, c.tables, c.plane, scale)
+    out = torch.ops.mtp.paged_attention(c.q, c.counts, c.kv_lens, c.tables, pool_address(pool),
+                                        torch.zeros(1, dtype=torch.int64), c.plane, *c.geom.attrs().values(), scale)  # fmt: skip
+    assert out.dtype == c.q.dtype and out.shape == c.q.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance(c.q.dtype), rtol=0)
+    assert torch.all(out[int(c.counts.sum()) :] == 0)
+
+
+@st.composite
+def mla_wide(draw, holes: bool):
+    c = draw(cases(dtypes=(torch.float32, torch.bfloat16), holes=holes))
+    rope_dim = draw(st.sampled_from([0, 8, 64]))
+    latent_dim = rope_dim + draw(st.sampled_from([24, 64]))
+    heads = draw(st.integers(1, 5))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    geom = KVPoolGeometry(c.geom.num_planes, c.geom.num_blocks, c.geom.block_size, 1, latent_dim, c.geom.dtype_code,
+                          kv_kind=1)  # fmt: skip
+    rows = c.k.shape[0]
+    inv_freq = torch.rand(rope_dim // 2, generator=gen) * 1.5 + 0.05
+    scale = draw(st.sampled_from([1.0, 0.8, 1.37]))  # YaRN's attention factor multiplies cos and sin
+    return (geom, c, torch.randn(rows, latent_dim, generator=gen).to(c.k.dtype),
+            torch.randn(rows, heads, latent_dim, generator=gen).to(c.k.dtype), rope_dim, inv_freq, scale)  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@SETTINGS
+@given(m=mla_wide(holes=True))
+def test_mla_kv_write_at_model_width(isa: str, m) -> None:
+    geom, c, latent, _, rope_dim, inv_freq, rope_scale = m
+    pool = torch.full(geom.shape, float("nan"), dtype=geom.dtype)
+    expected = pool.clone()
+    n_ref = mla_kv_write_ref(expected, latent, c.counts, c.starts, c.tables, c.plane, inv_freq, rope_dim, rope_scale)
+    out = torch.ops.mtp.mla_kv_write(latent, c.counts, c.starts, c.tables, pool_address(pool), inv_freq, c.plane,
+                                     *geom.attrs().values(), rope_dim, rope_scale)  # fmt: skip
+    assert int(out[0]) == n_ref
+    assert torch.equal(pool.isnan(), expected.isnan())
+    torch.testing.assert_close(pool.float().nan_to_num(), expected.float().nan_to_num(), atol=tolerance(geom.dtype),
+                               rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@SETTINGS
+@given(m=mla_wide(holes=False))
+def test_mla_paged_attention_at_model_width(isa: str, m) -> None:
+    geom, c, _, q, rope_dim, _, _ = m
+    pool = filled_pool(geom, seed=4)
+    scale = geom.head_dim**-0.5
+    expected = mla_paged_attention_ref(pool, q, c.counts, c.kv_lens, c.tables, c.plane, rope_dim, scale)
+    out = torch.ops.mtp.mla_paged_attention(q, c.counts, c.kv_lens, c.tables, pool_address(pool),
+                                            torch.zeros(1, dtype=torch.int64), c.plane, *geom.attrs().values(),
+                                            rope_dim, scale)  # fmt: skip
+    assert out.shape == (q.shape[0], q.shape[1], geom.head_dim - rope_dim)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance(q.dtype), rtol=0)
+    assert torch.all(out[int(c.counts.sum()) :] == 0)
+
+
+def _moe_inputs(seed: int, tokens: int, hidden: int, inter: int, num_local: int, top_k: int, act: torch.dtype,
+                weights: torch.dtype, id_dtype: torch.dtype, span: int):  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(act)
+    ids = torch.randint(0, span, (tokens, top_k), generator=gen).to(id_dtype)
+    w = torch.rand(tokens, top_k, generator=gen).to(act)
+    w_gate_up = (torch.randn(num_local, 2 * inter, hidden, generator=gen) / hidden**0.5).to(weights)
+    w_down = (torch.randn(num_local, hidden, inter, generator=gen) / inter**0.5).to(weights)
+    return x, ids, w, w_gate_up, w_down
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@SETTINGS
+@given(seed=st.integers(0, 2**16), tokens=st.integers(0, 9), hidden=st.sampled_from([16, 40, 256]),
+       inter=st.sampled_from([8, 24, 96]), num_local=st.sampled_from([1, 4, 8]), top_k=st.integers(1, 3),
+       act=st.sampled_from([torch.float32, torch.bfloat16]), weights=st.sampled_from([torch.float32, torch.bfloat16]),
+       id_dtype=st.sampled_from([torch.int64, torch.int32]), offset=st.sampled_from([0, 2]))  # fmt: skip
+def test_moe_experts_local_matches_reference(isa: str, seed, tokens, hidden, inter, num_local, top_k, act, weights,
+                                             id_dtype, offset) -> None:  # fmt: skip
+    """bf16 or fp32 weights read in place; offset 2: ids outside [2, 2 + E_local) are other ranks' (contribute 0)."""
+    x, ids, w, w_gate_up, w_down = _moe_inputs(seed, tokens, hidden, inter, num_local, top_k, act, weights, id_dtype,
+                                               num_local + 2 * bool(offset))  # fmt: skip
+    out = torch.ops.mtp.moe_experts_local(x, ids, w, w_gate_up, w_down, offset)
+    ref = moe_experts_ref(x, ids.long(), w, w_gate_up, w_down, offset)
+    assert out.dtype == act and out.shape == x.shape
+    atol, rtol = (1e-5, 1e-4) if act == torch.float32 else (2e-2, 2e-2)
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    if offset == 0:
+        torch.testing.assert_close(torch.ops.mtp.moe_experts(x, ids, w, w_gate_up, w_down, num_local, 1), out,
+                                   atol=0, rtol=0)  # fmt: skip
+
+
+def test_a_row_does_not_depend_on_the_batch() -> None:
+    """The same request (attention) or token (MoE) alone and inside a batch gives bit-identical output: the
+    verify step (K+1 rows) and the K=0 step (1 row) compute a shared row the same way."""
+    geom = KVPoolGeometry(1, 16, 4, 2, 32)
+    pool = filled_pool(geom, seed=5)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 8, 32, generator=gen)
+    tables = torch.arange(1, 13, dtype=torch.int32).view(3, 4)
+    after = torch.zeros(1, dtype=torch.int64)
+
+    def attend(qs, counts, lens, tabs):
+        return torch.ops.mtp.paged_attention(qs, torch.tensor(counts, dtype=torch.int32),
+                                             torch.tensor(lens, dtype=torch.int32), tabs, pool_address(pool), after, 0,
+                                             *geom.attrs().values(), 32**-0.5)  # fmt: skip
+
+    batch = attend(q, [1, 4, 1], [9, 13, 5], tables)
+    assert torch.equal(attend(q[1:5], [4], [13], tables[1:2]), batch[1:5])
+    assert torch.equal(attend(q[4:5], [1], [13], tables[1:2]), batch[4:5])  # the last verify row == a K=0 row
+    x, ids, w, w_gate_up, w_down = _moe_inputs(1, 7, 256, 96, 8, 2, torch.float32, torch.bfloat16, torch.int64, 8)
+    full = torch.ops.mtp.moe_experts(x, ids, w, w_gate_up, w_down, 8, 1)
+    for t in range(7):
+        assert torch.equal(torch.ops.mtp.moe_experts(x[t : t + 1], ids[t : t + 1], w[t : t + 1], w_gate_up, w_down,
+                                                     8, 1), full[t : t + 1])  # fmt: skip
+
+
+class _Layer(torch.nn.Module):
+    """One decoder layer's plugin calls: roped K/V write, paged attention ordered after it, routed experts."""
+
+    def __init__(self, geom: KVPoolGeometry) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(7)
+        self.geom = geom
+        self.w_gate_up = torch.nn.Parameter((torch.randn(8, 192, 256, generator=gen) / 16).bfloat16(), False)
+        self.w_down = torch.nn.Parameter((torch.randn(8, 256, 96, generator=gen) / 10).bfloat16(), False)
+
+    def forward(self, k, v, q, x, ids, w, counts, starts, kv_lens, tables, pool_ptr):
+        g = self.geom.attrs().values()
+        n = torch.ops.mtp.kv_write(k, v, counts, starts, tables, pool_ptr, 1, *g, 16, 10000.0)
+        att = torch.ops.mtp.paged_attention(q, counts, kv_lens, tables, pool_ptr, n, 1, *g, 32**-0.5)
+        moe = torch.ops.mtp.moe_experts(x, ids, w, self.w_gate_up, self.w_down, 8, 1)
+        return att * 2.0, moe + 1.0, n
+
+
+def _layer_inputs():
+    geom = KVPoolGeometry(2, 9, 16, 2, 32)
+    gen = torch.Generator().manual_seed(1)
+    counts, starts = torch.tensor([2, 0, 3], dtype=torch.int32), torch.tensor([17, 0, 30], dtype=torch.int32)
+    tables = torch.tensor([[1, 2, -1], [-1, -1, -1], [3, 4, 5]], dtype=torch.int32)
+    k, v = torch.randn(6, 2, 32, generator=gen), torch.randn(6, 2, 32, generator=gen)
+    q, x = torch.randn(6, 8, 32, generator=gen), torch.randn(6, 256, generator=gen)
+    ids, w = torch.randint(0, 8, (6, 2), generator=gen), torch.rand(6, 2, generator=gen)
+    return geom, (k, v, q, x, ids, w, counts, starts, starts + counts, tables)
+
+
+def _same_as_eager(run) -> None:
+    """run(layer, args + (pool_ptr,)) gives the eager outputs and leaves the same pool."""
+    geom, args = _layer_inputs()
+    layer = _Layer(geom)
+    outs = []
+    for fn in (layer, run(layer, args)):
+        pool = filled_pool(geom, seed=2)
+        with torch.inference_mode():
+            outs.append((*fn(*args, pool_address(pool)), pool))
+    for eager, other in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(other, eager, atol=1e-6, rtol=1e-6)
+    assert int(outs[1][2][0]) == 5
+
+
+def test_ops_run_under_torch_compile_fullgraph_like_eager() -> None:
+    _same_as_eager(lambda layer, args: torch.compile(layer, fullgraph=True))
+
+
+@pytest.mark.slow
+def test_ops_run_in_an_aotinductor_package_like_eager(tmp_path) -> None:
+    """The package calls the ops through AOTInductor's C++ proxy executor (the dispatcher, no Python)."""
+
+    def package(layer, args):
+        geom_ptr = pool_address(allocate_pool(layer.geom))
+        program = torch.export.export(layer, (*args, geom_ptr))
+        path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "layer.pt2"))
+        return torch._inductor.aoti_load_package(path)
+
+    _same_as_eager(package)
+
+
+def test_metadata_rewritten_in_place_is_read_afresh() -> None:
+    """Captured execution rewrites its metadata buffers between steps: the second write lands in the new block."""
+    geom = KVPoolGeometry(1, 4, 2, 1, 4)
+    pool = allocate_pool(geom)
+    k = torch.randn(1, 1, 4)
+    counts, starts = torch.tensor([1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    tables = torch.tensor([[1]], dtype=torch.int32)
+    attrs = (*geom.attrs().values(), 0, 10000.0)
+    torch.ops.mtp.kv_write(k, k, counts, starts, tables, pool_address(pool), 0, *attrs)
+    tables[0, 0] = 3
+    torch.ops.mtp.kv_write(2 * k, 2 * k, counts, starts, tables, pool_address(pool), 0, *attrs)
+    assert torch.equal(pool[0, 0, 1, 0], k[0]) and torch.equal(pool[0, 0, 3, 0], 2 * k[0])
+
+
+def test_bad_input_is_one_line_value_error() -> None:
+    geom = KVPoolGeometry(1, 4, 2, 1, 4)
+    pool = allocate_pool(geom)
+    one = torch.ones(1, dtype=torch.int32)
+    k = torch.randn(2, 1, 4)
+    attrs = geom.attrs().values()
+    after = torch.zeros(1, dtype=torch.int64)
+    bad = [
+        (lambda: torch.ops.mtp.kv_write(k, k, one, 2 * one, torch.tensor([[1, 9]], dtype=torch.int32),
+                                        pool_address(pool), 0, *attrs, 0, 1.0), "block id 9 .* outside the pool's 4 blocks"),
+        (lambda: torch.ops.mtp.kv_write(k, k, one, one, one[None], torch.zeros(1, dtype=torch.int64), 0, *attrs, 0,
+                                        1.0), "KV pool address is 0"),
+        (lambda: torch.ops.mtp.kv_write(k, k, torch.tensor([3], dtype=torch.int32), one, one[None],
+                                        pool_address(pool), 0, *attrs, 0, 1.0), "segments hold 3 rows"),
+        (lambda: torch.ops.mtp.paged_attention(k, one, torch.tensor([5], dtype=torch.int32), one[None],
+                                               pool_address(pool), after, 0, *attrs, 1.0), "pass wider block tables"),
+        (lambda: torch.ops.mtp.paged_attention(k, one.float(), one, one[None], pool_address(pool), after, 0, *attrs,
+                                               1.0), "q_counts must be int32 or int64"),
+        (lambda: torch.ops.mtp.moe_experts(torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1),
+                                           torch.randn(1, 6, 4), torch.randn(1, 4, 2), 1, 1), "w_down must be"),
+    ]  # fmt: skip
+    for call, message in bad:
+        with pytest.raises(ValueError, match=message) as err:
+            call()
+        assert "\n" not in str(err.value).strip(), str(err.value)
+
+
+def test_missing_library_says_how_to_build(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(cpp_ops, "_loaded", False)
+    monkeypatch.setattr(cpp_ops, "LIBRARY", tmp_path / "libmtp_ops.so")
+    with pytest.raises(ImportError, match=r"^mtp: the C\+\+ plugin library is not built; run `make install`$"):
+        cpp_ops.load()
