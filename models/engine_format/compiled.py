@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from models.engine_format.config import EngineConfig
 
 AOTI_KIND = "aoti"  # graph kind in config.json's `graphs`, and the package name suffix (main.aoti.pt2)
@@ -20,7 +18,7 @@ AOTI_KIND = "aoti"  # graph kind in config.json's `graphs`, and the package name
 
 def host_isa() -> str:
     """The vector ISA Inductor picks on this CPU (e.g. "avx512"), which compiled packages are built for."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.cpu_vec_isa import pick_vec_isa  # torch only when asked (see compiled_problem)
 
     return str(pick_vec_isa()) or "none"
 
@@ -37,6 +35,8 @@ def compiled_info(cfg: EngineConfig) -> dict[str, Any] | None:
 
 def compiled_problem(cfg: EngineConfig) -> str | None:
     """Why this installation cannot run the engine's compiled packages, or None when it can."""
+    import torch  # here: the control plane (runtime.factory) imports this module without torch
+
     info = compiled_info(cfg)
     if info is None:
         return f"engine {cfg.path} has no compiled packages (build it with `mtp-build --compile aoti`)"
