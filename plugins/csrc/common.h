@@ -5,7 +5,7 @@
 // vector primitives (dot, axpy, row conversion) in two flavours: `Generic` (portable C++) and `Avx512`
 // (intrinsics, compiled for AVX-512 by function attribute, used only when the CPU has it).
 //
-// A kernel body is a template over the ISA; `MTP_ISA_DISPATCH` instantiates it twice and calls the AVX-512
+// A kernel body is a template over the ISA; `MTP_ISA_KERNEL` instantiates it twice and calls the AVX-512
 // one through a wrapper marked target(...) + flatten, so the whole body (with the inlined primitives) is
 // compiled for AVX-512 while the library itself stays baseline x86-64 (no -march=native).
 //

@@ -17,7 +17,6 @@ constexpr const char* kOp = "kv_write";
 struct WriteArgs {
   const void* k;
   const void* v;
-  int64_t rows;  // K/V rows given (incl. padding)
   const Ints* counts;
   const Ints* starts;
   const Ints* tables;
@@ -95,7 +94,7 @@ at::Tensor kv_write_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tens
   for (int64_t i = 0; i < rope_dim / 2; ++i)  // plugins/rope.py default_inv_freq, in fp32
     inv_freq[i] = 1.0f / std::pow(static_cast<float>(rope_theta), static_cast<float>(2 * i) / static_cast<float>(rope_dim));
   const at::Tensor kc = k.contiguous(), vc = v.contiguous();
-  const WriteArgs args{kc.data_ptr(), vc.data_ptr(), k.size(0), &c, &s, &t, num_requests, block_tables.size(1),
+  const WriteArgs args{kc.data_ptr(), vc.data_ptr(), &c, &s, &t, num_requests, block_tables.size(1),
                        num_kv_heads, head_dim, rope_dim, &pool, inv_freq.data()};
   const int64_t written = dispatch_float(k.scalar_type(), [&](auto in) {
     return dispatch_float(pool.dtype, [&](auto out) { return run_write<decltype(in), decltype(out)>(args); });
