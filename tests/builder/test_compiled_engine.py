@@ -157,3 +157,37 @@ def test_steps_past_the_limits_are_refused(compiled):
                      np.zeros(n, np.int32), np.full((n, width), -1, np.int32))  # fmt: skip
     with pytest.raises(ValueError, match="limits allow"):
         ex.run_draft(big)
+
+
+def test_bf16_exact_weights_are_stored_bf16_and_math_stays_fp32(tmp_path):
+    """A checkpoint whose matrices are bf16 numbers (models/deep): the package keeps them bf16 (the routed experts
+    too, read by the experts op) and computes what the fp32 torch model computes, KV writes included."""
+    import torch
+
+    from builder.compile_aoti import compile_graph
+    from builder.graphs import DraftGraph
+    from models.testing import random_model, tiny_config
+    from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
+
+    cfg = tiny_config()
+    model = random_model(cfg, 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.bfloat16().float())
+    model = model.fuse()
+    geom = KVPoolGeometry(model.num_kv_planes, 16, 4, cfg.num_key_value_heads, cfg.head_dim)
+    info = compile_graph("mtp_draft", model, geom, 4, tmp_path / "draft.pt2", "checkpoint")
+    assert info["bf16_weights"] > 0 and info["inductor"]["freezing"] is False
+    g = torch.Generator().manual_seed(0)
+    tables = torch.tensor([[1, 2, -1, -1], [3, -1, -1, -1], [-1, -1, -1, -1]], dtype=torch.int32)
+    args = (torch.randn(3, cfg.hidden_size, generator=g), torch.tensor([5, 9, 0]), torch.tensor([5, 2, 0]),
+            torch.tensor([1, 1, 0], dtype=torch.int32), tables)  # fmt: skip
+    ours, theirs = allocate_pool(geom), allocate_pool(geom)
+    with torch.inference_mode():
+        got = torch._inductor.aoti_load_package(str(tmp_path / "draft.pt2"))(*args, pool_address(ours))
+        want = DraftGraph(model, geom)(*args, pool_address(theirs))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    assert ours.abs().sum() > 0
