@@ -7,8 +7,8 @@ ahead of time by Inductor into C++ with the weights inside. The plugin ops (`mtp
 kernel is registered under their names; the pool travels by address, so the compiled code never sees (or
 copies) the pool: only the dense parts are generated code.
 
-Weights: `weights="checkpoint"` keeps every weight the checkpoint ships in bf16 as bf16 inside the package
-(exact: the values are those bf16 numbers) and upcasts it next to its use, so the math stays fp32
+Weights: `weights="checkpoint"` stores every matrix whose values are bf16 numbers (a bf16 checkpoint's, loaded
+as fp32) as bf16 inside the package and upcasts it next to its use, so the math stays fp32 and exact
 (`bf16_weights`); "float32" stores fp32 weights. docs/PERFORMANCE.md ("Compiled engine") has what each costs.
 """
 
@@ -32,7 +32,7 @@ from plugins.kv_pool import KVPoolGeometry
 
 # Inductor settings of every package (recorded in config.json). Freezing folds weights into constants and
 # prepacks the fp32 GEMMs for MKL; it would fold a bf16->fp32 upcast into fp32 constants, so bf16 weights
-# build without it (plugins' CPU_COMPILED notes: "Did not work").
+# build without it (docs/PERFORMANCE.md "Compiled engine": Weights; the choice measured there).
 WEIGHTS = "checkpoint"  # "checkpoint": bf16-exact weights stored bf16 (fp32 math); "float32": all fp32
 INDUCTOR_FLOAT32: dict[str, Any] = {"freezing": True}
 INDUCTOR_BF16: dict[str, Any] = {"freezing": False}
@@ -69,17 +69,16 @@ def bf16_weights(program: torch.export.ExportedProgram) -> int:
         low = value.detach().to(torch.bfloat16)
         store[key] = torch.nn.Parameter(low, requires_grad=False) if store is program.state_dict else low
         node.meta["val"] = node.meta["val"].to(torch.bfloat16)
-        users = list(node.users)
-        if all(u.target is torch.ops.mtp.moe_experts.default for u in users):
-            changed += 1
+        changed += 1
+        # the experts op reads bf16 weights itself (no fp32 copy of every expert per step); others get an upcast
+        dense_users = [u for u in node.users if u.target is not torch.ops.mtp.moe_experts.default]
+        if not dense_users:
             continue
         with graph.inserting_after(node):
             up = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": torch.float32})
         up.meta["val"] = node.meta["val"].to(torch.float32)
-        for user in users:  # the experts op reads bf16 weights itself (no fp32 copy of every expert per step)
-            if user.target is not torch.ops.mtp.moe_experts.default:
-                user.replace_input_with(node, up)
-        changed += 1
+        for user in dense_users:
+            user.replace_input_with(node, up)
     graph.lint()
     program.graph_module.recompile()
     return changed
