@@ -65,9 +65,12 @@ LLAMA_SRC     := $(PEERS)/llama_cpp_python-$(LLAMA_PY_VER)/vendor/llama.cpp
 LLAMA_BUILD   := $(PEERS)/llama-build
 LLAMA_BINS    := llama-speculative-simple llama-completion llama-tokenize
 
+# Ours (torch eager, ONNX Runtime, the compiled engine: the bench builds $(BENCH_ENGINE) with --compile aoti),
+# HF and llama.cpp in one interleaved run -> bench_results/ (bench.json, README.md, plots) + the top README's table.
 bench: $(STAMP)
 	$(PY) -m runtime.bench --checkpoint $(BENCH_CKPT) --engine $(BENCH_ENGINE) --threads $(BENCH_THREADS) \
 		--llama-cpp $(LLAMA_BUILD)/bin
+	$(PY) -m runtime.bench.table bench_results/bench.json --readme README.md
 
 # Share of step time in collectives at 1/2/4 ranks (TP2, DP2xTP2/EP4, EP4) + mpi4py vs gloo (docs/PERFORMANCE.md).
 bench-collectives: $(STAMP)

@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from builder.options import BACKENDS, DTYPES, BuildError, BuildOptions
+from builder.compile_check import check_compiled
+from builder.options import BACKENDS, COMPILES, DTYPES, BuildError, BuildOptions
 from builder.pipeline import BuildInterrupted, build
 from builder.validate import check_tokenizer_config
 from models.checkpoint import CheckpointError
@@ -59,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace an --output engine directory that is incomplete or from another version (never a "
                    "directory mtp-build did not write, never the checkpoint)")  # fmt: skip
+    p.add_argument("--compile", default="none", choices=COMPILES,
+                   help="aoti: also compile each graph into an AOTInductor CPU package (the fastest CPU executor, "
+                   "what `mtp-run --engine` then runs; minutes per graph)")  # fmt: skip
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     return p
 
@@ -125,6 +129,7 @@ def _run(args: argparse.Namespace, err: Console) -> int:
         cfg = load_engine_config(args.check)
         check_tokenizer_config(args.check)  # mtp-serve loads it: a broken one must fail here, not at its start-up
         console.print(summary(cfg, None))
+        console.print(f"[green]ok[/]: {check_compiled(cfg)}")
         console.print(f"[green]ok[/]: schema {cfg.schema_version}, plugins {cfg.plugins['nodes']}, "
                       f"{cfg.world_size} rank(s), {len(cfg.files)} files verified in {time.perf_counter() - t0:.1f}s")  # fmt: skip
         return 0
@@ -141,7 +146,7 @@ def _run(args: argparse.Namespace, err: Console) -> int:
         checkpoint=args.checkpoint, output=args.output, backend=args.backend, dtype=args.dtype,
         max_batch=args.max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
         kv_block_size=args.kv_block_size, num_draft_tokens=args.num_draft_tokens, world_size=args.world_size,
-        ep_size=ep_size, tp_size=args.tp_size, force=args.force,
+        ep_size=ep_size, tp_size=args.tp_size, force=args.force, compile=args.compile,
     )  # fmt: skip
     result = build(opts, RichReporter(console))
     console.print(summary(result.config, result.seconds))

@@ -19,6 +19,7 @@ from plugins.kv_pool import DTYPE_CODES
 from plugins.mapping import MappingError, check_model, check_parallel, local_kv_heads
 
 BACKENDS = ("onnxruntime", "tensorrt")
+COMPILES = ("none", "aoti")  # --compile: "aoti" adds AOTInductor packages per graph (builder/compile_aoti.py)
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -41,6 +42,7 @@ class BuildOptions:
     ep_size: int = 1
     tp_size: int = 1
     force: bool = False
+    compile: str = "none"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -98,6 +100,12 @@ class BuildOptions:
             )
         if self.max_seq_len < self.num_draft_tokens + 2:
             raise BuildError(f"--max-seq-len {self.max_seq_len} leaves no room for K={self.num_draft_tokens} drafts")
+        if self.compile not in COMPILES:
+            raise BuildError(f"--compile {self.compile!r} is unknown; choose one of {', '.join(COMPILES)}")
+        if self.compile != "none" and (self.backend != "onnxruntime" or self.world_size != 1):
+            raise BuildError(f"--compile {self.compile} builds CPU packages for one rank: use it with --backend "
+                             f"onnxruntime and --world-size 1 (got --backend {self.backend}, --world-size "
+                             f"{self.world_size}), or drop --compile")  # fmt: skip
         if self.backend == "onnxruntime" and self.dtype != "float32":
             raise BuildError(
                 f"--backend onnxruntime supports --dtype float32 only (its plugin ops are onnxruntime-extensions "

@@ -1,7 +1,7 @@
 """The build as a pipeline of small named steps, all-or-nothing on disk.
 
     check options -> check --output -> import checkpoint (headers, weights, tokenizer) -> check memory
-    -> export ONNX (per graph per rank) -> backend build -> write config + checksums -> atomic rename
+    -> export ONNX (per graph per rank) [-> AOTInductor packages (--compile aoti)] -> backend build -> write config + checksums -> atomic rename
 
 Every check (builder/validate.py) runs before anything is written. Everything is written into a temporary
 directory next to the output (same filesystem, so the final `os.replace` is atomic) and renamed into place
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import shutil
 import signal
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 import onnx
 import torch
 
-from builder import ort_build, trt_build, validate
+from builder import compile_aoti, ort_build, trt_build, validate
 from builder.export import export_graph
 from builder.options import BuildError, BuildOptions
 from builder.rank_process import run_in_child
@@ -53,6 +54,7 @@ from models.engine_format import (
 from plugins.mapping import RankMapping, rank_mapping
 from plugins.names import installed_plugins
 
+COMPILED_INFO = "compiled.json"  # a rank's compile record, moved into config.json's build.compiled
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")  # fmt: skip
 
@@ -103,6 +105,13 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
         data = export_graph(name, model, layout.geometry(), layout.table_width, path)
         graphs[name] = {"onnx": str(path.relative_to(work)), "data": str(data.relative_to(work))}
         rep.done(f"rank {rank}: {name}.onnx", time.perf_counter() - t0)
+    if opts.compile == "aoti":  # while this rank's weights are loaded (builder/compile_aoti.py)
+        t0 = time.perf_counter()
+        rep.step(f"rank {rank}: AOTInductor compile {', '.join(graphs)} (minutes)")
+        compiled = compile_aoti.compile_rank(model, layout.geometry(), layout.table_width, rdir, work, graphs,
+                                            compile_aoti.WEIGHTS)
+        (rdir / COMPILED_INFO).write_text(json.dumps(compiled))
+        rep.done(f"rank {rank}: {len(graphs)} .pt2 packages", time.perf_counter() - t0)
     del model  # single-rank builds run this in-process; multi-rank ones run each rank in its own child
     gc.collect()
     return graphs
@@ -297,6 +306,10 @@ def _write_engine(opts: BuildOptions, work: Path, rep: Reporter, ckpt_cfg: Model
         graphs = [run_in_child(_export_rank, (r, opts, work, layout), rep, f"rank {r}'s export")
                   for r in range(opts.world_size)]  # fmt: skip
     backend_info = _backend(opts, work, graphs, layout, rep)
+    if opts.compile != "none":
+        record = work / rank_dir(0) / COMPILED_INFO
+        backend_info["compiled"] = {"kind": opts.compile, **json.loads(record.read_text())}
+        record.unlink()
     rep.step("write config + checksums")
     cfg = EngineConfig(
         path=work, schema_version=SCHEMA_VERSION, model=ckpt_cfg, dtype=opts.dtype, limits=opts.limits(),

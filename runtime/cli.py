@@ -46,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_argument_group("model")
     src.add_argument("--engine", type=Path, help="engine directory built by mtp-build")
     src.add_argument("--checkpoint", type=Path, help="checkpoint directory (torch executor, no build needed)")
-    src.add_argument("--executor", choices=EXECUTORS, default=None, help="default: onnxruntime with --engine")
+    src.add_argument("--executor", choices=EXECUTORS, default=None,
+                     help="default: auto with --engine (its compiled packages if built, else onnxruntime)")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     prompts.add_argument("--prompts-file", type=Path, help="one prompt per line ('-': standard input)")
@@ -104,7 +105,7 @@ def _prompt_lines(text: str, source: str) -> list[str]:
 
 
 def run(args, rank: int = 0, world: int = 1) -> int:
-    executor = args.executor or ("onnxruntime" if args.engine else "torch")
+    executor = args.executor or ("auto" if args.engine else "torch")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens, stop=tuple(args.stop), acceptance=args.acceptance)  # fmt: skip
     # Checked before the engine loads (seconds): the flags are the same for every prompt, so a bad one is

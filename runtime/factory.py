@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from models.engine_format import EngineConfig, KVLayout, Limits, load_engine_config
+from models.engine_format.compiled import compiled_problem
 from plugins.mapping import MappingError, Parallel, check_model, rank_mapping
 from runtime.core.config import ConfigError, RuntimeConfig
 from runtime.core.draft_length import DraftLengthController
@@ -21,7 +22,7 @@ from runtime.executors.base import Executor
 from runtime.multirank.strategies import rank_strategy
 from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S
 
-EXECUTORS = ("onnxruntime", "torch", "tensorrt")
+EXECUTORS = ("auto", "compiled", "onnxruntime", "torch", "tensorrt")
 
 
 def load_tokenizer(directory: Path):
@@ -37,7 +38,7 @@ def load_tokenizer(directory: Path):
 def create_engine(
     engine_dir: str | Path | None = None,
     checkpoint: str | Path | None = None,
-    executor: str = "onnxruntime",
+    executor: str = "auto",
     rank: int = 0,
     world_size: int = 1,
     device: str = "cpu",
@@ -55,7 +56,8 @@ def create_engine(
     """Args:
         engine_dir: a directory built by mtp-build (validated before anything runs).
         checkpoint: a Hugging Face checkpoint directory (torch executor only, no build step).
-        executor: onnxruntime | torch | tensorrt.
+        executor: auto | compiled | onnxruntime | torch | tensorrt. auto (an engine directory): the engine's
+            compiled packages when it has them and this machine can run them (`fastest_executor`), else onnxruntime.
         device, cuda_graphs: torch executor only ("cuda" + cuda_graphs=True replays captured graphs).
         threads: onnxruntime intra-op threads (default: what the engine recorded); torch uses torch.set_num_threads.
         seed: engine seed; an unseeded request samples from a generator derived from (seed, request id).
@@ -75,6 +77,8 @@ def create_engine(
         overrides["auto_draft_tokens"] = True
     if engine_dir is not None:
         ecfg = load_engine_config(engine_dir)
+        if executor == "auto":
+            executor = fastest_executor(ecfg)
         if ecfg.world_size != world_size:
             raise ConfigError(f"engine {engine_dir} was built for world_size={ecfg.world_size} but "
                               f"{world_size} rank(s) were launched: use mpirun -np {ecfg.world_size}")  # fmt: skip
@@ -88,7 +92,11 @@ def create_engine(
         check_within_engine(cfg, ecfg.limits, ecfg.kv, ecfg.num_draft_tokens)
         model_cfg, tokenizer = ecfg.model, load_tokenizer(Path(engine_dir))
         ex: Executor
-        if executor == "onnxruntime":
+        if executor == "compiled":
+            from runtime.executors.compiled_executor import CompiledExecutor
+
+            ex = CompiledExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)
+        elif executor == "onnxruntime":
             from runtime.executors.ort_executor import OrtExecutor
 
             ex = OrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks, intra_op_threads=threads)
@@ -102,6 +110,8 @@ def create_engine(
     else:
         if checkpoint is None:
             raise ConfigError("give --engine DIR (built by mtp-build) or --checkpoint DIR (torch executor)")
+        if executor == "auto":
+            executor = "torch"
         if executor != "torch":
             raise ConfigError(f"executor {executor!r} needs an engine directory; build one with mtp-build "
                               "or use --executor torch with --checkpoint")  # fmt: skip
@@ -115,9 +125,19 @@ def create_engine(
         ex = wrap_executor(ex)
     # collective under mpirun: every rank agrees on the settings here (RanksDisagree on every rank)
     ranks = rank_strategy(ex, model_cfg, cfg, parallel, collective_timeout, prog or Path(sys.argv[0]).stem or "mtp")
-    cpu = executor == "onnxruntime" or (executor == "torch" and device == "cpu")
+    cpu = executor in ("compiled", "onnxruntime") or (executor == "torch" and device == "cpu")
     return LLMEngine(ex, model_cfg, cfg, tokenizer, seed=seed, ranks=ranks, draft_length=draft_length,
                      draft_clock=time.process_time if cpu else time.perf_counter)  # fmt: skip
+
+
+def fastest_executor(ecfg: EngineConfig) -> str:
+    """The fastest executor this machine can run the engine with: its compiled packages, else ONNX Runtime (or
+    TensorRT for a TensorRT engine). docs/PERFORMANCE.md ("Compiled engine") has the measured order."""
+    if ecfg.backend == "tensorrt":
+        return "tensorrt"
+    if ecfg.world_size == 1 and compiled_problem(ecfg) is None:
+        return "compiled"
+    return "onnxruntime"
 
 
 def engine_defaults(ecfg: EngineConfig) -> RuntimeConfig:

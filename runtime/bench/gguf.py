@@ -35,9 +35,20 @@ class GGUFError(Exception):
     """A one-line reason the conversion cannot run (bad checkpoint, missing llama.cpp sources)."""
 
 
+def gguf_type(checkpoint: Path) -> str:
+    """The GGUF type that holds the checkpoint's matrices exactly and reads the fewest bytes: bf16 for a bf16
+    checkpoint (llama.cpp runs it 13-22% faster than f32 here, docs/BENCHMARKS.md), else f32 (the converter
+    keeps norms and biases f32 either way)."""
+    try:
+        cfg = json.loads((checkpoint / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "f32"
+    return "bf16" if (cfg.get("dtype") or cfg.get("torch_dtype")) == "bfloat16" else "f32"
+
+
 def gguf_path(checkpoint: Path, out_dir: Path = DEFAULT_OUT_DIR) -> Path:
-    """Where the GGUF of checkpoint goes: f32, because the checkpoint is f32 and the check is token identity."""
-    return out_dir / f"{checkpoint.resolve().name}-f32.gguf"
+    """Where the GGUF of checkpoint goes, named by its type (`gguf_type`)."""
+    return out_dir / f"{checkpoint.resolve().name}-{gguf_type(checkpoint)}.gguf"
 
 
 def check_gpt2_pretokenizer(checkpoint: Path) -> None:
@@ -79,7 +90,7 @@ def patch_converter(conversion) -> None:
 
 
 def convert(checkpoint: Path, llama_src: Path, outfile: Path, force: bool = False) -> Path:
-    """Run the vendored convert_hf_to_gguf.py main() on checkpoint (f32, MTP layer kept); returns outfile."""
+    """Run the vendored convert_hf_to_gguf.py main() on checkpoint (`gguf_type`, MTP layer kept); returns outfile."""
     if not (checkpoint / "config.json").is_file():
         raise GGUFError(f"{checkpoint} has no config.json; pass a Hugging Face checkpoint directory")
     script = llama_src / "convert_hf_to_gguf.py"
@@ -100,7 +111,7 @@ def convert(checkpoint: Path, llama_src: Path, outfile: Path, force: bool = Fals
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     argv = sys.argv
-    sys.argv = [str(script), str(checkpoint), "--outfile", str(outfile), "--outtype", "f32"]
+    sys.argv = [str(script), str(checkpoint), "--outfile", str(outfile), "--outtype", gguf_type(checkpoint)]
     try:
         module.main()
     finally:
@@ -114,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.bench.gguf", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, required=True, help="Hugging Face checkpoint directory (models/tiny)")
     p.add_argument("--llama-src", type=Path, required=True, help="llama.cpp source tree (the vendored one)")
-    p.add_argument("--outfile", type=Path, help=f"default: {DEFAULT_OUT_DIR}/<checkpoint name>-f32.gguf")
+    p.add_argument("--outfile", type=Path, help=f"default: {DEFAULT_OUT_DIR}/<checkpoint name>-<f32|bf16>.gguf")
     p.add_argument("--force", action="store_true", help="convert even when the GGUF is newer than the checkpoint")
     p.add_argument("--debug", action="store_true", help="show the traceback of a failed conversion")
     args = p.parse_args(argv)

@@ -5,8 +5,8 @@
 
 Workload: the first --prompt-chars characters of held-out Python stdlib files (the files models/training/train.py
 held out of training), greedy, --max-tokens output tokens each. Configurations, all at --threads threads:
-ours with K = 0 (plain decoding) .. 4 draft depths and K=auto at batch 1 and 8 on the torch and onnxruntime
-executors; HF `generate` (batch 1 and 8, left-padded) and `generate(use_mtp=True)` (batch 1); llama.cpp plain
+ours with K = 0 (plain decoding) .. 4 draft depths and K=auto at batch 1 and 8 on the torch, onnxruntime and
+compiled (AOTInductor packages, `mtp-build --compile aoti`) executors; HF `generate` (batch 1 and 8, left-padded) and `generate(use_mtp=True)` (batch 1); llama.cpp plain
 and `--spec-type draft-mtp` K=1..3 (batch 1) on the GGUF of the same checkpoint (`make bench-peers`). Every
 configuration runs once per round, --repeats rounds, medians reported. Our MTP outputs are checked against
 our K=0 (greedy MTP must be lossless: exit status 1 otherwise); HF and llama.cpp against ours (informational).
@@ -59,9 +59,11 @@ def parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument("--checkpoint", type=Path, help="Hugging Face checkpoint directory (e.g. models/tiny)")
     m.add_argument("--random", action="store_true", help="benchmark a random tiny checkpoint (no trained model)")
-    m.add_argument("--engine", type=Path, help="engine directory for the onnxruntime executor (built if missing)")
-    m.add_argument("--executors", default="torch,onnxruntime",
-                   help="our executors, comma-separated (default torch,onnxruntime; onnxruntime needs --engine)")
+    m.add_argument("--engine", type=Path,
+                   help="engine directory for the onnxruntime and compiled executors (built if missing)")
+    m.add_argument("--executors", default="torch,onnxruntime,compiled",
+                   help="our executors, comma-separated (default torch,onnxruntime,compiled; the last two need --engine, "
+                   "compiled an engine built with --compile aoti)")
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=8, help="prompts per run (held-out stdlib files)")
     w.add_argument("--prompt-chars", type=int, default=200, help="characters taken from the start of each file")
@@ -97,9 +99,9 @@ def normalize_args(args) -> None:
 
     torch.set_num_threads(args.threads)
     args.executors = [x.strip() for x in args.executors.split(",") if x.strip()]
-    bad = [x for x in args.executors if x not in ("torch", "onnxruntime")]
+    bad = [x for x in args.executors if x not in ("torch", "onnxruntime", "compiled")]
     if bad or not args.executors:
-        raise ConfigError(f"--executors: unknown {', '.join(bad) or '(none)'}; choose from torch,onnxruntime")
+        raise ConfigError(f"--executors: unknown {', '.join(bad) or '(none)'}; choose from torch,onnxruntime,compiled")
     ks = list(dict.fromkeys(["0", *args.ks]))  # K=0 is the reference for speed-ups and losslessness
     args.int_ks = sorted(int(k) for k in ks if k != "auto")
     args.ks = [str(k) for k in args.int_ks] + (["auto"] if "auto" in ks else [])

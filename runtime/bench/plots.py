@@ -68,7 +68,7 @@ def _plot_tps_vs_k(plt, results: dict, label: str):
             ks = sorted(row, key=lambda k: int(k) if k.isdigit() else max_k + 1)
             xs = [int(k) if k.isdigit() else max_k + 1 for k in ks]
             ys = [row[k]["decode_tps_median"] for k in ks]
-            style = "o-" if engine in ("torch", "onnxruntime") else "s--"
+            style = "o-" if engine in ("torch", "onnxruntime", "compiled") else "s--"
             ax.plot(xs, ys, style, label=f"{engine} batch {batch}")
     has_auto = any("auto" in row for e in tps.values() for row in e.values())
     ticks = list(range(max_k + 1)) + ([max_k + 1] if has_auto else [])

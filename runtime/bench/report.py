@@ -25,7 +25,7 @@ from runtime.bench.runners import RunResult
 from runtime.bench.setup import BenchSetup
 
 Runs = dict[tuple[str, str, int], list[RunResult]]
-OURS = ("torch", "onnxruntime")
+OURS = ("torch", "onnxruntime", "compiled")
 # The per-position acceptance numbers copied from a run's summary into the acceptance table.
 ACCEPTANCE_KEYS = ("mean_acceptance_length", "acceptance_rate_per_position", "conditional_acceptance_per_position")
 
@@ -209,7 +209,7 @@ def _describe(args, setup: BenchSetup) -> dict:
     return {
         "settings": {
             "checkpoint": "random (models.testing.tiny_config, seed 0)" if setup.is_random else str(args.checkpoint),
-            "executors": args.executors, "engine_dir": str(args.engine) if "onnxruntime" in args.executors else None,
+            "executors": args.executors, "engine_dir": str(args.engine) if set(args.executors) - {"torch"} else None,
             "ks": args.ks, "batches": args.batches, "repeats": args.repeats, "max_tokens": args.max_tokens,
             "threads": args.threads, "num_prompts": len(work.prompts), "prompt_chars": args.prompt_chars,
             "greedy": True, "enable_prefix_caching": False, "max_seq_len": setup.max_seq_len,

@@ -310,7 +310,7 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--engine", type=Path)
     src.add_argument("--checkpoint", type=Path)
-    p.add_argument("--executor", default=None, help="default: onnxruntime with --engine, else torch")
+    p.add_argument("--executor", default=None, help="default: auto with --engine (compiled if built), else torch")
     p.add_argument("--frontend", default="openai,triton,inprocess", help=f"comma list of {', '.join(FRONTENDS)}")
     p.add_argument("--num-draft-tokens", default="0,3,auto", help="comma list of K (auto: the engine's choice)")
     p.add_argument("--rates", default="0.5,1,2", help="Poisson request rates (req/s), comma list")
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     atexit.register(_stop_live)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run atexit: no server outlives the benchmark
-    args.executor = args.executor or ("onnxruntime" if args.engine else "torch")
+    args.executor = args.executor or ("auto" if args.engine else "torch")
     frontends = [f for f in args.frontend.split(",") if f]
     bad = [f for f in frontends if f not in FRONTENDS]
     if bad:

@@ -30,7 +30,7 @@ DEFAULT_LLAMA_BIN = Path("build/peers/llama-build/bin")
 
 @dataclass
 class Entry:
-    """One timed configuration: engine name ("torch", "onnxruntime", "hf", "llama.cpp"), K (str), batch."""
+    """One timed configuration: engine name ("torch", "onnxruntime", "compiled", "hf", "llama.cpp"), K (str), batch."""
 
     engine: str
     k: str
@@ -96,12 +96,15 @@ def token_budget(max_batch: int, max_k: int) -> int:
 def ensure_engine_dir(args, max_k: int, max_batch: int, console) -> None:
     """Build --engine with mtp-build when it is missing or too small for the largest K and batch."""
     from models.engine_format import EngineDirError, load_engine_config
+    from models.engine_format.compiled import compiled_problem
 
     engine_dir = args.engine
     try:
         ecfg = load_engine_config(engine_dir)
-        ok = ecfg.num_draft_tokens >= max_k and ecfg.limits.max_batch >= max_batch
-        why = f"built for K={ecfg.num_draft_tokens}, max_batch={ecfg.limits.max_batch}"
+        compiled = "compiled" not in args.executors or compiled_problem(ecfg) is None
+        ok = ecfg.num_draft_tokens >= max_k and ecfg.limits.max_batch >= max_batch and compiled
+        why = f"built for K={ecfg.num_draft_tokens}, max_batch={ecfg.limits.max_batch}" + ("" if compiled else ", no "
+                                                                                          "runnable compiled packages")
     except (EngineDirError, FileNotFoundError) as e:
         ok, why = False, (str(e).splitlines()[0] if engine_dir.exists() else "missing")
     if not ok:
@@ -110,7 +113,8 @@ def ensure_engine_dir(args, max_k: int, max_batch: int, console) -> None:
 
         rc = build_main(["--checkpoint", str(args.checkpoint), "--output", str(engine_dir), "--num-draft-tokens",
                          str(max_k), "--max-batch", str(max_batch), "--max-num-tokens",
-                         str(token_budget(max_batch, max_k)), "--force"])  # fmt: skip
+                         str(token_budget(max_batch, max_k)), "--force",
+                         *(["--compile", "aoti"] if "compiled" in args.executors else [])])  # fmt: skip
         if rc != 0:
             raise ConfigError(f"mtp-build failed for {engine_dir} (exit {rc})")
 
@@ -128,6 +132,8 @@ def _engine_factory(args, work: Workload) -> Callable[..., LLMEngine]:
                       enable_prefix_caching=False, max_num_tokens=token_budget(max_b, max_k))  # fmt: skip
         if executor == "onnxruntime":
             return create_engine(args.engine, args.checkpoint, "onnxruntime", threads=args.threads, **common)
+        if executor == "compiled":
+            return create_engine(args.engine, args.checkpoint, "compiled", **common)
         return create_engine(None, args.checkpoint, "torch", max_seq_len=max_seq_len, **common)
 
     return engine_for
@@ -174,9 +180,10 @@ def make_setup(args, console) -> BenchSetup:
     """Everything the timed rounds need, in the order: checkpoint, engines, HF, llama.cpp, plan."""
     tmp, label = resolve_checkpoint(args)
     max_k, max_b = max(args.int_ks), max(args.batches)
-    if "onnxruntime" in args.executors:
+    if set(args.executors) & {"onnxruntime", "compiled"}:
         if args.engine is None:
-            raise ConfigError("the onnxruntime executor needs --engine DIR (built when missing); or pass --executors torch")
+            raise ConfigError("the onnxruntime and compiled executors need --engine DIR (built when missing); or pass "
+                              "--executors torch")
         ensure_engine_dir(args, max_k, max_b, console)
     vocab_size = int(json.loads((args.checkpoint / "config.json").read_text())["vocab_size"])
     tokenizer = load_tokenizer(args.checkpoint)

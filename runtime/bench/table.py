@@ -13,11 +13,11 @@ import json
 import sys
 from pathlib import Path
 
-ENGINE_ORDER = ("torch", "onnxruntime", "hf", "llama.cpp")
+ENGINE_ORDER = ("torch", "onnxruntime", "compiled", "hf", "llama.cpp")
 
 
 def _engine_name(engine: str, k: str) -> str:
-    if engine in ("torch", "onnxruntime"):
+    if engine in ("torch", "onnxruntime", "compiled"):
         return f"ours ({engine})"
     if engine == "hf":
         return "HF generate" if k == "0" else "HF generate(use_mtp=True)"

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from models.config import ModelConfig
 from runtime.bench.bound import forward_params
-from runtime.bench.gguf import GGUFError, check_gpt2_pretokenizer
+from runtime.bench.gguf import GGUFError, check_gpt2_pretokenizer, gguf_path, gguf_type
 from runtime.bench.llama_cpp import LlamaCppRunner
 from runtime.bench.setup import DEFAULT_LLAMA_BIN, DEFAULT_LLAMA_SRC
 
@@ -110,6 +110,12 @@ def test_gguf_wrapper_refuses_a_pre_tokenizer_that_is_not_gpt2(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(GGUFError, match="not plain GPT-2"):
         check_gpt2_pretokenizer(tmp_path)
+
+
+def test_gguf_type_is_the_checkpoints_exact_precision():
+    """llama.cpp runs its fastest exact type: bf16 for the bf16 checkpoint (models/deep), f32 for an f32 one."""
+    assert gguf_type(ROOT / "models" / "deep") == "bf16" and gguf_path(ROOT / "models" / "deep").name == "deep-bf16.gguf"
+    assert gguf_type(TINY) == "f32"
 
 
 @needs_llama

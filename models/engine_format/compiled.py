@@ -1,0 +1,49 @@
+"""The compiled CPU artifacts of an engine (AOTInductor packages): their config.json record and load checks.
+
+`mtp-build --compile aoti` adds, per rank and graph, a `.pt2` package next to the ONNX files (graph kind
+`aoti` in `graphs`) and records `build.compiled`: the Inductor settings, the torch version and the CPU's
+vector ISA it was compiled for. A package is native code for one torch build and one ISA: `compiled_problem`
+says why this installation cannot run it (the runtime then refuses with one line, or `auto` falls back to
+ONNX Runtime). The ONNX graphs stay in the directory either way (the interchange for TensorRT).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.engine_format.config import EngineConfig
+
+AOTI_KIND = "aoti"  # graph kind in config.json's `graphs`, and the package name suffix (main.aoti.pt2)
+
+
+def host_isa() -> str:
+    """The vector ISA Inductor picks on this CPU (e.g. "avx512"), which compiled packages are built for."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa  # torch only when asked (see compiled_problem)
+
+    return str(pick_vec_isa()) or "none"
+
+
+def compiled_info(cfg: EngineConfig) -> dict[str, Any] | None:
+    """`build.compiled` when every graph of every rank has a package, else None (an engine built without it)."""
+    info = cfg.build.get("compiled")
+    if not isinstance(info, dict):
+        return None
+    if not all(AOTI_KIND in kinds for per_graph in cfg.graphs for kinds in per_graph.values()):
+        return None
+    return info
+
+
+def compiled_problem(cfg: EngineConfig) -> str | None:
+    """Why this installation cannot run the engine's compiled packages, or None when it can."""
+    import torch  # here: the control plane (runtime.factory) imports this module without torch
+
+    info = compiled_info(cfg)
+    if info is None:
+        return f"engine {cfg.path} has no compiled packages (build it with `mtp-build --compile aoti`)"
+    if info.get("torch_version") != torch.__version__:
+        return (f"engine {cfg.path}'s compiled packages were built with torch {info.get('torch_version')}, this "
+                f"installation has {torch.__version__}; rebuild with `mtp-build --compile aoti --force`")
+    if info.get("isa") != host_isa():
+        return (f"engine {cfg.path}'s compiled packages were built for CPU ISA {info.get('isa')!r}, this CPU has "
+                f"{host_isa()!r}; rebuild on this machine with `mtp-build --compile aoti --force`")
+    return None

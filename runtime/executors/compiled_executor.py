@@ -1,0 +1,111 @@
+"""The `compiled` executor: runs an engine's AOTInductor packages (`mtp-build --compile aoti`) on CPU.
+
+One execution context per graph (main / verify, draft depth, commit): the loaded package plus preallocated,
+stable-address input buffers sized for the engine's limits. A step copies its numpy arrays into the leading
+part of each buffer and calls the package on views of them (docs/ARCHITECTURE.md invariant 10: captured
+execution; the packages were compiled with dynamic `tokens` / `requests` dims, so any step within the limits
+replays the same code, no per-batch bucket and no padding). No Python runs between the kernels of a step
+except the plugin ops' own bodies (C++ once registered by the C++ plugin library; the op names are the same).
+
+The pool is allocated here with exactly the geometry the packages were compiled for (its `num_blocks` is
+baked into their plugin calls): a runtime `num_blocks` up to the built one uses the first blocks of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import plugins.mla_ops  # noqa: F401  (registers the ops the packages call by name)
+import plugins.ops  # noqa: F401
+from models.engine_format import EngineConfig, EngineDirError, load_engine_config
+from models.engine_format.compiled import AOTI_KIND, compiled_problem
+from models.engine_format.graph_io import SPECS, GraphSpec
+from plugins.kv_pool import allocate_pool, pool_address
+from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
+from runtime.executors.torch_executor import warn_spinning_threads
+
+
+@dataclass
+class ExecutionContext:
+    """A compiled graph and its stable input buffers (flat, so any leading [R, MB] block is a contiguous view)."""
+
+    spec: GraphSpec
+    run: object  # AOTIModelPackageLoader.boxed_run: list of tensors -> list of tensors
+    buffers: dict[str, torch.Tensor]  # step input name -> flat preallocated tensor
+    arrays: dict[str, np.ndarray]  # the same memory as numpy (the refill path)
+    pool_ptr: torch.Tensor
+
+    def __call__(self, inp: object) -> list[torch.Tensor]:
+        args = []
+        for name in self.spec.step_inputs:
+            value = np.asarray(getattr(inp, name))
+            n = value.size
+            buf = self.arrays[name]
+            if n > buf.size:
+                raise ValueError(f"{self.spec.name}: {name} has {n} elements, the engine's limits allow {buf.size}")
+            np.copyto(buf[:n], value.reshape(-1), casting="same_kind")
+            args.append(self.buffers[name][:n].view(value.shape))
+        args.append(self.pool_ptr)
+        return self.run(args)  # type: ignore[operator]
+
+
+class CompiledExecutor:
+    def __init__(self, engine_dir: str | Path, rank: int = 0, num_blocks: int | None = None) -> None:
+        self.config: EngineConfig = load_engine_config(engine_dir)
+        cfg = self.config
+        problem = compiled_problem(cfg)
+        if problem is not None:
+            raise EngineDirError(f"--executor compiled: {problem}")
+        if rank != 0 or cfg.world_size != 1:
+            raise EngineDirError(f"--executor compiled runs one-rank engines; {cfg.path} has world_size={cfg.world_size}")
+        blocks = num_blocks if num_blocks is not None else cfg.kv.num_blocks
+        if not 2 <= blocks <= cfg.kv.num_blocks:
+            raise ValueError(f"num_blocks={blocks}: the compiled engine's pool has {cfg.kv.num_blocks} blocks (baked "
+                             "into its packages) and needs at least 2; lower num_blocks or rebuild with larger limits")  # fmt: skip
+        warn_spinning_threads()
+        self.geom = cfg.kv.geometry(cfg.kv.num_blocks)
+        self.pool = allocate_pool(self.geom)  # owned here: the packages only see its address
+        ptr = pool_address(self.pool)
+        self.hidden_size, self.vocab_size = cfg.model.hidden_size, cfg.model.vocab_size
+        self.contexts = {name: self._context(name, rank, ptr) for name in cfg.graphs[rank]}
+
+    def _context(self, name: str, rank: int, ptr: torch.Tensor) -> ExecutionContext:
+        cfg, spec = self.config, SPECS[name]
+        path = cfg.graph_file(rank, name, AOTI_KIND)
+        assert path is not None
+        loader = torch._inductor.aoti_load_package(str(path)).loader
+        lim, width = cfg.limits, cfg.kv.table_width
+        rows = {"tokens": lim.max_num_tokens, "logit_rows": lim.max_num_tokens, "rows": lim.max_num_tokens,
+                "requests": lim.max_batch, "max_blocks": width, "H": cfg.model.hidden_size}  # fmt: skip
+        buffers = {}
+        for inp in spec.step_inputs:
+            size = int(np.prod([rows[d] if isinstance(d, str) else d for d in spec.dims[inp]]))
+            buffers[inp] = torch.zeros(size, dtype=getattr(torch, spec.dtypes[inp]))
+        arrays = {n: b.numpy() for n, b in buffers.items()}
+        return ExecutionContext(spec, loader.boxed_run, buffers, arrays, ptr)
+
+    def _graph(self, name: str) -> ExecutionContext:
+        if name not in self.contexts:
+            raise RuntimeError(f"engine {self.config.path} has no {name} graph (built without MTP?)")
+        return self.contexts[name]
+
+    def run_main(self, inp: MainInput) -> MainOutput:
+        hidden, logits = self._graph("main")(inp)
+        return MainOutput(hidden.numpy(), logits.numpy())
+
+    def run_draft(self, inp: DraftInput) -> DraftOutput:
+        hidden, logits = self._graph("mtp_draft")(inp)
+        return DraftOutput(hidden.numpy(), logits.numpy())
+
+    def run_commit(self, inp: CommitInput) -> int:
+        return int(self._graph("mtp_commit")(inp)[0][0])
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        with torch.no_grad():
+            for src, dst in pairs:
+                self.pool[:, :, dst] = self.pool[:, :, src]
+

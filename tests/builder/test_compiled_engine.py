@@ -1,0 +1,193 @@
+"""`mtp-build --compile aoti`: the AOTInductor packages reproduce the torch executor (outputs and every KV plane),
+greedy decoding through them is lossless, `--check` verifies them, and `auto` runs them.
+
+One compiled build of the package's tiny checkpoint (minutes on a loaded 2-core machine) serves every test.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from builder import cli
+from models.checkpoint import load_model
+from models.engine_format import load_engine_config, write_engine_config
+from runtime.core.sampling import SamplingParams
+from runtime.executors.compiled_executor import CompiledExecutor
+from runtime.executors.torch_executor import TorchExecutor
+from runtime.factory import create_engine
+from tests.builder.conftest import LIMITS
+from tests.builder.test_ort_executor import check_ort_matches_torch
+from tests.runtime.engine_utils import random_prompts
+
+K = 3  # < block size 4
+PROMPTS = random_prompts((5, 13, 9, 22, 3, 17), seed=0)
+PROMPTS.append(PROMPTS[3][:17] + [1, 2, 3])  # shares 4 full blocks with prompt 3: a prefix-cache hit
+PARAMS = SamplingParams(max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def compiled(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compiled") / "engine"
+    argv = ["--checkpoint", str(checkpoint), "--output", str(out), "--compile", "aoti"]
+    for k, v in {**LIMITS, "num_draft_tokens": K}.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    assert cli.main(argv) == 0
+    return out
+
+
+def test_config_records_the_packages(compiled):
+    cfg = load_engine_config(compiled)
+    assert cfg.build["compiled"]["kind"] == "aoti"
+    for name, files in cfg.graphs[0].items():
+        assert files["aoti"] == f"rank0/{name}.aoti.pt2" and files["aoti"] in cfg.files  # checksummed
+        assert "onnx" in files  # the ONNX graphs stay (the TensorRT interchange)
+    assert not (compiled / "rank0" / "compiled.json").exists()
+
+
+def test_compiled_matches_torch_on_mixed_batch(compiled, checkpoint):
+    """Mixed prefill/verify/padded main steps, a commit write, two draft depths: outputs and KV planes."""
+    ex = CompiledExecutor(compiled)
+    model, _ = load_model(checkpoint)
+    ref = TorchExecutor(model, num_blocks=ex.geom.num_blocks, block_size=4)
+    check_ort_matches_torch(ex, ref, mtp_plane=2)
+
+
+def test_steps_replay_on_stable_buffers(compiled, checkpoint):
+    """Invariant 10: every step refills the same preallocated buffers and hands the package views of them."""
+    ex = CompiledExecutor(compiled)
+    buffers = {(g, n): (b.data_ptr(), b.data_ptr() + b.numel() * b.element_size())
+               for g, c in ex.contexts.items() for n, b in c.buffers.items()}  # fmt: skip
+    seen: list[tuple[str, int]] = []
+    for name, ctx in ex.contexts.items():
+        real = ctx.run
+
+        def spy(args, real=real, name=name):
+            seen.extend((name, a.data_ptr()) for a in args[:-1])  # the last one is the pool address
+            return real(args)
+
+        ctx.run = spy
+    model, _ = load_model(checkpoint)
+    check_ort_matches_torch(ex, TorchExecutor(model, num_blocks=ex.geom.num_blocks, block_size=4), mtp_plane=2)
+    assert {g for g, _ in seen} == {"main", "mtp_draft", "mtp_commit"}
+    for graph, ptr in seen:
+        assert any(lo <= ptr < hi for (g, _), (lo, hi) in buffers.items() if g == graph), f"{graph}: a fresh tensor"
+
+
+def _run(engine):
+    outs = engine.generate(PROMPTS, PARAMS)
+    engine.kv.assert_no_leaks()
+    return [o.output_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return _run(create_engine(checkpoint=checkpoint, executor="torch", num_draft_tokens=0, block_size=4))
+
+
+@pytest.mark.parametrize("k,chunk", [(0, 32), (1, 6), (2, 6), (3, 5)])
+def test_compiled_greedy_is_lossless(compiled, reference, k, chunk):
+    """Token-identical to the torch executor at K=0 (itself HF-identical, test_engine_lossless.py) for every K,
+    with prefill chunks shorter than the prompts and a prefix-cache hit."""
+    engine = create_engine(compiled, num_draft_tokens=k, max_prefill_chunk=chunk)
+    assert isinstance(engine.executor, CompiledExecutor)  # auto: the fastest artifact present
+    assert _run(engine) == reference
+    assert engine.metrics.prefix_hit_tokens > 0
+    if k:
+        assert engine.metrics.mean_acceptance_length > 1.0  # the drafts were really verified
+
+
+def test_auto_falls_back_to_onnxruntime_without_packages(engine):
+    from runtime.executors.ort_executor import OrtExecutor
+
+    assert isinstance(create_engine(engine).executor, OrtExecutor)
+
+
+def test_check_verifies_the_packages(compiled, capsys):
+    assert cli.main(["--check", str(compiled)]) == 0
+    assert "compiled packages match the torch model on a probe batch" in " ".join(capsys.readouterr().out.split())
+
+
+def test_check_refuses_a_corrupted_package(compiled, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(compiled, copy)
+    pkg = copy / "rank0" / "main.aoti.pt2"
+    raw = bytearray(pkg.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    pkg.write_bytes(bytes(raw))
+    assert cli.main(["--check", str(copy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "main.aoti.pt2" in err and "corrupted" in err
+
+
+def test_check_refuses_a_resealed_wrong_package(compiled, tmp_path, capsys):
+    """A package swapped for another graph's and the manifest resealed: the checksums pass, the probe does not."""
+    copy = tmp_path / "copy"
+    shutil.copytree(compiled, copy)
+    shutil.copyfile(copy / "rank0" / "mtp_draft.aoti.pt2", copy / "rank0" / "main.aoti.pt2")
+    write_engine_config(load_engine_config(copy, verify_checksums=False))
+    assert cli.main(["--check", str(copy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "main.aoti.pt2" in err
+
+
+def test_compile_needs_one_rank(checkpoint, tmp_path, capsys):
+    argv = ["--checkpoint", str(checkpoint), "--output", str(tmp_path / "e"), "--compile", "aoti", "--world-size",
+            "2", "--ep-size", "2"]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert "--compile aoti builds CPU packages for one rank" in " ".join(capsys.readouterr().err.split())
+
+
+def test_num_blocks_above_the_built_pool_is_refused(compiled):
+    cfg = load_engine_config(compiled)
+    with pytest.raises(ValueError, match="baked into its packages"):
+        CompiledExecutor(compiled, num_blocks=cfg.kv.num_blocks + 1)
+    assert CompiledExecutor(compiled, num_blocks=8).pool.shape[2] == cfg.kv.num_blocks
+
+
+def test_steps_past_the_limits_are_refused(compiled):
+    from runtime.executors.base import DraftInput
+
+    ex = CompiledExecutor(compiled)
+    n = LIMITS["max_batch"] + 1
+    width = load_engine_config(compiled).kv.table_width
+    big = DraftInput(np.zeros((n, ex.hidden_size), np.float32), np.zeros(n, np.int64), np.zeros(n, np.int64),
+                     np.zeros(n, np.int32), np.full((n, width), -1, np.int32))  # fmt: skip
+    with pytest.raises(ValueError, match="limits allow"):
+        ex.run_draft(big)
+
+
+def test_bf16_exact_weights_are_stored_bf16_and_math_stays_fp32(tmp_path):
+    """A checkpoint whose matrices are bf16 numbers (models/deep): the package keeps them bf16 (the routed experts
+    too, read by the experts op) and computes what the fp32 torch model computes, KV writes included."""
+    import torch
+
+    from builder.compile_aoti import compile_graph
+    from builder.graphs import DraftGraph
+    from models.testing import random_model, tiny_config
+    from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
+
+    cfg = tiny_config()
+    model = random_model(cfg, 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.bfloat16().float())
+    model = model.fuse()
+    geom = KVPoolGeometry(model.num_kv_planes, 16, 4, cfg.num_key_value_heads, cfg.head_dim)
+    info = compile_graph("mtp_draft", model, geom, 4, tmp_path / "draft.pt2", "checkpoint")
+    assert info["bf16_weights"] > 0 and info["inductor"]["freezing"] is False
+    g = torch.Generator().manual_seed(0)
+    tables = torch.tensor([[1, 2, -1, -1], [3, -1, -1, -1], [-1, -1, -1, -1]], dtype=torch.int32)
+    args = (torch.randn(3, cfg.hidden_size, generator=g), torch.tensor([5, 9, 0]), torch.tensor([5, 2, 0]),
+            torch.tensor([1, 1, 0], dtype=torch.int32), tables)  # fmt: skip
+    ours, theirs = allocate_pool(geom), allocate_pool(geom)
+    with torch.inference_mode():
+        got = torch._inductor.aoti_load_package(str(tmp_path / "draft.pt2"))(*args, pool_address(ours))
+        want = DraftGraph(model, geom)(*args, pool_address(theirs))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    assert ours.abs().sum() > 0
