@@ -144,4 +144,10 @@ void attend(const AttendArgs& a) {
 
 MTP_ISA_KERNEL(run_attend, attend)
 
+// Checks and runs one attention over the pool (GQA or MLA: the args say which) for queries of dtype q_type.
+inline void attend_pool(const AttendArgs& args, c10::ScalarType q_type, c10::ScalarType pool_type) {
+  check_attend(args);
+  dispatch_float2(q_type, pool_type, [&](auto qt, auto pt) { run_attend<decltype(qt), decltype(pt)>(args); });
+}
+
 }  // namespace mtp

@@ -1,6 +1,8 @@
 // The shared pieces of common.h: ISA choice, metadata and pool views, argument checks, RoPE angles, scratch.
 #include "common.h"
 
+#include <ATen/ops/empty.h>
+
 #include <atomic>
 
 namespace mtp {
@@ -114,6 +116,12 @@ float* scratch(int slot, int64_t n) {
   auto& b = buffers[slot];
   if (static_cast<int64_t>(b.size()) < n) b.resize(static_cast<size_t>(n));
   return b.data();
+}
+
+at::Tensor rows_written(int64_t written) {
+  at::Tensor result = at::empty({1}, at::TensorOptions().dtype(at::kLong));
+  result.data_ptr<int64_t>()[0] = written;
+  return result;
 }
 
 }  // namespace mtp

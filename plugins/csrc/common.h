@@ -86,6 +86,15 @@ auto dispatch_float(c10::ScalarType dtype, Fn&& fn) {
   }
 }
 
+// Calls fn(In{}, Out{}) with the C++ types of two float dtypes (rows in, pool out).
+template <class Fn>
+auto dispatch_float2(c10::ScalarType in, c10::ScalarType out, Fn&& fn) {
+  return dispatch_float(in, [&](auto i) { return dispatch_float(out, [&](auto o) { return fn(i, o); }); });
+}
+
+// A write op's output: int64[1], the rows stored.
+at::Tensor rows_written(int64_t written);
+
 // ---- RoPE (neox rotate_half over x[0:rope_dim]) in fp32, exactly as plugins/rope.py / reference.py ------
 // cos/sin of angle pos * inv_freq[i], both multiplied by `scale` when scale != 1 (YaRN).
 void rope_cos_sin(int64_t pos, const float* inv_freq, int64_t half, float scale, float* cos_out, float* sin_out);

@@ -96,12 +96,9 @@ at::Tensor kv_write_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tens
   const at::Tensor kc = k.contiguous(), vc = v.contiguous();
   const WriteArgs args{kc.data_ptr(), vc.data_ptr(), &c, &s, &t, num_requests, block_tables.size(1),
                        num_kv_heads, head_dim, rope_dim, &pool, inv_freq.data()};
-  const int64_t written = dispatch_float(k.scalar_type(), [&](auto in) {
-    return dispatch_float(pool.dtype, [&](auto out) { return run_write<decltype(in), decltype(out)>(args); });
-  });
-  at::Tensor result = at::empty({1}, at::TensorOptions().dtype(at::kLong));
-  result.data_ptr<int64_t>()[0] = written;
-  return result;
+  return rows_written(dispatch_float2(k.scalar_type(), pool.dtype, [&](auto in, auto out) {
+    return run_write<decltype(in), decltype(out)>(args);
+  }));
 }
 
 }  // namespace

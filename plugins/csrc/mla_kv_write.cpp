@@ -89,12 +89,9 @@ at::Tensor mla_kv_write_cpu(const at::Tensor& latent, const at::Tensor& counts, 
   const at::Tensor lc = latent.contiguous();
   const LatentArgs args{lc.data_ptr(), &c, &s, &t, num_requests, block_tables.size(1), latent_dim, rope_dim, &pool,
                         freqs.data(), static_cast<float>(rope_scale)};
-  const int64_t written = dispatch_float(latent.scalar_type(), [&](auto in) {
-    return dispatch_float(pool.dtype, [&](auto out) { return run_write_latents<decltype(in), decltype(out)>(args); });
-  });
-  at::Tensor result = at::empty({1}, at::TensorOptions().dtype(at::kLong));
-  result.data_ptr<int64_t>()[0] = written;
-  return result;
+  return rows_written(dispatch_float2(latent.scalar_type(), pool.dtype, [&](auto in, auto out) {
+    return run_write_latents<decltype(in), decltype(out)>(args);
+  }));
 }
 
 }  // namespace

@@ -33,10 +33,7 @@ at::Tensor mla_paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_coun
   at::Tensor out = at::empty({q.size(0), heads, value_dim}, q.options());
   const AttendArgs args{qq.data_ptr(), out.data_ptr(), q.size(0), &qc, &kl, &t, num_requests, block_tables.size(1),
                         1, heads, latent_dim, value_dim, 0, rope_dim, static_cast<float>(scale), &pool, op};
-  check_attend(args);
-  dispatch_float(q.scalar_type(), [&](auto qt) {
-    dispatch_float(pool.dtype, [&](auto pt) { run_attend<decltype(qt), decltype(pt)>(args); });
-  });
+  attend_pool(args, q.scalar_type(), pool.dtype);
   return out;
 }
 

@@ -31,10 +31,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_counts, 
   const AttendArgs args{qq.data_ptr(), out.data_ptr(), q.size(0), &qc, &kl, &t, num_requests, block_tables.size(1),
                         num_kv_heads, q.size(1) / num_kv_heads, head_dim, head_dim, 1, 0, static_cast<float>(scale),
                         &pool, op};
-  check_attend(args);
-  dispatch_float(q.scalar_type(), [&](auto qt) {
-    dispatch_float(pool.dtype, [&](auto pt) { run_attend<decltype(qt), decltype(pt)>(args); });
-  });
+  attend_pool(args, q.scalar_type(), pool.dtype);
   return out;
 }
 
