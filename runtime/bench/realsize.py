@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -150,6 +151,34 @@ def profile_split(ex, fn: Callable) -> dict[str, float]:
     return {k: round(v, 3) for k, v in split.items()}
 
 
+def weight_stream_split(ckpt: Path, c: ModelConfig, reps: int = 3) -> dict[str, float]:
+    """ms one decode token spends on each way of reading the main forward's weight matrices, measured matrix by
+    matrix on the checkpoint's own bf16 tensors (1 row; routed experts: the first top-k of each MoE layer):
+    what the compiled engine does (upcast bf16 -> an fp32 copy, then an fp32 GEMV of the copy), what the eager
+    executor does (fp32 GEMV of fp32 weights) and a GEMV reading the bf16 weights directly (torch's bf16 kernel)."""
+    from safetensors import safe_open
+
+    out: dict[str, float] = {}
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+            main = name == "lm_head.weight" or (m is not None and int(m.group(1)) < c.num_hidden_layers)
+            e = re.search(r"experts\.(\d+)\.", name)
+            if not main or (e is not None and int(e.group(1)) >= c.num_experts_per_tok) or "norm" in name:
+                continue
+            w = f.get_tensor(name)
+            if w.dim() != 2 or w.dtype != torch.bfloat16:
+                continue
+            x, wf = torch.randn(1, w.shape[1]), w.float()
+            fns = {"upcast bf16->fp32 copy (fresh buffer, as each compiled step does)": w.float,
+                   "upcast bf16->fp32 into a reused buffer": lambda w=w, wf=wf: wf.copy_(w),
+                   "fp32 gemv": lambda x=x, wf=wf: x @ wf.t(),
+                   "bf16 gemv (reads bf16 directly)": lambda x=x, w=w: x.bfloat16() @ w.t()}  # fmt: skip
+            for key, fn in fns.items():
+                out[key] = out.get(key, 0.0) + min(time_call(fn, 1) for _ in range(reps))
+    return {k: round(v, 3) for k, v in out.items()}
+
+
 def deep_acceptance(bench_json: Path, ks: list[int]) -> dict[int, float]:
     """Mean acceptance length (tokens per verify step, bonus included) the deep model measured at batch 1."""
     d = json.loads(bench_json.read_text())
@@ -171,8 +200,11 @@ def project_mtp(ms: dict[str, float], accept: dict[int, float]) -> dict[str, dic
         if f"verify_{1 + k}" not in ms or "draft" not in ms:
             continue
         step = ms[f"verify_{1 + k}"] + k * ms["draft"] + ms[f"commit_{1 + k}"]
+        # x_k0_mtp_free: the same with draft and commit free, the limit as main layers grow (GLM-4.5-Air has 46
+        # main layers per MTP layer; this checkpoint has 2, so its MTP module costs about half a main forward)
         out[str(k)] = {"step_ms": round(step, 3), "tokens_per_step": acc, "tokens_per_second": round(acc * 1e3 / step, 3),
-                       "x_k0": round(acc * ms["decode"] / step, 3)}  # fmt: skip
+                       "x_k0": round(acc * ms["decode"] / step, 3),
+                       "x_k0_mtp_free": round(acc * ms["decode"] / ms[f"verify_{1 + k}"], 3)}  # fmt: skip
     return out
 
 
@@ -258,6 +290,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if name == "eager":
             r["profile_split_decode_ms"] = profile_split(ex, fns["decode"])
         res["ours"][name] = r
+    if args.engine is not None:
+        res["weight_read_split_decode_ms"] = weight_stream_split(ckpt, c)
     return res
 
 
