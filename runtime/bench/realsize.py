@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +219,8 @@ def _measure(args: argparse.Namespace, c: ModelConfig, ckpt: Path, gguf: Path) -
         ex, bpp[name], block, width = make_executor(ckpt, engine)
         print(f"{name}: ready in {time.perf_counter() - t0:.1f}s", flush=True)
         execs[name] = (ex, step_fns(ex, c, args.context, args.ks, block, width))
-        jobs.update({f"{name} {n}": (lambda f=f: time_call(f, args.iters)) for n, f in execs[name][1].items()})
+        for n, f in execs[name][1].items():
+            jobs[f"{name} {n}"] = partial(time_call, f, args.iters)
     if args.llama_cpp:
         llama = LlamaCppRunner(args.llama_cpp, gguf, 1, 256)
 
