@@ -6,7 +6,7 @@ TINY    := models/tiny
 DEEP    := models/deep
 ENGINE  := engines/deep
 
-.PHONY: install ops test lint demo bench bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
+.PHONY: install ops test lint demo bench bench-realsize bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	python3 -m venv .venv
@@ -71,6 +71,21 @@ bench: $(STAMP)
 	$(PY) -m runtime.bench --checkpoint $(BENCH_CKPT) --engine $(BENCH_ENGINE) --threads $(BENCH_THREADS) \
 		--llama-cpp $(LLAMA_BUILD)/bin
 	$(PY) -m runtime.bench.table bench_results/bench.json --readme README.md
+
+# Realistic size (docs/PERFORMANCE.md, "Realistic size"): a 1.6 GB GLM-4.5-Air-shaped random checkpoint in build/realsize/,
+# its bf16 GGUF and a compiled engine; decode per forward for ours (compiled, eager), llama.cpp and the bandwidth bound.
+REALSIZE_CKPT   := build/realsize/air2
+REALSIZE_ENGINE := build/realsize/engine
+$(REALSIZE_CKPT)/config.json: | $(STAMP)
+	$(PY) -m runtime.bench.realsize_ckpt --output $(REALSIZE_CKPT)
+
+$(REALSIZE_ENGINE)/config.json: $(REALSIZE_CKPT)/config.json
+	$(PY) -m builder.cli --checkpoint $(REALSIZE_CKPT) --output $(REALSIZE_ENGINE) --compile aoti --max-batch 1 \
+		--max-num-tokens 64 --max-seq-len 256 --num-draft-tokens 3 --force
+
+bench-realsize: $(STAMP) $(OPS_LIB) $(REALSIZE_ENGINE)/config.json $(LLAMA_BUILD)/bin/llama-speculative-simple
+	OMP_NUM_THREADS=1 $(PY) -m runtime.bench.realsize --checkpoint $(REALSIZE_CKPT) --engine $(REALSIZE_ENGINE) \
+		--llama-cpp $(LLAMA_BUILD)/bin --llama-src $(LLAMA_SRC) --rounds 7
 
 # Share of step time in collectives at 1/2/4 ranks (TP2, DP2xTP2/EP4, EP4) + mpi4py vs gloo (docs/PERFORMANCE.md).
 bench-collectives: $(STAMP)
