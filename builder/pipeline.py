@@ -109,7 +109,7 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
         t0 = time.perf_counter()
         rep.step(f"rank {rank}: AOTInductor compile {', '.join(graphs)} (minutes)")
         compiled = compile_aoti.compile_rank(model, layout.geometry(), layout.table_width, rdir, work, graphs,
-                                            compile_aoti.WEIGHTS)
+                                            compile_aoti.model_weights(model))
         (rdir / COMPILED_INFO).write_text(json.dumps(compiled))
         rep.done(f"rank {rank}: {len(graphs)} .pt2 packages", time.perf_counter() - t0)
     del model  # single-rank builds run this in-process; multi-rank ones run each rank in its own child
