@@ -10,7 +10,6 @@ import glob
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -158,14 +157,7 @@ class Served:
         return left + glob.glob(f"{tempfile.gettempdir()}/{WORKDIR_PREFIX}{pid}_*")
 
     def kill_all(self) -> None:
-        """Test teardown: nothing of ours may outlive the test, whatever it asserted."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.out.close()
-        for pid in [self.server_pid, *self.stub_pids]:
-            if pid and pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        h.kill_all(self)
 
 
 def _triton(sampling: dict) -> dict:

@@ -12,6 +12,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import openai
+import pytest
+
 from runtime.serving.process import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,3 +69,27 @@ class OpenAIServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
             raise
+
+
+def server_fixture(*flags: str):
+    """A module-scoped `server` fixture: one OpenAI server started with `flags` for every test of the module."""
+
+    @pytest.fixture(scope="module")
+    def server():
+        srv = OpenAIServer(*flags)
+        yield srv
+        srv.stop()
+
+    return server
+
+
+def client_fixture(timeout_s: float):
+    """A module-scoped `client` fixture: the official openai client on the module's `server`, no retries."""
+
+    @pytest.fixture(scope="module")
+    def client(server):
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+        yield c
+        c.close()
+
+    return client

@@ -172,14 +172,19 @@ class MtpServe:
             self.out.close()
 
     def kill_all(self) -> None:
-        """Test teardown: nothing of ours may outlive the test, whatever it asserted."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.out.close()
-        for pid in [self.server_pid, *self.stub_pids]:
-            if pid and pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_all(self)
+
+
+def kill_all(srv) -> None:
+    """Test teardown of a served stack (MtpServe, tests/runtime/frontends.py Served): nothing of ours may outlive
+    the test, whatever it asserted."""
+    if srv.proc.poll() is None:
+        srv.proc.kill()
+        srv.proc.wait(10)
+    srv.out.close()
+    for pid in [srv.server_pid, *srv.stub_pids]:
+        if pid and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def leftovers(srv: TritonServer) -> list[str]:

@@ -12,24 +12,14 @@ import pytest
 
 from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from tests.runtime.openai_helpers import TINY, OpenAIServer
+from tests.runtime.openai_helpers import TINY, client_fixture, server_fixture
 
 pytestmark = pytest.mark.timeout(300)
 LONG = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" * 3
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = OpenAIServer("--num-draft-tokens", "3")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
+server = server_fixture("--num-draft-tokens", "3")
+client = client_fixture(120)
 
 
 @pytest.fixture(scope="module")

@@ -14,25 +14,15 @@ import pytest
 from runtime.core.logprobs import log_softmax, token_logprobs
 from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from tests.runtime.openai_helpers import TINY, OpenAIServer
+from tests.runtime.openai_helpers import TINY, client_fixture, server_fixture
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def __init__(self"]
 TOL = 1e-4  # float32 logits of differently batched forwards (K=3 verify rows vs K=0 rows)
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = OpenAIServer("--num-draft-tokens", "3", "--per-request-spec-decode-metrics", "summary")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
+server = server_fixture("--num-draft-tokens", "3", "--per-request-spec-decode-metrics", "summary")
+client = client_fixture(120)
 
 
 @pytest.fixture(scope="module")

@@ -17,25 +17,15 @@ from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
 from runtime.serving.openai.server import load_chat_template
 from runtime.serving.process import children, pid_alive
-from tests.runtime.openai_helpers import TINY, OpenAIServer
+from tests.runtime.openai_helpers import TINY, OpenAIServer, client_fixture, server_fixture
 
 pytestmark = pytest.mark.timeout(120)
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def __init__(self"]
 LONG = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" * 3
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = OpenAIServer("--num-draft-tokens", "3", "--per-request-spec-decode-metrics", "summary")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield c
-    c.close()
+server = server_fixture("--num-draft-tokens", "3", "--per-request-spec-decode-metrics", "summary")
+client = client_fixture(60)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 from runtime.core.grammar import GrammarCompiler
 from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
-from tests.runtime.openai_helpers import TINY, OpenAIServer
+from tests.runtime.openai_helpers import TINY, client_fixture, server_fixture
 
 pytestmark = pytest.mark.timeout(600)
 MAX_TOKENS = 96
@@ -48,18 +48,8 @@ REGEX = r"[a-z]{2,6}-[0-9]{1,3}"
 EBNF = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = OpenAIServer("--num-draft-tokens", "3", "--per-request-spec-decode-metrics", "summary")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    yield c
-    c.close()
+server = server_fixture("--num-draft-tokens", "3", "--per-request-spec-decode-metrics", "summary")
+client = client_fixture(300)
 
 
 @pytest.fixture(scope="module")
