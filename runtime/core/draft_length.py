@@ -16,6 +16,12 @@ and a k not tried for a while keeps its last estimate. Slow outliers are clipped
 k = 0 by `zero_margin` (10%): the estimates carry errors of that size (noise; costs that a cycle cannot
 see, such as exploration), and the promise is that MTP is never slower than K=0.
 
+Costs are kept per batch regime (drafting requests in power-of-two buckets: `regime`): drafting can pay at
+batch 1, where a step's fixed cost dominates, and lose at batch 8, where rows dominate (the compiled engine
+does both), and one fit across both would carry batch 1's choice into batch 8 until it re-learned. A regime
+seen for the first time starts from its nearest neighbour's fit, measures k = 0 and explores soon. Acceptance
+is the model's, shared by all regimes.
+
 Acceptance at depth j is only seen when k > j, so the controller explores: a warm-up that tries every k,
 then the neighbours of the best k every `interval` steps; the interval doubles with every exploration
 (its cost vanishes on a model where drafting never pays) and halves when the best k changes.
@@ -132,6 +138,49 @@ def combine(arrays: list[np.ndarray], k_max: int) -> StepSample:
     return StepSample.from_array(np.concatenate([out, counts]), k_max)
 
 
+def regime(num_drafting: float) -> int:
+    """The batch regime of a decision: drafting requests in power-of-two buckets (1, 2-3, 4-7, 8-15, ...).
+    What a draft depth costs relative to a verify row depends on the batch (batch 1 is bound by fixed cost,
+    batch 8 by rows), so each regime keeps its own cost fit and exploration state."""
+    return int(num_drafting).bit_length()
+
+
+@dataclass(slots=True)
+class RegimeCosts:
+    """One regime's cost fit, per-k offsets and exploration state (see the module docstring)."""
+
+    k_max: int
+    decay: float
+    min_interval: int
+    cost: DecayedRidge = field(default_factory=lambda: DecayedRidge(3))
+    offset_sum: list[float] = field(default_factory=list)  # per k: decayed residuals of the shared fit
+    offset_weight: list[float] = field(default_factory=list)
+    best: int = 0
+    interval: int = 8
+    since_explore: int = 0
+    explore_step: int = 0  # alternates up / down neighbours
+    warmup: list[int] = field(default_factory=list)  # draft lengths still to try before deciding
+
+    def __post_init__(self) -> None:
+        self.cost = DecayedRidge(3, decay=self.decay)
+        self.offset_sum, self.offset_weight = [0.0] * (self.k_max + 1), [0.0] * (self.k_max + 1)
+        self.interval = self.min_interval
+        self.warmup = [self.k_max - i // 2 for i in range(2 * (self.k_max + 1))]  # k_max, k_max, ..., 0, 0
+
+    def seeded_from(self, other: RegimeCosts) -> RegimeCosts:
+        """A new regime starts from a neighbour's fit (the shared cost structure carries over) and re-measures
+        each k once, so its offsets are its own before it decides."""
+        self.cost = DecayedRidge(3, decay=self.decay, xx=other.cost.xx.copy(), xy=other.cost.xy.copy(),
+                                 weight=other.cost.weight)  # fmt: skip
+        self.offset_sum, self.offset_weight = list(other.offset_sum), list(other.offset_weight)
+        self.warmup = [0]
+        self.interval = max(1, self.min_interval // 4)
+        return self
+
+    def offset(self, k: int) -> float:
+        return self.offset_sum[k] / self.offset_weight[k] if self.offset_weight[k] else 0.0
+
+
 @dataclass(slots=True)
 class DraftLengthController:
     k_max: int
@@ -144,46 +193,42 @@ class DraftLengthController:
     prior_trials: float = 2.0  # acceptance prior: c_j = 0.5 with the weight of 2 observations
     outlier: float = 1.5  # a cycle slower than this times its prediction counts as this (noise is one-sided)
     offset_decay: float = 0.9  # per measurement of that k
-    cost: DecayedRidge = field(default_factory=lambda: DecayedRidge(3))
-    offset_sum: list[float] = field(default_factory=list)  # per k: decayed residuals of the shared fit
-    offset_weight: list[float] = field(default_factory=list)
-    succ: list[float] = field(default_factory=list)
+    regimes: dict[int, RegimeCosts] = field(default_factory=dict)  # cost state per batch regime
+    succ: list[float] = field(default_factory=list)  # acceptance is the model's, shared by every regime
     trials: list[float] = field(default_factory=list)
-    best: int = 0
-    interval: int = 8
-    since_explore: int = 0
-    explore_step: int = 0  # alternates up / down neighbours
-    num_decisions: int = 0
 
     def __post_init__(self) -> None:
         self.succ, self.trials = [0.0] * self.k_max, [0.0] * self.k_max
-        self.cost = DecayedRidge(3, decay=self.decay)
-        self.offset_sum, self.offset_weight = [0.0] * (self.k_max + 1), [0.0] * (self.k_max + 1)
-        self.interval = self.min_interval
+
+    def regime_costs(self, num_drafting: float) -> RegimeCosts:
+        """The regime's state, created on first use (seeded from the nearest regime seen, if any)."""
+        key = regime(num_drafting)
+        if key not in self.regimes:
+            fresh = RegimeCosts(self.k_max, self.decay, self.min_interval)
+            near = min(self.regimes, key=lambda r: (abs(r - key), r), default=None)
+            self.regimes[key] = fresh if near is None else fresh.seeded_from(self.regimes[near])
+        return self.regimes[key]
 
     # ------------------------------------------------------------------ learning
     def observe(self, s: StepSample) -> None:
-        if s.cycle_seconds > 0:
-            k = int(s.cycle_depths) if s.cycle_drafting > 0 else 0
+        if s.cycle_seconds > 0 and s.cycle_drafting > 0:  # a decision's cycle (not a prefill-only step)
+            rc = self.regime_costs(s.cycle_drafting)
+            k = int(s.cycle_depths)
             x = features(k, s.cycle_drafting, s.cycle_rows)
-            shared = self.cost.predict(x)
-            offset = self.offset(k) if s.cycle_drafting > 0 else 0.0
+            shared = rc.cost.predict(x)
+            offset = rc.offset(k)
             y = s.cycle_seconds
-            if self.cost.weight > 10:  # warmed up: clip outliers (a preempted process, a GC pause)
+            if rc.cost.weight > 10:  # warmed up: clip outliers (a preempted process, a GC pause)
                 y = min(y, self.outlier * max(shared + offset, 1e-6))
-            self.cost.observe(x, y - offset)  # the shared fit sees every k with its offset taken out
-            if s.cycle_drafting > 0:  # a decision's cycle (not a prefill-only step): k's own offset learns
-                self.offset_sum[k] = self.offset_decay * self.offset_sum[k] + (y - shared)
-                self.offset_weight[k] = self.offset_decay * self.offset_weight[k] + 1.0
+            rc.cost.observe(x, y - offset)  # the shared fit sees every k with its offset taken out
+            rc.offset_sum[k] = self.offset_decay * rc.offset_sum[k] + (y - shared)  # k's own offset learns
+            rc.offset_weight[k] = self.offset_decay * rc.offset_weight[k] + 1.0
         d = self.acceptance_decay
         for j in range(self.k_max):
             t = s.trials[j] if j < len(s.trials) else 0.0
             if t:  # decay only what was measured again, so rarely explored depths keep their last estimate
                 self.trials[j] = d * self.trials[j] + t
                 self.succ[j] = d * self.succ[j] + s.successes[j]
-
-    def offset(self, k: int) -> float:
-        return self.offset_sum[k] / self.offset_weight[k] if self.offset_weight[k] else 0.0
 
     def acceptance(self) -> list[float]:
         """c_j: conditional acceptance per depth (prior 0.5)."""
@@ -201,11 +246,12 @@ class DraftLengthController:
     def predicted_costs(self, num_drafting: float, base_rows: float) -> list[float]:
         """Seconds of the cycle for k = 0..k_max: k draft depths now, then the step that verifies them.
         (The features dotted with the coefficients, in plain floats: this runs every step.)"""
-        if not self.cost.weight:
+        rc = self.regime_costs(num_drafting)
+        if not rc.cost.weight:
             return [0.0] * (self.k_max + 1)
-        c = self.cost.coefficients().tolist()
+        c = rc.cost.coefficients().tolist()
         return [c[0] + c[1] * (base_rows + num_drafting * k) / ROW_SCALE + c[2] * k * num_drafting / DRAFT_SCALE
-                + self.offset(k) for k in range(self.k_max + 1)]  # fmt: skip
+                + rc.offset(k) for k in range(self.k_max + 1)]  # fmt: skip
 
     def rates(self, num_drafting: float, base_rows: float, remaining: list[float] | None = None) -> list[float]:
         """Predicted tokens per second of the drafting requests for k = 0..k_max (rows of other requests
@@ -224,10 +270,11 @@ class DraftLengthController:
         """The best k; k > 0 must beat k = 0 by `zero_margin`, and a new best the current one by `margin` (no
         flapping between two lengths that the noise cannot tell apart)."""
         r = self.rates(num_drafting, base_rows, remaining)
+        current = self.regime_costs(num_drafting).best
         score = [r[0]] + [x / (1 + self.zero_margin) for x in r[1:]]
         best = max(range(self.k_max + 1), key=lambda k: score[k])
-        if best != self.best and score[best] <= score[self.best] * (1 + self.margin):
-            return self.best
+        if best != current and score[best] <= score[current] * (1 + self.margin):
+            return current
         return best
 
     # ------------------------------------------------------------------ deciding
@@ -235,19 +282,17 @@ class DraftLengthController:
         """The draft length of this step (0 when nobody drafts: nothing to learn, nothing to run)."""
         if self.k_max == 0 or num_drafting <= 0:
             return 0
-        n = self.num_decisions
-        self.num_decisions += 1
-        warmup = [self.k_max - i // 2 for i in range(2 * (self.k_max + 1))]  # k_max, k_max, ..., 0, 0
-        if n < len(warmup):
-            return warmup[n]
+        rc = self.regime_costs(num_drafting)
+        if rc.warmup:
+            return rc.warmup.pop(0)
         best = self.best_k(num_drafting, base_rows, remaining)
-        if best != self.best:  # explore sooner after a change, but not from scratch: noise flips it too
-            self.best, self.interval = best, max(self.min_interval, self.interval // 2)
-        self.since_explore += 1
-        if self.since_explore < self.interval:
+        if best != rc.best:  # explore sooner after a change, but not from scratch: noise flips it too
+            rc.best, rc.interval = best, max(self.min_interval, rc.interval // 2)
+        rc.since_explore += 1
+        if rc.since_explore < rc.interval:
             return best
-        self.since_explore = 0
-        self.interval = min(2 * self.interval, self.max_interval)
-        self.explore_step += 1
+        rc.since_explore = 0
+        rc.interval = min(2 * rc.interval, self.max_interval)
+        rc.explore_step += 1
         up, down = min(best + 1, self.k_max), max(best - 1, 0)
-        return up if (self.explore_step % 2 or down == best) and up != best else down
+        return up if (rc.explore_step % 2 or down == best) and up != best else down

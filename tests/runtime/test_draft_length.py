@@ -172,6 +172,39 @@ def test_requests_near_their_end_draft_less():
     assert settled(simulate(1e-4, 0.01, 0.001, [0.9, 0.9, 0.9], ctl=ctl))[0] == K_MAX
     far = [0.0, 0.0, 0.0, R]  # every request may emit K_MAX + 1 or more tokens
     assert ctl.best_k(R, R, far) == K_MAX
-    ctl.best = 0  # no hysteresis in the way
+    ctl.regime_costs(R).best = 0  # no hysteresis in the way
     assert ctl.best_k(R, R, [0.0, R, 0.0, 0.0]) == 1  # 2 tokens left each: one draft is all that can land
     assert ctl.best_k(R, R, [R, 0.0, 0.0, 0.0]) == 0  # 1 token left: drafting is pure cost
+
+
+def test_each_batch_regime_keeps_its_own_choice():
+    """Drafting pays at batch 1 (fixed cost dominates) and loses at batch 8 (rows dominate), as on the compiled
+    engine. Alternating phases, as a server whose load comes and goes or the bench's batch 1 / batch 8 runs:
+    after each regime is first seen, a phase starts with that regime's own choice, and batch 8 never falls
+    below 0.97x of K=0 (the `auto never loses` promise), while batch 1 keeps drafting."""
+    acc = [0.9, 0.7, 0.6]
+
+    def cost(k, r):  # seconds: fixed + per verify row + per draft depth (+ per drafted row) + commit
+        return 1.5e-3 + 3.3e-4 * r * (1 + k) + 5e-4 * k + 6e-5 * k * r + 2e-4 * (k > 0)
+
+    def tokens(k):
+        return 1 + sum(np.prod(acc[:i]) for i in range(1, k + 1))
+
+    ctl, k_prev, r_prev, cycle = DraftLengthController(K_MAX), 0, 1, (0.0, 0.0, 0.0, 0.0)
+    phases = []
+    for r, steps in [(1, 200), (8, 60)] * 3:
+        chosen, seconds, emitted = [], 0.0, 0.0
+        for _ in range(steps):
+            reach = np.cumprod([1.0] + acc[: K_MAX - 1])
+            trials = [r_prev * reach[j] if j < k_prev else 0.0 for j in range(K_MAX)]
+            ctl.observe(StepSample(*cycle, r, r, trials, [t * acc[j] for j, t in enumerate(trials)]))
+            k = ctl.choose(r, r)
+            cycle, k_prev, r_prev = (cost(k, r), k, r, r * (1 + k)), k, r
+            chosen.append(k)
+            seconds, emitted = seconds + cost(k, r), emitted + r * tokens(k)
+        phases.append((r, chosen, emitted / seconds / (r / cost(0, r))))
+    assert max(range(K_MAX + 1), key=lambda k: tokens(k) / cost(k, 1)) > 0  # the premise: batch 1 drafts
+    assert max(range(K_MAX + 1), key=lambda k: tokens(k) / cost(k, 8)) == 0  # ... batch 8 does not
+    for r, chosen, vs_k0 in phases[2:]:  # every regime seen once: each phase starts on its own choice
+        assert (chosen[0] == 0) == (r == 8), (r, chosen[:5])
+        assert vs_k0 >= (0.97 if r == 8 else 1.1), (r, vs_k0)
