@@ -5,7 +5,7 @@ engine directory built with --tp-size (onnxruntime; its config gives TP and EP, 
 Each DP leader serves its share of PROMPTS (chunked prefill, a shared prefix for prefix hits, requests
 arriving mid-run so batches mix prefill and decode); followers replay. For each K in KS (comma-separated) a
 fresh engine runs ("auto": the leaders agree on each step's k over the leaders comm); rank 0 writes {"K": {"outputs": ..., "calls": [per-rank executor calls], "heads": [per-rank q heads],
-"collective_seconds": [...], "accepted": [per-rank accepted drafts per position],
+"collective_seconds": [...], "accepted": [per-rank (accepted, proposed) drafts per position],
 "experts": [per-rank routed experts held]}} to OUT.
 MODE "ok": as above. MODE "kill": every rank writes its pid to OUT.pid<rank>, the leaders serve forever.
 MODE "idle": the leader idles (no step in progress) for 2.5 x the collective timeout after its second step:
@@ -90,7 +90,8 @@ def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: 
     attn = next((layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")), None) if model else None
     named = model.named_parameters() if model else ()
     experts = next((p.shape[0] for n, p in named if n.endswith("w_gate_up")), None)  # routed experts held here
-    accepted = engine.metrics.accepted_per_position if role.is_leader else []
+    met = engine.metrics
+    accepted = (met.accepted_per_position, met.proposed_per_position) if role.is_leader else ([], [])
     gathered = comm.gather((outputs, role.num_calls, attn and attn.num_heads, collective_seconds(), accepted, experts),
                            root=0)  # fmt: skip
     if rank != 0:
