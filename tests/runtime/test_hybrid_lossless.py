@@ -146,7 +146,8 @@ def test_tensor_parallelism_is_refused_with_one_line(checkpoint):
                       ep_size=2, num_draft_tokens=1, block_size=4, num_blocks=64, max_batch=2, max_num_tokens=32,
                       max_seq_len=64)  # fmt: skip
     msg = str(e.value)
-    assert "\n" not in msg and "hybrid (Gated DeltaNet)" in msg and "tp_size 1 with ep_size 2" in msg, msg
+    assert "\n" not in msg and "hybrid (Gated DeltaNet)" in msg, msg
+    assert "use tp_size 1 (mtp-run: drop --tp-size)" in msg, msg
 
 
 def test_an_executor_with_too_few_state_slots_is_refused(checkpoint):
