@@ -47,7 +47,7 @@ from runtime.core.sampling import (
     sample,
 )
 from runtime.core.scheduler import ScheduledRequest, Scheduler
-from runtime.core.state_pool import StateSlots, hybrid_runtime_config
+from runtime.core.state_pool import StateSlots, hybrid_runtime_config, idle_input
 from runtime.executors.base import Executor
 
 __all__ = ["LLMEngine", "RequestError", "RequestOutput"]
@@ -139,7 +139,8 @@ class LLMEngine:
             self.kv.complete_copies()
         if not sched.scheduled:
             if self.ranks.lockstep:  # invariant 9: an idle rank still enters every collective-bearing forward
-                self.executor.run_main(mtp_plan.plan_idle_main(self.width))
+                idle = mtp_plan.plan_idle_main(self.width)
+                self.executor.run_main(idle if self.state_slots is None else idle_input(idle))
                 self._dummy_drafts(self._choose_draft_length(StepSample()))
             return []
         scheduled = sched.scheduled

@@ -45,6 +45,14 @@ def hybrid_runtime_config(cfg: RuntimeConfig, executor: object) -> RuntimeConfig
     return cfg
 
 
+def idle_input(inp: MainInput) -> HybridMainInput:
+    """An idle lockstep rank's dummy main forward (padded rows only, runtime/core/mtp_plan.py `plan_idle_main`) as a
+    hybrid model takes it: no slot read, none written, so the GDN layers leave the state pool untouched."""
+    reads, writes = np.full(len(inp.q_counts), -1, np.int32), np.full(len(inp.input_ids), -1, np.int32)
+    return HybridMainInput(inp.input_ids, inp.positions, inp.q_counts, inp.kv_lens, inp.block_tables, inp.logit_rows,
+                           reads, writes)  # fmt: skip
+
+
 @dataclass(slots=True)
 class _Group:
     base: int  # first slot of the group

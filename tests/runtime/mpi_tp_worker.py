@@ -5,7 +5,8 @@ engine directory built with --tp-size (onnxruntime; its config gives TP and EP, 
 Each DP leader serves its share of PROMPTS (chunked prefill, a shared prefix for prefix hits, requests
 arriving mid-run so batches mix prefill and decode); followers replay. For each K in KS (comma-separated) a
 fresh engine runs ("auto": the leaders agree on each step's k over the leaders comm); rank 0 writes {"K": {"outputs": ..., "calls": [per-rank executor calls], "heads": [per-rank q heads],
-"collective_seconds": [...]}} to OUT.
+"collective_seconds": [...], "accepted": [per-rank (accepted, proposed) drafts per position],
+"experts": [per-rank routed experts held]}} to OUT.
 MODE "ok": as above. MODE "kill": every rank writes its pid to OUT.pid<rank>, the leaders serve forever.
 MODE "idle": the leader idles (no step in progress) for 2.5 x the collective timeout after its second step:
 the followers' wait for the next step is not armed, so the run must still succeed.
@@ -28,10 +29,11 @@ PROG = "mpi_tp_worker"
 SETTINGS = dict(block_size=4, num_blocks=100, max_batch=4, max_num_tokens=64, max_seq_len=128, max_prefill_chunk=8)
 
 
-def prompts() -> tuple[list[list[int]], list[list[int]]]:
-    """(first wave, late arrivals); the late ones share a 16-token prefix with the first prompt."""
-    base = random_prompts((20, 5, 11), seed=7)
-    late = [base[0][:16] + random_prompts((3,), seed=8)[0], list(base[0]), random_prompts((9,), seed=9)[0]]
+def prompts(vocab: int = 96) -> tuple[list[list[int]], list[list[int]]]:
+    """(first wave, late arrivals) of ids below `vocab`; the late ones share a 16-token prefix with the first prompt."""
+    base = random_prompts((20, 5, 11), vocab=vocab, seed=7)
+    late = [base[0][:16] + random_prompts((3,), vocab=vocab, seed=8)[0], list(base[0]),
+            random_prompts((9,), vocab=vocab, seed=9)[0]]  # fmt: skip
     return base, late
 
 
@@ -55,7 +57,7 @@ def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: 
         outputs: dict = {}
     else:
         m = role.mapping
-        first, late = prompts()
+        first, late = prompts(min(96, engine.model_cfg.vocab_size))  # a tiny-vocab model: drafts get accepted
         params = SamplingParams(max_tokens=12)
         mine = [i for i in range(len(first)) if i % m.dp == m.dp_rank]
         late_mine = [i for i in range(len(late)) if i % m.dp == m.dp_rank]
@@ -84,13 +86,19 @@ def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: 
                     n += 1
                     engine.add_request(first[n % len(first)], params, req_id=f"k{n}")
         role.stop()
-    attn = getattr(role.executor, "model", None)
-    heads = attn.layers[0].self_attn.num_heads if attn is not None else None  # torch executor: this rank's q heads
-    gathered = comm.gather((outputs, role.num_calls, heads, collective_seconds()), root=0)
+    model = getattr(role.executor, "model", None)  # torch executor: this rank's q heads (a hybrid's first attention)
+    attn = next((layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")), None) if model else None
+    named = model.named_parameters() if model else ()
+    experts = next((p.shape[0] for n, p in named if n.endswith("w_gate_up")), None)  # routed experts held here
+    met = engine.metrics
+    accepted = (met.accepted_per_position, met.proposed_per_position) if role.is_leader else ([], [])
+    gathered = comm.gather((outputs, role.num_calls, attn and attn.num_heads, collective_seconds(), accepted, experts),
+                           root=0)  # fmt: skip
     if rank != 0:
         return None
     return {"outputs": {key: v for g in gathered for key, v in g[0].items()}, "calls": [g[1] for g in gathered],
-            "heads": [g[2] for g in gathered], "collective_seconds": [g[3] for g in gathered]}
+            "heads": [g[2] for g in gathered], "collective_seconds": [g[3] for g in gathered],
+            "accepted": [g[4] for g in gathered], "experts": [g[5] for g in gathered]}
 
 
 def main() -> None:

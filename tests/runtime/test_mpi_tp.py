@@ -50,7 +50,7 @@ def single_rank_outputs(checkpoint) -> dict[str, list[int]]:
     """Single rank, K=0, no chunking: the greedy output ids of every prompt (lossless: any K, chunk, batch)."""
     engine = create_engine(checkpoint=checkpoint, executor="torch", num_draft_tokens=0,
                            **{**SETTINGS, "max_prefill_chunk": 64})  # fmt: skip
-    first, late = prompts()
+    first, late = prompts(min(96, engine.model_cfg.vocab_size))  # as the worker draws them
     outs = engine.generate(first + late, SamplingParams(max_tokens=12))
     ids = [f"a{i}" for i in range(len(first))] + [f"b{i}" for i in range(len(late))]
     return {i: o.output_ids for i, o in zip(ids, outs, strict=True)}

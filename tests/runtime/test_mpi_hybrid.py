@@ -1,0 +1,63 @@
+"""Issue 19: the families beyond GLM under a real `mpirun -np 2 --oversubscribe` (torch executor, tests/runtime/
+mpi_tp_worker.py): Qwen3-Next with expert parallelism (EP2: the Gated DeltaNet layers, their recurrent state pool and
+the attention replicated on every rank, the routed experts split; each rank serves its own requests in DP lockstep, an
+idle rank's dummy forwards touching no state slot) and MiMo with tensor parallelism (TP2: heads, MLP and vocab split).
+Greedy output equals one rank's at K=0 and K=2 (MTP on == MTP off), with 8-token prefill chunks shorter than the
+prompts and late arrivals mixing prefill and decode; the draft acceptances are counted so the K=2 run exercises
+accepted and rejected drafts. Every launch has a timeout (hybrid TP's one-line refusal: tests/runtime/
+test_hybrid_lossless.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from models.testing import make_hybrid_checkpoint, make_mimo_checkpoint
+from tests.runtime.test_mpi_lockstep import pytestmark  # noqa: F401  (skipped without mpirun)
+from tests.runtime.test_mpi_tp import launch, single_rank_outputs
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """Tiny Qwen3-Next (3 GDN layers + 1 gated attention, 8 routed experts): a 6-token vocab so drafts get accepted."""
+    path = tmp_path_factory.mktemp("qwen3_next")
+    make_hybrid_checkpoint(path, "qwen3_next", seed=2, vocab_size=6)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory):
+    """Tiny MiMo (Qwen2 trunk, 4 q / 2 KV heads): seed and vocab chosen for varied output with accepted drafts."""
+    path = tmp_path_factory.mktemp("mimo")
+    make_mimo_checkpoint(path, seed=2, vocab_size=12)
+    return path
+
+
+def run_two_ranks(checkpoint, tmp_path, tp: int, ep: int) -> dict:
+    out = tmp_path / "out.json"
+    proc = launch(2, checkpoint, out, "ok", tp, ep, "0,2", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    reference = single_rank_outputs(checkpoint)
+    for k, res in results.items():
+        assert res["outputs"] == reference, f"K={k}"
+    accepted, proposed = (sum(sum(rank[i]) for rank in results["2"]["accepted"]) for i in (0, 1))
+    assert 0 < accepted < proposed, f"K=2 must accept some drafts and reject others: {accepted} of {proposed}"
+    return results
+
+
+def test_qwen3_next_ep2_equals_single_rank(hybrid, tmp_path):
+    results = run_two_ranks(hybrid, tmp_path, tp=1, ep=2)
+    for res in results.values():
+        assert res["experts"] == [4, 4], "the 8 routed experts must be split over the 2 ranks"
+        assert res["heads"] == [4, 4], "attention is replicated (no TP)"
+        assert min(res["calls"]) > 0
+
+
+def test_mimo_tp2_equals_single_rank(mimo, tmp_path):
+    results = run_two_ranks(mimo, tmp_path, tp=2, ep=2)
+    for res in results.values():
+        assert res["heads"] == [2, 2], "the 4 q heads must be split over the TP group"
+        assert res["calls"][0] == res["calls"][1] > 0, "the follower replays exactly its leader's calls"
+
