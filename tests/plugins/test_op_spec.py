@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import plugins.collectives  # noqa: F401
+import plugins.gdn_ops  # noqa: F401
 import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from plugins.op_backends import onnx_schema, translation
