@@ -56,7 +56,10 @@ class GDNStatePool:
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_slots: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> GDNStatePool:  # fmt: skip
-        geom = state_geometry(cfg, num_slots, dtype)
+        return cls.of(state_geometry(cfg, num_slots, dtype), device)
+
+    @classmethod
+    def of(cls, geom: GDNPoolGeometry, device: torch.device | str = "cpu") -> GDNStatePool:
         conv, ssm = allocate_state(geom, device)
         return cls(conv, ssm, GDNStateRef(address(conv), address(ssm), geom))
 
