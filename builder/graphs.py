@@ -11,6 +11,8 @@ runtime/executors/base.py is float32); the wrappers cast at the edges, as the to
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 
@@ -45,7 +47,7 @@ class HybridMainGraph(nn.Module):
         meta = StepMeta(positions, q_counts, kv_lens, block_tables)
         cache = HybridCache(PagedKV(kv_pool_ptr, self.geom), GDNStateRef(conv_pool_ptr, ssm_pool_ptr, self.state),
                             state_read_slots, state_write_slots)  # fmt: skip
-        hidden = self.model.forward_main(input_ids, meta, cache)  # type: ignore[arg-type]  (the hybrid model's)
+        hidden = cast(Any, self.model).forward_main(input_ids, meta, cache)  # the hybrid model's: takes a HybridCache
         return hidden.float(), self.model.compute_logits(hidden[logit_rows])
 
 

@@ -21,8 +21,8 @@ import torch
 
 from models.engine_format import EngineConfig, EngineDirError, load_engine_config
 from models.engine_format.graph_io import POOL_INPUT, STATE_INPUTS, feeds, graph_spec
-from models.gdn import GDNStatePool
 from models.engine_format.ort_session import SESSION_OPTIONS, session_options
+from models.gdn import GDNStatePool
 from plugins.kv_pool import allocate_pool, pool_address
 from plugins.names import POOL_NODES
 from plugins.ort_ops import prepare_for_ort
