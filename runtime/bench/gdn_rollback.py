@@ -3,7 +3,8 @@
     python -m runtime.bench.gdn_rollback [--reps 15] [--batch 4] [--output bench_results/gdn_rollback.json]
 
 One GDN layer at Qwen3-Next-80B's dims (Hk 16 x Dk 128, Hv 32 x Dv 128, conv kernel 4: 2 MiB of fp32 state per
-request), R requests verifying 1+k rows each through `mtp::gdn_step` (plugins/gdn_ops.py, CPU, 1 thread):
+request), R requests verifying 1+k rows each through `mtp::gdn_step`'s CPU computation on one layer's pools
+(plugins/gdn_ops.py `gdn_step_tensors`, 1 thread):
 
   slots    per-position state slots (what runtime/core/state_pool.py does, vLLM's design): the verify forward stores the
            state after every row in the request's K+1 slots; rollback = choosing the slot of the accepted row
