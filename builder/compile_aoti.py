@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from builder.export import dynamic_shapes
-from builder.graphs import WRAPPERS, example_inputs
+from builder.graphs import SPECS, WRAPPERS, example_inputs
 from builder.options import BuildError
 from models.engine_format.compiled import AOTI_KIND, host_isa
 from models.glm4_moe import Glm4MoeMTPModel
@@ -44,7 +44,7 @@ def export_program(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_
     wrapper = WRAPPERS[name](model, geom).eval()
     args = example_inputs(name, model.cfg.hidden_size, max_blocks)
     with torch.no_grad():
-        return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(name), strict=False)
+        return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(SPECS[name]), strict=False)
 
 
 def bf16_weights(program: torch.export.ExportedProgram) -> int:

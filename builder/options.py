@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from models.config import ModelConfig, kv_geometry_fields
+from models.config import ModelConfig, kv_geometry_fields, num_kv_planes
 from models.engine_format.config import Limits
-from models.engine_format.layout import KVLayout
+from models.engine_format.layout import KVLayout, StateLayout
 from plugins.kv_pool import DTYPE_CODES
 from plugins.mapping import MappingError, check_model, check_parallel, local_kv_heads
 
@@ -55,12 +55,20 @@ class BuildOptions:
         """The engine's KV layout (models/engine_format/layout.py computes the table width, lookahead included)."""
         kv_heads, head_dim, kv_kind = kv_geometry_fields(cfg)  # MLA: one latent row per position
         return KVLayout.plan(
-            num_planes=cfg.num_hidden_layers + cfg.num_mtp_modules,
+            num_planes=num_kv_planes(cfg),  # a hybrid model's Gated DeltaNet layers have no KV
             num_kv_heads=local_kv_heads(kv_heads, self.tp_size),  # each rank's pool: its KV heads (MLA: tp 1)
             head_dim=head_dim, dtype_code=DTYPE_CODES[self.torch_dtype], block_size=self.kv_block_size,
             max_batch=self.max_batch, max_seq_len=self.max_seq_len, num_draft_tokens=self.num_draft_tokens,
             kv_kind=kv_kind,
         )  # fmt: skip
+
+    def state_layout(self, cfg: ModelConfig) -> StateLayout | None:
+        """The engine's Gated DeltaNet state pool (hybrid models only): K + 2 slots per request."""
+        if not cfg.is_hybrid:
+            return None
+        from models.gdn import state_geometry
+
+        return StateLayout.plan(state_geometry(cfg, 0, self.torch_dtype), self.max_batch, self.num_draft_tokens)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -112,12 +120,22 @@ class BuildOptions:
                 f"Python ops with one fixed element type); use --dtype float32, or --backend tensorrt for {self.dtype}"
             )
 
+    def _validate_hybrid(self, cfg: ModelConfig) -> None:
+        """What a hybrid (Gated DeltaNet) engine can be: one rank, ONNX Runtime, no AOTInductor packages."""
+        what = f"{cfg.model_type} is a hybrid (Gated DeltaNet) model"
+        if self.backend == "tensorrt":
+            raise BuildError(f"{what}: its GdnStep TensorRT plugin is written and type-checked but has never been built "
+                             "or run (no GPU here); build it with --backend onnxruntime")  # fmt: skip
+        if self.compile != "none":
+            raise BuildError(f"{what}: --compile {self.compile} does not support its recurrent-state op; drop --compile")
+        if self.world_size > 1:
+            raise BuildError(f"{what}: engines are built for one rank; use --world-size 1 (multi-rank hybrid runs use "
+                             "the torch executor)")  # fmt: skip
+
     def validate_for_model(self, cfg: ModelConfig) -> None:
         """Checks against the checkpoint's architecture."""
         if cfg.is_hybrid:
-            raise BuildError(f"{cfg.model_type} is a hybrid (Gated DeltaNet) model: mtp-build does not export it yet (no "
-                             "ONNX form of its recurrent-state op); serve it with the torch executor "
-                             "(runtime.factory.create_engine(checkpoint=..., executor='torch'); docs/MODELS.md)")  # fmt: skip
+            self._validate_hybrid(cfg)
         if self.num_draft_tokens > 0 and cfg.num_mtp_modules == 0:
             raise BuildError(
                 "the checkpoint has no MTP module (num_nextn_predict_layers=0) so it cannot draft; "

@@ -90,7 +90,9 @@ def _graph_names(cfg: ModelConfig, opts: BuildOptions) -> list[str]:
 
 
 def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, rep: Reporter) -> dict[str, Any]:
-    mapping = _mapping(rank, opts, read_model_config(opts.checkpoint)[0])  # config.json only
+    ckpt_cfg = read_model_config(opts.checkpoint)[0]  # config.json only
+    mapping = _mapping(rank, opts, ckpt_cfg)
+    state = opts.state_layout(ckpt_cfg)
     t0 = time.perf_counter()
     rep.step(f"rank {rank}: load its weights")
     model, _ = load_model(opts.checkpoint, opts.torch_dtype, mapping=mapping)
@@ -102,7 +104,8 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
         t0 = time.perf_counter()
         rep.step(f"rank {rank}: export {name} ({_shard_note(model.cfg, model.mapping)})")
         path = rdir / f"{name}.onnx"
-        data = export_graph(name, model, layout.geometry(), layout.table_width, path)
+        data = export_graph(name, model, layout.geometry(), layout.table_width, path,
+                            None if state is None else state.geometry())  # fmt: skip
         graphs[name] = {"onnx": str(path.relative_to(work)), "data": str(data.relative_to(work))}
         rep.done(f"rank {rank}: {name}.onnx", time.perf_counter() - t0)
     if opts.compile == "aoti":  # while this rank's weights are loaded (builder/compile_aoti.py)
@@ -319,7 +322,7 @@ def _write_engine(opts: BuildOptions, work: Path, rep: Reporter, ckpt_cfg: Model
         build={"options": opts.to_json(), "torch_version": torch.__version__, "onnx_version": onnx.__version__,
                "onnx_opset": _opset(work / graphs[0]["main"]["onnx"]), "tokenizer": tokenizer, **backend_info},
         checkpoint={"path": str(opts.checkpoint.resolve()), "sha256": ckpt_hash},
-        tokenizer_files=_copy_tokenizer(opts, work, tokenizer), graphs=graphs,
+        tokenizer_files=_copy_tokenizer(opts, work, tokenizer), graphs=graphs, state=opts.state_layout(ckpt_cfg),
     )  # fmt: skip
     write_engine_config(cfg)
     load_engine_config(work)  # what the runtime will run: refuse to install a directory that fails it

@@ -358,3 +358,9 @@ def kv_geometry_fields(cfg: ModelConfig) -> tuple[int, int, int]:
     if cfg.is_mla:
         return 1, cfg.qk_rope_head_dim + cfg.kv_lora_rank, 1
     return cfg.num_key_value_heads, cfg.head_dim, 0
+
+
+def num_kv_planes(cfg: ModelConfig) -> int:
+    """KV pool planes: one per attention main layer (all of them but a hybrid model's Gated DeltaNet layers), then
+    one per MTP module."""
+    return cfg.num_hidden_layers - len(cfg.gdn_layers) + cfg.num_mtp_modules

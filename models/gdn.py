@@ -6,7 +6,8 @@ slot each request starts from (`read_slots`) and, per packed row, the slot that 
 (`write_slots`, -1 = none). Prefill chunks store only their last row's state; a verify step stores every row's,
 so rolling back to the accepted row is a choice of slot, never a recompute or a copy (docs/MODELS.md).
 
-The token mixing is one plugin op, `mtp::gdn_step` (plugins/gdn_ops.py; its definition is plugins/reference.py
+The token mixing is one plugin op, `mtp::gdn_step` (plugins/gdn_ops.py; it takes the pools by address, like the
+KV ops; its definition is plugins/reference.py
 `gdn_step_ref`; transformers' own GDN functions are the independent reference in tests/plugins/test_gdn.py and, for
 the whole model, tests/models/test_hybrid_parity.py).
 """
@@ -22,27 +23,53 @@ from torch import nn
 import plugins.gdn_ops  # noqa: F401  (torch.ops.mtp.gdn_step)
 from models.config import ModelConfig
 from models.layers import PagedKV, StepMeta
+from plugins.gdn_pool import GDNPoolGeometry, address, allocate_state
+from plugins.kv_pool import DTYPE_CODES
+
+
+def state_geometry(cfg: ModelConfig, num_slots: int, dtype: torch.dtype = torch.float32) -> GDNPoolGeometry:
+    """The state pool `cfg` needs with `num_slots` slots (the one rule: the torch executor, the builder, the checks)."""
+    return GDNPoolGeometry(len(cfg.gdn_layers), num_slots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim,
+                           cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                           cfg.linear_value_head_dim, DTYPE_CODES[dtype])  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class GDNStateRef:
+    """What a forward hands `mtp::gdn_step`: the pools' addresses (int64[1]) and geometry. An exported graph gets the
+    addresses as inputs; the torch executor takes them from its `GDNStatePool`."""
+
+    conv_ptr: torch.Tensor
+    ssm_ptr: torch.Tensor
+    geom: GDNPoolGeometry
 
 
 @dataclass(frozen=True, slots=True)
 class GDNStatePool:
-    """The recurrent state of every GDN layer: conv [G, S, C, K-1] (model dtype) and ssm [G, S, Hv, Dk, Dv] (fp32)."""
+    """The recurrent state of every GDN layer: conv [G, S, C, K-1] (model dtype) and ssm [G, S, Hv, Dk, Dv] (fp32),
+    owned here (stable addresses for the op; plugins/gdn_pool.py)."""
 
     conv: torch.Tensor
     ssm: torch.Tensor
+    ref: GDNStateRef
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_slots: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> GDNStatePool:  # fmt: skip
-        g = len(cfg.gdn_layers)
-        conv = torch.zeros(g, num_slots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
-        ssm = torch.zeros(g, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                          dtype=torch.float32, device=device)  # fmt: skip
-        return cls(conv, ssm)
+        return cls.of(state_geometry(cfg, num_slots, dtype), device)
+
+    @classmethod
+    def of(cls, geom: GDNPoolGeometry, device: torch.device | str = "cpu") -> GDNStatePool:
+        conv, ssm = allocate_state(geom, device)
+        return cls(conv, ssm, GDNStateRef(address(conv), address(ssm), geom))
 
     @property
     def num_slots(self) -> int:
         return self.conv.shape[1]
+
+    @property
+    def geom(self) -> GDNPoolGeometry:
+        return self.ref.geom
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +77,13 @@ class HybridCache:
     """What a hybrid main forward reads and writes: the paged KV of its attention layers and the GDN state slots."""
 
     kv: PagedKV
-    state: GDNStatePool
+    state: GDNStatePool | GDNStateRef
     read_slots: torch.Tensor  # int32 [R] slot each request's state starts from (unused for a fresh sequence)
     write_slots: torch.Tensor  # int32 [T] slot receiving the state after each packed row, -1 = not stored
+
+    @property
+    def state_ref(self) -> GDNStateRef:
+        return self.state.ref if isinstance(self.state, GDNStatePool) else self.state
 
 
 class RMSNormGated(nn.Module):
@@ -111,11 +142,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: StepMeta, cache: HybridCache) -> torch.Tensor:
         mixed, z, b, a = self.project(x)
-        i = self.state_index
+        ref = cache.state_ref
         core = torch.ops.mtp.gdn_step(
-            mixed, b, a, meta.q_counts, meta.write_starts, cache.read_slots, cache.write_slots,
-            cache.state.conv[i], cache.state.ssm[i], self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
-            self.hk, self.dk, self.dv,
+            mixed, b, a, meta.q_counts, meta.write_starts, cache.read_slots, cache.write_slots, ref.conv_ptr,
+            ref.ssm_ptr, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, **ref.geom.attrs(self.state_index),
         )  # fmt: skip
         out = self.norm(core.to(x.dtype), z)
         return self.out_proj(out.reshape(x.shape[0], self.hv * self.dv))

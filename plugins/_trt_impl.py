@@ -1,12 +1,14 @@
 """TensorRT IPluginV3 classes for the plugin nodes. Imports `tensorrt`: load only through plugins/trt_plugins.py.
 
-Plugins: KvWrite, PagedAttention (GQA pool) and MlaKvWrite, MlaPagedAttention (MLA latent pool, kv_kind 1).
+Plugins: KvWrite, PagedAttention (GQA pool), MlaKvWrite, MlaPagedAttention (MLA latent pool, kv_kind 1) and
+GdnStep (the Gated DeltaNet state pool, plugins/gdn_pool.py). GdnStep is type-checked against tensorrt-stubs only:
+no hybrid TensorRT engine has been built or run (no GPU here; mtp-build refuses --backend tensorrt for hybrid models).
 
 Each plugin is one object implementing the core, build and runtime capabilities; `enqueue` wraps TensorRT's
 device pointers as torch tensors (no copy) and launches the Triton launchers of plugins/triton_kernels.py on
 TensorRT's stream. Attributes arrive as plugin fields named like the ONNX node attributes.
 
-Pool address: the node's `pool_ptr` input is an int64[1] *device* tensor. Reading it needs a device-to-host
+Pool address: the node's `pool_ptr` input (GdnStep: `conv_pool_ptr`, `ssm_pool_ptr`) is an int64[1] *device* tensor. Reading it needs a device-to-host
 copy, so the plugin reads it once per binding address (at the warm-up enqueue that must precede graph
 capture) and caches it; the runtime keeps the pool and that buffer fixed for the engine's life.
 """
@@ -19,10 +21,12 @@ import numpy as np
 import tensorrt as trt
 import torch
 
+from plugins.gdn_pool import GDNPoolGeometry, layer_views
+from plugins.gdn_triton import gdn_step_triton
 from plugins.kv_pool import KVPoolGeometry
 from plugins.mla_ops import mla_geometry
 from plugins.mla_triton import mla_kv_write_triton, mla_paged_attention_triton
-from plugins.names import DOMAIN, KV_WRITE, MLA_KV_WRITE, MLA_PAGED_ATTENTION, PAGED_ATTENTION, PLUGIN_VERSION
+from plugins.names import DOMAIN, GDN_STEP, KV_WRITE, MLA_KV_WRITE, MLA_PAGED_ATTENTION, PAGED_ATTENTION, PLUGIN_VERSION
 from plugins.op_spec import SPECS, OpSpec, accepts
 from plugins.triton_kernels import kv_write_triton, paged_attention_triton
 
@@ -89,13 +93,13 @@ class _PluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, tr
         self.metadata_string = ""
         self.format_combination_limit = trt.IPluginV3OneBuild.DEFAULT_FORMAT_COMBINATION_LIMIT
         self.values = dict(values)
-        self._pool_cache: tuple[int, int] = (0, 0)  # (address of the pool_ptr buffer, pool address)
+        self._pool_cache: dict[int, int] = {}  # address of a *_ptr buffer -> the pool address stored there
         floats = {a.name for a in self.spec.attrs if a.kind is float}
         v = {k: int(x) for k, x in values.items() if k not in floats}
-        self.plane = v["plane"]
+        self.plane = v.get("plane", v.get("layer", 0))  # GdnStep: the layer of the state pool
         self.geom = self._geometry(v)
 
-    def _geometry(self, v: dict[str, int]) -> KVPoolGeometry:
+    def _geometry(self, v: dict[str, int]) -> Any:
         return KVPoolGeometry(v["num_planes"], v["num_blocks"], v["block_size"], v["num_kv_heads"], v["head_dim"],
                               v["dtype"])  # fmt: skip
 
@@ -128,11 +132,11 @@ class _PluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, tr
 
     def _pool_address(self, buffer_ptr: int) -> int:
         """The pool address stored at device address `buffer_ptr` (read once per buffer; see module doc)."""
-        if self._pool_cache[0] != buffer_ptr:
+        if buffer_ptr not in self._pool_cache:
             host = torch.empty(1, dtype=torch.int64)
             host.copy_(torch.as_tensor(_DeviceArray(buffer_ptr, (1,), "<i8"), device="cuda"))
-            self._pool_cache = (buffer_ptr, int(host[0]))
-        return self._pool_cache[1]
+            self._pool_cache[buffer_ptr] = int(host[0])
+        return self._pool_cache[buffer_ptr]
 
     def supports_format_combination(self, pos: int, in_out: list[trt.DynamicPluginTensorDesc], num_inputs: int) -> bool:
         """Linear tensors whose types the op's spec accepts (plugins/op_spec.py `accepts`)."""
@@ -258,6 +262,41 @@ class MlaPagedAttentionPlugin(_PluginBase):
                                        int(self.values["rope_dim"]), self.values["scale"], out=out)  # fmt: skip
 
 
+class GdnStepPlugin(_PluginBase):
+    """GdnStep: inputs mixed, b, a, q_counts, starts, read_slots, write_slots, conv_pool_ptr, ssm_pool_ptr,
+    conv_weight, a_log, dt_bias; output float32 [T, Hv, Dv]. Writes its layer's state slots through the addresses."""
+
+    name = GDN_STEP
+    spec = SPECS["gdn_step"]
+    pool_input = 7  # conv_pool_ptr; ssm_pool_ptr is the next input
+
+    def _geometry(self, v: dict[str, int]) -> GDNPoolGeometry:
+        return GDNPoolGeometry(v["num_layers"], v["num_slots"], v["conv_dim"], v["conv_kernel"], v["num_k_heads"],
+                               v["num_v_heads"], v["head_k_dim"], v["head_v_dim"], v["dtype"])  # fmt: skip
+
+    def get_output_data_types(self, input_types: list[trt.DataType]) -> list[trt.DataType]:
+        return [trt.DataType.FLOAT]
+
+    def get_output_shapes(
+        self, inputs: list[trt.DimsExprs], shape_inputs: list[trt.DimsExprs], expr_builder: trt.IExprBuilder
+    ) -> list[trt.DimsExprs]:
+        hv, dv = expr_builder.constant(self.geom.num_v_heads), expr_builder.constant(self.geom.head_v_dim)
+        return [trt.DimsExprs([inputs[0][0], hv, dv])]
+
+    def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
+                inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
+        mixed, b, a, q_counts, starts, read_slots, write_slots = (_as_tensor(inputs[i], input_desc[i]) for i in range(7))
+        conv_weight, a_log, dt_bias = (_as_tensor(inputs[i], input_desc[i]) for i in range(9, 12))
+        out = _as_tensor(outputs[0], output_desc[0])
+        conv_ptr, ssm_ptr = (self._pool_address(inputs[i]) for i in (self.pool_input, self.pool_input + 1))
+        conv, ssm = layer_views(conv_ptr, ssm_ptr, self.geom, self.plane, "cuda")
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            # the launcher allocates its result; one copy into TensorRT's output buffer (an out= form would save it)
+            out.copy_(gdn_step_triton(mixed, b, a, q_counts, starts, read_slots, write_slots, conv, ssm, conv_weight,
+                                      a_log, dt_bias, self.geom.num_k_heads, self.geom.head_k_dim,
+                                      self.geom.head_v_dim))  # fmt: skip
+
+
 class _CreatorBase(trt.IPluginCreatorV3One):
     plugin_cls: type[_PluginBase] = _PluginBase
 
@@ -289,6 +328,10 @@ class MlaPagedAttentionCreator(_CreatorBase):
     plugin_cls = MlaPagedAttentionPlugin
 
 
+class GdnStepCreator(_CreatorBase):
+    plugin_cls = GdnStepPlugin
+
+
 def creators() -> list[trt.IPluginCreatorV3One]:
     """One creator per name in TRT_PLUGIN_NODES, in that order."""
-    return [KvWriteCreator(), PagedAttentionCreator(), MlaKvWriteCreator(), MlaPagedAttentionCreator()]
+    return [KvWriteCreator(), PagedAttentionCreator(), MlaKvWriteCreator(), MlaPagedAttentionCreator(), GdnStepCreator()]

@@ -1,14 +1,18 @@
-"""torch.library custom op of one Gated DeltaNet layer's token mixing: `mtp::gdn_step` (Qwen3-Next / Qwen3.5).
+"""`mtp::gdn_step`, one Gated DeltaNet layer's token mixing (Qwen3-Next / Qwen3.5), and its CPU implementation.
 
 Semantics: plugins/reference.py `gdn_step_ref` (the row-by-row definition): a causal depthwise conv over the
 request's conv window (zeros for a fresh sequence), silu, l2-normalised q/k, and the gated delta rule over the
 recurrent state; the state after a row goes to that row's write slot (-1: not stored). Decode/verify rows and
 prefill chunks are the same op: requests are packed, a request with 0 rows (padding) reads and writes nothing.
 
+The op takes the state pools by address plus their geometry (plugins/gdn_pool.py), like the KV write ops take the
+KV pool, and writes its layer's slots in place: one form for the torch executor, the ONNX node `GdnStep`, the ONNX
+Runtime op and the TensorRT plugin (its spec: plugins/op_spec.py). `gdn_step_tensors` is the same computation on
+one layer's pool tensors [S, C, K-1] / [S, Hv, Dk, Dv].
+
 The CPU implementation vectorises over requests and heads: the conv of every row at once (an unfold over
 window ++ rows), then the recurrence one row index at a time for all requests together (a verify step of 1+k rows is
-1+k iterations for the whole batch). CUDA tensors go to the Triton kernel (plugins/gdn_triton.py). The state pools are
-mutated in place (`mutates_args`); the ONNX / ORT / TensorRT forms of this op do not exist yet (docs/MODELS.md).
+1+k iterations for the whole batch). CUDA tensors go to the Triton kernel (plugins/gdn_triton.py).
 """
 
 from __future__ import annotations
@@ -16,9 +20,36 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from plugins.gdn_pool import GDNPoolGeometry, layer_views
+from plugins.op_backends import define_torch
+from plugins.op_spec import SPECS
 
-@torch.library.custom_op("mtp::gdn_step", mutates_args=("conv_pool", "ssm_pool"))
-def gdn_step(
+
+def _geometry(num_layers, num_slots, conv_dim, conv_kernel, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
+              dtype) -> GDNPoolGeometry:  # fmt: skip
+    return GDNPoolGeometry(num_layers, num_slots, conv_dim, conv_kernel, num_k_heads, num_v_heads, head_k_dim,
+                           head_v_dim, dtype)  # fmt: skip
+
+
+def _op(mixed, b, a, q_counts, starts, read_slots, write_slots, conv_pool_ptr, ssm_pool_ptr, conv_weight, a_log,
+        dt_bias, layer, num_layers, num_slots, conv_dim, conv_kernel, num_k_heads, num_v_heads, head_k_dim,
+        head_v_dim, dtype):  # fmt: skip
+    """The op on any device: view the layer's pools at the addresses, run the tensor form."""
+    geom = _geometry(num_layers, num_slots, conv_dim, conv_kernel, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
+                     dtype)  # fmt: skip
+    if mixed.shape[1] != conv_dim or a.shape[1] != num_v_heads or tuple(conv_weight.shape) != (conv_dim, conv_kernel):
+        raise ValueError(f"gdn_step: inputs mixed {list(mixed.shape)}, a {list(a.shape)}, conv_weight "
+                         f"{list(conv_weight.shape)} do not match the node's geometry {geom}")  # fmt: skip
+    conv, ssm = layer_views(int(conv_pool_ptr[0]), int(ssm_pool_ptr[0]), geom, layer, mixed.device)
+    return gdn_step_tensors(mixed, b, a, q_counts, starts, read_slots, write_slots, conv, ssm, conv_weight, a_log,
+                            dt_bias, num_k_heads, head_k_dim, head_v_dim)  # fmt: skip
+
+
+define_torch(SPECS["gdn_step"], _op)  # schema + fake from the spec, CPU kernel
+torch.library.impl("mtp::gdn_step", "CUDA")(_op)  # the tensor form sends CUDA tensors to the Triton kernel
+
+
+def gdn_step_tensors(
     mixed: torch.Tensor,  # [T, C] conv input rows (q, k, v channels), packed by request
     b: torch.Tensor,  # [T, Hv]
     a: torch.Tensor,  # [T, Hv]
@@ -85,9 +116,3 @@ def gdn_step(
     per_step = torch.stack(outs, dim=1)  # [R, qmax, Hv, Dv]
     out[rows[valid]] = per_step[valid]
     return out
-
-
-@gdn_step.register_fake
-def _(mixed, b, a, q_counts, starts, read_slots, write_slots, conv_pool, ssm_pool, conv_weight, a_log, dt_bias,
-      num_k_heads, head_k_dim, head_v_dim):  # fmt: skip
-    return mixed.new_empty(mixed.shape[0], a.shape[1], head_v_dim, dtype=torch.float32)

@@ -20,9 +20,12 @@ MOE_EXPERTS = "MoeExperts"
 MLA_KV_WRITE = "MlaKvWrite"
 MLA_PAGED_ATTENTION = "MlaPagedAttention"
 MLA_NODES = (MLA_KV_WRITE, MLA_PAGED_ATTENTION)
-PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, MOE_EXPERTS, *MLA_NODES)
+# Gated DeltaNet token mixing of hybrid models (plugins/gdn_ops.py): reads and writes the GDN state pool
+# (plugins/gdn_pool.py) and carries that pool's geometry as attributes.
+GDN_STEP = "GdnStep"
+PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, MOE_EXPERTS, *MLA_NODES, GDN_STEP)
 # MoeExperts has no TensorRT plugin yet (its ep_size > 1 form needs NCCL).
-TRT_PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES)
+TRT_PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES, GDN_STEP)
 # Nodes that index the KV pool and therefore carry its geometry as attributes (MLA ones call head_dim latent_dim).
 POOL_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES)
 

@@ -13,6 +13,7 @@ only prefers a registered plugin over other resolutions when `plugin_namespace` 
 from __future__ import annotations
 
 import plugins.collectives  # noqa: F401  (kernels of the ops the graphs contain)
+import plugins.gdn_ops  # noqa: F401
 import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from plugins.names import DOMAIN, PLUGIN_VERSION

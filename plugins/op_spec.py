@@ -19,6 +19,7 @@ import torch
 from plugins.names import (
     ALL_GATHER,
     ALL_REDUCE,
+    GDN_STEP,
     KV_WRITE,
     MLA_KV_WRITE,
     MLA_PAGED_ATTENTION,
@@ -41,10 +42,18 @@ class Tensor:
     dtype: str  # one of DTYPE_CLASSES
     shape: str  # documentation: "[T, Hkv, D]"
     type_var: str = ""  # ONNX type variable of a FLOAT tensor ("T" unless another float type is allowed)
+    # An address the op writes through, in place (a pool). In-place inputs are addresses, never tensors, in every
+    # backend: ONNX Runtime Python ops get copies of their tensor inputs (a write to one would be lost) and an ONNX
+    # node cannot alias an input to an output. So the mutation is in the contract as "writes through this int64[1]
+    # address", the same for torch, ONNX, ONNX Runtime and TensorRT.
+    writes: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CLASSES:
             raise ValueError(f"tensor {self.name}: dtype class {self.dtype!r} is not one of {DTYPE_CLASSES}")
+        if self.writes and (self.dtype != INT64 or not self.name.endswith("_ptr")):
+            raise ValueError(f"tensor {self.name}: an input written in place is an int64[1] address named *_ptr "
+                             "(the pool itself is never a node input)")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +84,11 @@ class OpSpec:
             args.append(f"{kind} {a.name}" + ("" if a.default is None else f"={a.default}"))
         out = "Tensor" if len(self.outputs) == 1 else "(" + ", ".join("Tensor" for _ in self.outputs) + ")"
         return f"{self.op}({', '.join(args)}) -> {out}"
+
+    @property
+    def written(self) -> tuple[str, ...]:
+        """The inputs the op writes through in place (pool addresses)."""
+        return tuple(t.name for t in self.inputs if t.writes)
 
 
 SPECS: dict[str, OpSpec] = {}  # by torch op name; `register` adds, plugins/op_backends.py `install` derives
@@ -110,7 +124,8 @@ _GQA_POOL = (*_POOL, _int("num_kv_heads", "pool geometry: KV heads"), _int("head
 _MLA_POOL = (*_POOL, _int("latent_dim", "pool geometry: latent row = qk_rope_head_dim + kv_lora_rank values"),
              _int("dtype", "pool element type: 0 fp32, 1 fp16, 2 bf16"))  # fmt: skip
 _TABLES = Tensor("block_tables", INDEX, "[R, max_blocks]")
-_POOL_PTR = Tensor("pool_ptr", INT64, "[1] pool address")
+_POOL_PTR = Tensor("pool_ptr", INT64, "[1] pool address (written in place)", writes=True)
+_READ_POOL_PTR = Tensor("pool_ptr", INT64, "[1] pool address")
 _WRITTEN = Tensor("written", INT64, "[1] rows stored")
 
 register(OpSpec(
@@ -125,7 +140,7 @@ register(OpSpec(
     "paged_attention", PAGED_ATTENTION,
     "Varlen paged causal GQA attention over the pool at pool_ptr; `after` orders it after a KvWrite.",
     (Tensor("q", FLOAT, "[T, Hq, D]"), Tensor("q_counts", INDEX, "[R]"), Tensor("kv_lens", INDEX, "[R]"), _TABLES,
-     _POOL_PTR, Tensor("after", INT64, "[1] a KvWrite output (ordering only)")),
+     _READ_POOL_PTR, Tensor("after", INT64, "[1] a KvWrite output (ordering only)")),
     (_PLANE, *_GQA_POOL, Attr("scale", float, "softmax scale applied to q.k")),
     (Tensor("out", FLOAT, "[T, Hq, D]"),), _like_first,
 ))  # fmt: skip
@@ -155,11 +170,37 @@ register(OpSpec(
     "Varlen paged causal absorbed-MLA attention over the latent pool at pool_ptr (keys = latent, values = c_kv); "
     "`after` orders it after an MlaKvWrite.",
     (Tensor("q", FLOAT, "[T, H, latent_dim] absorbed queries"), Tensor("q_counts", INDEX, "[R]"),
-     Tensor("kv_lens", INDEX, "[R]"), _TABLES, _POOL_PTR, Tensor("after", INT64, "[1] an MlaKvWrite output")),
+     Tensor("kv_lens", INDEX, "[R]"), _TABLES, _READ_POOL_PTR, Tensor("after", INT64, "[1] an MlaKvWrite output")),
     (_PLANE, *_MLA_POOL, _int("rope_dim", "values are latent[:, rope_dim:] (c_kv)"),
      Attr("scale", float, "softmax scale applied to q.latent")),
     (Tensor("out", FLOAT, "[T, H, latent_dim - rope_dim]"),),
     lambda q, *_, latent_dim, rope_dim, **__: q.new_empty(q.shape[0], q.shape[1], latent_dim - rope_dim),
+))  # fmt: skip
+
+register(OpSpec(
+    "gdn_step", GDN_STEP,
+    "One Gated DeltaNet layer's token mixing over the state pool (plugins/reference.py gdn_step_ref): reads each "
+    "request's read slot (zeros where starts == 0), writes the state after row t to write_slots[t] (-1: none), in "
+    "place through conv_pool_ptr / ssm_pool_ptr; a request with 0 rows reads and writes nothing. Output: the core "
+    "output (before the gated norm), float32.",
+    (Tensor("mixed", FLOAT, "[T, conv_dim] conv input rows (q, k, v channels)"), Tensor("b", FLOAT, "[T, Hv]"),
+     Tensor("a", FLOAT, "[T, Hv]"), Tensor("q_counts", INDEX, "[R]"),
+     Tensor("starts", INDEX, "[R] first position (0: a fresh sequence)"),
+     Tensor("read_slots", INDEX, "[R] slot each request starts from"),
+     Tensor("write_slots", INDEX, "[T] slot receiving the state after each row, -1 = not stored"),
+     Tensor("conv_pool_ptr", INT64, "[1] conv pool address (written in place)", writes=True),
+     Tensor("ssm_pool_ptr", INT64, "[1] ssm pool address (written in place)", writes=True),
+     Tensor("conv_weight", FLOAT, "[conv_dim, conv_kernel]"), Tensor("a_log", FLOAT, "[Hv]"),
+     Tensor("dt_bias", FLOAT, "[Hv]")),
+    (_int("layer", "GDN layer of the state pool this node reads/writes"),
+     _int("num_layers", "pool geometry: GDN layers"), _int("num_slots", "pool geometry: state slots"),
+     _int("conv_dim", "pool geometry: conv channels = 2 * Hk * Dk + Hv * Dv"),
+     _int("conv_kernel", "pool geometry: conv kernel K (the window holds K - 1 inputs)"),
+     _int("num_k_heads", "key heads Hk"), _int("num_v_heads", "value heads Hv"), _int("head_k_dim", "Dk"),
+     _int("head_v_dim", "Dv"), _int("dtype", "conv pool element type: 0 fp32, 1 fp16, 2 bf16 (ssm: fp32)")),
+    (Tensor("out", FP32, "[T, Hv, Dv] float32"),),
+    lambda mixed, *_, num_v_heads, head_v_dim, **__: mixed.new_empty(mixed.shape[0], num_v_heads, head_v_dim,
+                                                                     dtype=torch.float32),
 ))  # fmt: skip
 
 

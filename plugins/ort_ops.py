@@ -17,6 +17,7 @@ import onnxruntime as ort
 from onnxruntime_extensions import get_library_path
 
 import plugins.collectives  # noqa: F401  (kernels of torch.ops.mtp.all_*)
+import plugins.gdn_ops  # noqa: F401  (kernel of torch.ops.mtp.gdn_step)
 import plugins.mla_ops  # noqa: F401  (kernels of torch.ops.mtp.mla_*)
 import plugins.ops  # noqa: F401  (kernels of torch.ops.mtp.*)
 from plugins.names import DOMAIN

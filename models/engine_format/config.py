@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from models.config import ModelConfig
-from models.engine_format.layout import KVLayout
+from models.engine_format.layout import KVLayout, StateLayout
 from models.engine_format.paths import safe_path
 from plugins.mapping import Parallel
 
@@ -72,6 +72,8 @@ class EngineConfig:
     graphs: list[dict[str, dict[str, str]]]  # per rank: graph name -> {"onnx", "data", "ort_optimized"?, "plan"?}
     # relative path -> sha256 of every file but manifest.json (config.json included); read from manifest.json
     files: dict[str, str] = field(default_factory=dict)
+    # The Gated DeltaNet state pool of a hybrid model; None (absent from config.json) for every other model.
+    state: StateLayout | None = None
 
     @property
     def world_size(self) -> int:
@@ -84,15 +86,17 @@ class EngineConfig:
 
     def to_json(self) -> dict[str, Any]:
         """Every field but `path` (the directory) and `files` (manifest.json's), typed parts as plain dicts."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("path", "files")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("path", "files", "state")}
         out["model"] = self.model.to_dict()
         out["limits"], out["kv"], out["parallel"] = asdict(self.limits), asdict(self.kv), asdict(self.parallel)
+        if self.state is not None:
+            out["state"] = asdict(self.state)
         return out
 
     @classmethod
     def from_json(cls, path: Path, raw: dict[str, Any]) -> EngineConfig:
         """Inverse of `to_json`; KeyError/TypeError name a missing or mistyped field."""
-        names = [f.name for f in fields(cls) if f.name not in ("path", "files")]
+        names = [f.name for f in fields(cls) if f.name not in ("path", "files", "state")]
         missing = [n for n in names if n not in raw]
         if missing:
             raise KeyError(missing[0])
@@ -101,6 +105,7 @@ class EngineConfig:
             "limits": _ints(Limits, raw["limits"], "limits"),
             "kv": _ints(KVLayout, raw["kv"], "kv"),
             "parallel": _ints(Parallel, raw["parallel"], "parallel"),
+            "state": None if raw.get("state") is None else _ints(StateLayout, raw["state"], "state"),
         }
         for n in ("schema_version", "num_draft_tokens"):
             if type(raw[n]) is not int:

@@ -14,14 +14,14 @@ import onnx
 import torch
 from onnx.helper import tensor_dtype_to_np_dtype
 
-from models.config import ModelConfig, kv_geometry_fields
+from models.config import ModelConfig, kv_geometry_fields, num_kv_planes
 from models.engine_format.config import EngineConfig
-from models.engine_format.graph_io import GRAPH_NAMES, SPECS
-from models.engine_format.layout import KVLayout, table_width
+from models.engine_format.graph_io import GRAPH_NAMES, graph_spec
+from models.engine_format.layout import KVLayout, StateLayout, table_width
 from models.engine_format.paths import EngineDirError, rank_dir
 from plugins.kv_pool import DTYPE_CODES
 from plugins.mapping import MappingError, RankMapping, check_model, local_kv_heads, rank_mapping
-from plugins.names import MLA_NODES, MOE_EXPERTS, POOL_NODES
+from plugins.names import GDN_STEP, MLA_NODES, MOE_EXPERTS, POOL_NODES
 
 _FIX = "the config does not describe the graphs it ships with; rebuild with `mtp-build --checkpoint CKPT --output {}`"
 # Graph files the checks read (a TensorRT plan is opaque here: its recorded profiles are checked instead).
@@ -39,7 +39,7 @@ def check_consistent(cfg: EngineConfig) -> None:
     width = table_width(lim.max_seq_len, k, kv.block_size)
     want = {
         "kv.table_width": (kv.table_width, width),
-        "kv.num_planes": (kv.num_planes, m.num_hidden_layers + m.num_mtp_modules),
+        "kv.num_planes": (kv.num_planes, num_kv_planes(m)),
         **{f"kv.{name}": (getattr(kv, name), value) for name, value in _pool_rows(m, cfg.parallel.tp_size).items()},
     }
     dtype = getattr(torch, cfg.dtype, None)
@@ -62,7 +62,27 @@ def check_consistent(cfg: EngineConfig) -> None:
             raise _refuse(cfg, f"{rank_dir(rank)} has graphs {sorted(per_graph)}, expected {sorted(expected_graphs)}")
     if k and not m.num_mtp_modules:
         raise _refuse(cfg, f"num_draft_tokens={k} but the model has no MTP module")
+    _check_state(cfg)
     _check_profiles(cfg)
+
+
+def _check_state(cfg: EngineConfig) -> None:
+    """`state` exists exactly for hybrid models and is the pool the model, limits and K give (models/gdn.py)."""
+    m = cfg.model
+    if cfg.state is None:
+        if m.is_hybrid:
+            raise _refuse(cfg, f"{m.model_type} has Gated DeltaNet layers but config.json records no `state` pool")
+        return
+    if not m.is_hybrid:
+        raise _refuse(cfg, f"config.json records a `state` pool but {m.model_type} has no Gated DeltaNet layers")
+    from models.gdn import state_geometry  # models/ imports are heavy, keep them lazy
+
+    dtype = getattr(torch, cfg.dtype)
+    want = StateLayout.plan(state_geometry(m, 0, dtype), cfg.limits.max_batch, cfg.num_draft_tokens)
+    for name in want.__dataclass_fields__:
+        got, expected = getattr(cfg.state, name), getattr(want, name)
+        if got != expected:
+            raise _refuse(cfg, f"state.{name}={got} but the model, limits and num_draft_tokens give {expected}")
 
 
 def _pool_rows(m: ModelConfig, tp_size: int = 1) -> dict[str, int]:
@@ -97,7 +117,7 @@ def _check_graph(cfg: EngineConfig, graph: str, path: Path, label: str, rank: in
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # onnx raises DecodeError and others for a file that is not a model
         raise _refuse(cfg, f"{label} is not a readable ONNX model ({type(e).__name__})") from e
-    spec = SPECS[graph]
+    spec = graph_spec(graph, cfg.model.is_hybrid)
     g = model.graph
     for kind, values, names in (("inputs", g.input, spec.inputs), ("outputs", g.output, spec.outputs)):
         got = tuple(v.name for v in values)
@@ -116,9 +136,26 @@ def _check_graph(cfg: EngineConfig, graph: str, path: Path, label: str, rank: in
            "tp_rank": mapping.tp_rank}  # fmt: skip
     _check_shards(cfg, g, label, mapping)
     for node in g.node:
-        problem = node_mismatch(cfg.kv, moe, node)
+        problem = node_mismatch(cfg.kv, moe, node) or state_node_mismatch(cfg.state, node)
         if problem is not None:
             raise _refuse(cfg, f"{label}: {problem}")
+
+
+def state_node_mismatch(state: StateLayout | None, node: onnx.NodeProto) -> str | None:
+    """Why a GdnStep node disagrees with config.json's `state` (the pool it indexes by raw offsets), or None."""
+    if node.op_type != GDN_STEP:
+        return None
+    if state is None:
+        return "GdnStep node in an engine whose config.json records no `state` pool"
+    attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+    want = state.geometry().attrs(attrs.get("layer", -1))
+    for name, value in want.items():
+        if attrs.get(name) != value:
+            field = "state.dtype_code" if name == "dtype" else "the layer index" if name == "layer" else f"state.{name}"
+            return f"GdnStep node was built with {name}={attrs.get(name)} but config.json gives {field}={value}"
+    if not 0 <= attrs["layer"] < state.num_layers:
+        return f"GdnStep node reads/writes layer {attrs['layer']} outside the state pool's {state.num_layers} layers"
+    return None
 
 
 def node_mismatch(kv: KVLayout, moe: dict[str, int], node: onnx.NodeProto) -> str | None:
@@ -167,12 +204,12 @@ def _check_mapping(cfg: EngineConfig) -> None:
 def _check_shards(cfg: EngineConfig, g: onnx.GraphProto, label: str, mapping: RankMapping) -> None:
     """Initializers named like canonical weights have the shape models/sharding.py gives this rank (a rank
     built with another rank's or the full tensor would compute garbage, or fail deep in a GEMM)."""
-    from models.glm4_moe import Glm4MoeMTPModel  # the full shapes; models/ imports are heavy, keep them lazy
+    from models.checkpoint_hybrid import model_class  # the full shapes; models/ imports are heavy, keep them lazy
     from models.sharding import local_shape
 
     if not _FULL_SHAPES or _FULL_SHAPES[0][0] is not cfg.model:
         with torch.device("meta"):
-            full = {k: tuple(v.shape) for k, v in Glm4MoeMTPModel(cfg.model).state_dict().items()}
+            full = {k: tuple(v.shape) for k, v in model_class(cfg.model)(cfg.model).state_dict().items()}
         _FULL_SHAPES[:] = [(cfg.model, full)]
     full = _FULL_SHAPES[0][1]
     for init in g.initializer:

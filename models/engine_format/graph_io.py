@@ -18,6 +18,9 @@ import numpy as np
 
 GRAPH_NAMES = ("main", "mtp_draft", "mtp_commit")
 POOL_INPUT = "kv_pool_ptr"  # int64[1] pool address, supplied by the executor (not a step field)
+# Hybrid (Gated DeltaNet) main graphs also take the GDN state pools' addresses (plugins/gdn_pool.py).
+STATE_INPUTS = ("conv_pool_ptr", "ssm_pool_ptr")
+ADDRESS_INPUTS = (POOL_INPUT, *STATE_INPUTS)
 MODEL_DIMS = ("H", "V")  # placeholders for ModelConfig.hidden_size / vocab_size
 
 Dim = str | int
@@ -40,7 +43,7 @@ class GraphSpec:
     @property
     def step_inputs(self) -> tuple[str, ...]:
         """The inputs a step supplies (= the field names of the executor's input dataclass)."""
-        return tuple(n for n in self.inputs if n != POOL_INPUT)
+        return tuple(n for n in self.inputs if n not in ADDRESS_INPUTS)
 
     def concrete_dims(self, name: str, hidden_size: int, vocab_size: int) -> tuple[Dim, ...]:
         model = {"H": hidden_size, "V": vocab_size}
@@ -79,6 +82,23 @@ SPECS: dict[str, GraphSpec] = {
         [("rows_written", _I64, (1,))],
     ),
 }  # fmt: skip
+
+
+# The main graph of a hybrid model: plus the state slots each request reads / each row writes
+# (runtime/executors/base.py HybridMainInput) and the state pools' addresses. Its draft and commit graphs are the
+# plain ones: the MTP layer is full attention and needs no recurrent state.
+HYBRID_MAIN = _spec(
+    "main",
+    [(n, SPECS["main"].dtypes[n], SPECS["main"].dims[n]) for n in SPECS["main"].step_inputs]
+    + [("state_read_slots", _I32, ("requests",)), ("state_write_slots", _I32, ("tokens",)), _PTR,
+       (STATE_INPUTS[0], _I64, (1,)), (STATE_INPUTS[1], _I64, (1,))],
+    [(n, SPECS["main"].dtypes[n], SPECS["main"].dims[n]) for n in SPECS["main"].outputs],
+)  # fmt: skip
+
+
+def graph_spec(name: str, hybrid: bool = False) -> GraphSpec:
+    """The I/O contract of graph `name` (`hybrid`: of a model with Gated DeltaNet layers)."""
+    return HYBRID_MAIN if hybrid and name == "main" else SPECS[name]
 
 
 def feeds(spec: GraphSpec, inp: Any) -> dict[str, np.ndarray]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # plugins.kv_pool imports torch; the control plane reads layouts without it
+    from plugins.gdn_pool import GDNPoolGeometry
     from plugins.kv_pool import KVPoolGeometry
 
 
@@ -62,3 +63,35 @@ class KVLayout:
         blocks = self.num_blocks if num_blocks is None else num_blocks
         return KVPoolGeometry(self.num_planes, blocks, self.block_size, self.num_kv_heads, self.head_dim,
                               self.dtype_code, self.kv_kind)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class StateLayout:
+    """config.json `state` (hybrid Gated DeltaNet models only): the state pool the GdnStep nodes were built to index.
+
+    Each running request owns `slots_per_request` = K + 2 slots (runtime/core/state_pool.py: the committed state plus
+    one per verify row), so the pool holds max_batch x (K + 2) slots; the executor allocates exactly this."""
+
+    num_layers: int  # GDN layers
+    slots_per_request: int  # K + 2
+    num_slots: int  # limits.max_batch * slots_per_request
+    conv_dim: int  # conv window rows: 2 * Hk * Dk + Hv * Dv
+    conv_kernel: int  # K of the causal conv: the window holds conv_kernel - 1 inputs
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int  # the ssm state per layer and slot is [num_v_heads, head_k_dim, head_v_dim]
+    head_v_dim: int
+    dtype_code: int  # the conv window's element type (the engine dtype); the ssm state is always float32
+
+    @classmethod
+    def plan(cls, geom: GDNPoolGeometry, max_batch: int, num_draft_tokens: int) -> StateLayout:
+        """From the model's pool geometry (models/gdn.py `state_geometry`; its slot count is replaced)."""
+        per = num_draft_tokens + 2
+        return cls(geom.num_layers, per, max_batch * per, geom.conv_dim, geom.conv_kernel, geom.num_k_heads,
+                   geom.num_v_heads, geom.head_k_dim, geom.head_v_dim, geom.dtype_code)  # fmt: skip
+
+    def geometry(self) -> GDNPoolGeometry:
+        from plugins.gdn_pool import GDNPoolGeometry
+
+        return GDNPoolGeometry(self.num_layers, self.num_slots, self.conv_dim, self.conv_kernel, self.num_k_heads,
+                               self.num_v_heads, self.head_k_dim, self.head_v_dim, self.dtype_code)  # fmt: skip

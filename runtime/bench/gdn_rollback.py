@@ -3,7 +3,8 @@
     python -m runtime.bench.gdn_rollback [--reps 15] [--batch 4] [--output bench_results/gdn_rollback.json]
 
 One GDN layer at Qwen3-Next-80B's dims (Hk 16 x Dk 128, Hv 32 x Dv 128, conv kernel 4: 2 MiB of fp32 state per
-request), R requests verifying 1+k rows each through `mtp::gdn_step` (plugins/gdn_ops.py, CPU, 1 thread):
+request), R requests verifying 1+k rows each through `mtp::gdn_step`'s CPU computation on one layer's pools
+(plugins/gdn_ops.py `gdn_step_tensors`, 1 thread):
 
   slots    per-position state slots (what runtime/core/state_pool.py does, vLLM's design): the verify forward stores the
            state after every row in the request's K+1 slots; rollback = choosing the slot of the accepted row
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-import plugins.gdn_ops  # noqa: F401  (torch.ops.mtp.gdn_step)
+from plugins.gdn_ops import gdn_step_tensors  # mtp::gdn_step's computation on one layer's pool tensors
 
 HK, DK, HV, DV, KERNEL = 16, 128, 32, 128, 4  # Qwen3-Next-80B-A3B linear attention
 C = 2 * HK * DK + HV * DV
@@ -55,7 +56,7 @@ def run(batch: int, k: int, reps: int) -> dict:
             conv, ssm = conv0.clone(), ssm0.clone()
             writes = _ints([r * rows + (j + 1) % rows for r in range(batch) for j in range(rows)])
             t0 = time.perf_counter()
-            torch.ops.mtp.gdn_step(mixed, b, a, _ints([rows] * batch), starts, read, writes, conv, ssm, w, a_log, dt,
+            gdn_step_tensors(mixed, b, a, _ints([rows] * batch), starts, read, writes, conv, ssm, w, a_log, dt,
                                    HK, DK, DV)  # fmt: skip
             times["slots"].append(time.perf_counter() - t0)
             chosen = [r * rows + (acc + 1) % rows for r in range(batch)]
@@ -65,10 +66,10 @@ def run(batch: int, k: int, reps: int) -> dict:
             keep = torch.cat([torch.arange(r * rows, r * rows + acc + 1) for r in range(batch)])
             replay_writes = _ints(sum([[-1] * acc + [r * rows] for r in range(batch)], []))
             t0 = time.perf_counter()
-            torch.ops.mtp.gdn_step(mixed, b, a, _ints([rows] * batch), starts, read, _ints([-1] * slots), conv, ssm,
+            gdn_step_tensors(mixed, b, a, _ints([rows] * batch), starts, read, _ints([-1] * slots), conv, ssm,
                                    w, a_log, dt, HK, DK, DV)  # fmt: skip
             times["verify_no_store"].append(time.perf_counter() - t0)
-            torch.ops.mtp.gdn_step(mixed[keep], b[keep], a[keep], _ints([acc + 1] * batch), starts, read, replay_writes,
+            gdn_step_tensors(mixed[keep], b[keep], a[keep], _ints([acc + 1] * batch), starts, read, replay_writes,
                                    conv, ssm, w, a_log, dt, HK, DK, DV)  # fmt: skip
             times["replay"].append(time.perf_counter() - t0)  # verify without stores + the replay
             torch.testing.assert_close(ssm[read.long()], slot_state, atol=1e-5, rtol=1e-5)  # the same rolled-back state

@@ -20,8 +20,9 @@ import onnxruntime as ort
 import torch
 
 from models.engine_format import EngineConfig, EngineDirError, load_engine_config
-from models.engine_format.graph_io import POOL_INPUT, SPECS, feeds
+from models.engine_format.graph_io import POOL_INPUT, STATE_INPUTS, feeds, graph_spec
 from models.engine_format.ort_session import SESSION_OPTIONS, session_options
+from models.gdn import GDNStatePool
 from plugins.kv_pool import allocate_pool, pool_address
 from plugins.names import POOL_NODES
 from plugins.ort_ops import prepare_for_ort
@@ -51,6 +52,13 @@ class OrtExecutor:
         self.geom = cfg.kv.geometry(blocks)
         self.pool = allocate_pool(self.geom)  # owned here: the sessions only see its address
         self._ptr = pool_address(self.pool).numpy()
+        self._addresses = {POOL_INPUT: self._ptr}
+        # Hybrid models: the Gated DeltaNet state pool, exactly the geometry the GdnStep nodes were built with
+        # (config.json `state`: max_batch x (K + 2) slots); runtime/core/state_pool.py hands out its slots.
+        self.state = GDNStatePool.of(cfg.state.geometry()) if cfg.state is not None else None
+        if self.state is not None:
+            refs = self.state.ref
+            self._addresses |= dict(zip(STATE_INPUTS, (refs.conv_ptr.numpy(), refs.ssm_ptr.numpy()), strict=True))
         self.hidden_size, self.vocab_size = cfg.model.hidden_size, cfg.model.vocab_size
         recorded = dict(cfg.build.get("ort_session_options", SESSION_OPTIONS))
         if intra_op_threads is not None:  # a runtime choice (machine and neighbours), not part of the engine
@@ -69,8 +77,9 @@ class OrtExecutor:
     def _run(self, graph: str, inp: object) -> dict[str, np.ndarray]:
         if graph not in self.sessions:
             raise RuntimeError(f"engine {self.config.path} has no {graph} graph (built without MTP?)")
-        spec = SPECS[graph]
-        outs = self.sessions[graph].run(list(spec.outputs), {**feeds(spec, inp), POOL_INPUT: self._ptr})
+        spec = graph_spec(graph, self.state is not None)
+        addresses = {name: self._addresses[name] for name in spec.inputs if name in self._addresses}
+        outs = self.sessions[graph].run(list(spec.outputs), {**feeds(spec, inp), **addresses})
         return dict(zip(spec.outputs, outs, strict=True))
 
     def run_main(self, inp: MainInput) -> MainOutput:

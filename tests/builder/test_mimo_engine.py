@@ -63,8 +63,12 @@ def test_mtp_run_on_the_engine_is_lossless(mimo):
     assert [got[p] for p in prompts] == expected
 
 
-def test_hybrid_checkpoint_is_refused_with_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("flags", [["--compile", "aoti"], ["--world-size", "2", "--ep-size", "2"]])
+def test_hybrid_checkpoint_compiled_or_multi_rank_is_refused_with_one_line(tmp_path, capsys, flags):
+    """Hybrid engines build for ONNX Runtime on one rank (tests/builder/test_hybrid_engine.py); AOTInductor packages
+    and multi-rank engines are refused before anything is exported."""
     make_hybrid_checkpoint(tmp_path / "ckpt", "qwen3_next", seed=1)
-    assert cli.main(_argv(tmp_path / "ckpt", tmp_path / "engine")) != 0
+    assert cli.main(_argv(tmp_path / "ckpt", tmp_path / "engine") + flags) != 0
     err = capsys.readouterr().err
-    assert "hybrid (Gated DeltaNet)" in err and "Traceback" not in err
+    assert "hybrid (Gated DeltaNet)" in err and flags[0] in err and "Traceback" not in err
+    assert not (tmp_path / "engine").exists()

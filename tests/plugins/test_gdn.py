@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import plugins.gdn_ops  # noqa: F401  (torch.ops.mtp.gdn_step)
+from plugins.gdn_pool import GDNPoolGeometry, address
 from plugins.reference import gdn_step_ref
 
 HK, DK, HV, DV, K = 2, 8, 4, 6, 4
@@ -35,6 +36,13 @@ def pools(slots=8, fill=float("nan")):
     return torch.full((slots, C, K - 1), fill), torch.full((slots, HV, DK, DV), fill)
 
 
+def op(mixed, b, a, counts, starts, reads, writes, conv, ssm, w, a_log, dt, hk, dk, dv):
+    """`mtp::gdn_step` itself: the pools [S, C, K-1] / [S, Hv, Dk, Dv] by address, as layer 0 of a 1-layer pool."""
+    geom = GDNPoolGeometry(1, conv.shape[0], conv.shape[1], conv.shape[2] + 1, hk, a.shape[1], dk, dv)
+    return torch.ops.mtp.gdn_step(mixed, b, a, counts, starts, reads, writes, address(conv), address(ssm), w, a_log,
+                                  dt, **geom.attrs(0))
+
+
 def both(mixed, b, a, counts, starts, reads, writes, conv, ssm, impl="op"):
     """Run `impl` and the reference on copies of the same pools; return both (out, conv, ssm)."""
     from plugins.gdn_triton import gdn_step_triton
@@ -43,7 +51,7 @@ def both(mixed, b, a, counts, starts, reads, writes, conv, ssm, impl="op"):
     args = lambda c, s: (mixed, b, a, torch.tensor(counts, dtype=I32), torch.tensor(starts, dtype=I32),  # noqa: E731
                          torch.tensor(reads, dtype=I32), torch.tensor(writes, dtype=I32), c, s, w, a_log, dt, HK, DK, DV)
     c1, s1, c2, s2 = conv.clone(), ssm.clone(), conv.clone(), ssm.clone()
-    fn = torch.ops.mtp.gdn_step if impl == "op" else gdn_step_triton
+    fn = op if impl == "op" else gdn_step_triton
     return (fn(*args(c1, s1)), c1, s1), (gdn_step_ref(*args(c2, s2)), c2, s2)
 
 
@@ -85,11 +93,11 @@ def test_chunked_rows_equal_transformers_whole_sequence(split):
     conv, ssm = pools()
     w, a_log, dt = params()
     n = mixed.shape[0]
-    first = torch.ops.mtp.gdn_step(mixed[:split], b[:split], a[:split], torch.tensor([split], dtype=I32),
+    first = op(mixed[:split], b[:split], a[:split], torch.tensor([split], dtype=I32),
                                    torch.tensor([0], dtype=I32), torch.tensor([5], dtype=I32),
                                    torch.tensor([-1] * (split - 1) + [3], dtype=I32), conv, ssm, w, a_log, dt, HK, DK,
                                    DV)  # fmt: skip
-    rest = torch.ops.mtp.gdn_step(mixed[split:], b[split:], a[split:], torch.tensor([n - split], dtype=I32),
+    rest = op(mixed[split:], b[split:], a[split:], torch.tensor([n - split], dtype=I32),
                                   torch.tensor([split], dtype=I32), torch.tensor([3], dtype=I32),
                                   torch.tensor([-1] * (n - split - 1) + [1], dtype=I32), conv, ssm, w, a_log, dt, HK,
                                   DK, DV)  # fmt: skip
@@ -103,11 +111,11 @@ def test_dropping_the_conv_window_fails_the_comparison():
     expected, _ = hf_reference(mixed, b, a)
     conv, ssm = pools()
     w, a_log, dt = params()
-    torch.ops.mtp.gdn_step(mixed[:4], b[:4], a[:4], torch.tensor([4], dtype=I32), torch.tensor([0], dtype=I32),
+    op(mixed[:4], b[:4], a[:4], torch.tensor([4], dtype=I32), torch.tensor([0], dtype=I32),
                            torch.tensor([0], dtype=I32), torch.tensor([-1, -1, -1, 3], dtype=I32), conv, ssm, w, a_log,
                            dt, HK, DK, DV)  # fmt: skip
     conv[3] = 0.0
-    rest = torch.ops.mtp.gdn_step(mixed[4:], b[4:], a[4:], torch.tensor([7], dtype=I32), torch.tensor([4], dtype=I32),
+    rest = op(mixed[4:], b[4:], a[4:], torch.tensor([7], dtype=I32), torch.tensor([4], dtype=I32),
                                   torch.tensor([3], dtype=I32), torch.tensor([-1] * 7, dtype=I32), conv, ssm, w, a_log,
                                   dt, HK, DK, DV)  # fmt: skip
     assert (rest - expected[4:]).abs().max() > 1e-3
@@ -122,7 +130,7 @@ def test_padded_requests_and_unstored_rows_touch_nothing(impl):
     w, a_log, dt = params()
     from plugins.gdn_triton import gdn_step_triton
 
-    fn = {"op": torch.ops.mtp.gdn_step, "reference": gdn_step_ref, "triton": gdn_step_triton}[impl]
+    fn = {"op": op, "reference": gdn_step_ref, "triton": gdn_step_triton}[impl]
     out = fn(mixed, b, a, torch.tensor([0, 3, 0], dtype=I32), torch.tensor([9, 0, 4], dtype=I32),
              torch.tensor([1, 2, 4], dtype=I32), torch.tensor([-1, -1, 6], dtype=I32), conv, ssm, w, a_log, dt, HK,
              DK, DV)  # fmt: skip

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import plugins.collectives  # noqa: F401
+import plugins.gdn_ops  # noqa: F401
 import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from plugins.op_backends import onnx_schema, translation
@@ -87,6 +88,18 @@ def test_tensorrt_format_checks_follow_the_dtype_classes():
     assert not accepts(spec, 3, ["float32", "float32", "int32", "int32"])  # an address is int64
     assert not accepts(spec, 5, ["float16", "float16", "int32", "int64", "float32", "float32"])  # output: a's type
     assert not accepts(spec, 0, ["int8"])
+
+
+def test_in_place_inputs_are_addresses_the_spec_names():
+    """Mutated inputs are in the contract as int64[1] addresses written through (`writes`), never as tensors: ONNX
+    Runtime's Python ops receive copies of tensor inputs, so a write to a pool tensor would be lost."""
+    assert SPECS["kv_write"].written == ("pool_ptr",) and SPECS["mla_kv_write"].written == ("pool_ptr",)
+    assert SPECS["gdn_step"].written == ("conv_pool_ptr", "ssm_pool_ptr")
+    assert SPECS["paged_attention"].written == () and SPECS["moe_experts"].written == ()
+    with pytest.raises(ValueError, match="an input written in place is an int64"):
+        Tensor("conv_pool", FLOAT, "[S, C, K-1]", writes=True)
+    with pytest.raises(ValueError, match="an input written in place is an int64"):
+        Tensor("state", INT64, "[1]", writes=True)
 
 
 def test_a_kernel_library_with_another_schema_is_refused():

@@ -59,12 +59,13 @@ def test_every_trt_plugin_node_has_a_plugin_class_with_its_op_spec() -> None:
     listed = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "creators")
     called = [c.func.id for c in ast.walk(listed) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
     assert [plugins[creators[c]][0] for c in called] == ["KV_WRITE", "PAGED_ATTENTION", "MLA_KV_WRITE",
-                                                         "MLA_PAGED_ATTENTION"]  # fmt: skip
+                                                         "MLA_PAGED_ATTENTION", "GDN_STEP"]  # fmt: skip
 
 
 def test_node_attributes_are_the_torch_ops_non_tensor_arguments() -> None:
     """The ORT ops and the TensorRT plugins read fields by the specs: their names and order are the torch op's."""
     import plugins.collectives  # noqa: F401
+    import plugins.gdn_ops  # noqa: F401
     import plugins.mla_ops  # noqa: F401
     import plugins.ops  # noqa: F401
     from plugins.op_spec import SPECS

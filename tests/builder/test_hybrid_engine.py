@@ -1,0 +1,99 @@
+"""Hybrid Gated-DeltaNet checkpoints (Qwen3-Next, Qwen3.5-MoE) through `mtp-build`: the engine records its state pool
+(config.json `state`), `--check` passes, the main graph holds one GdnStep node per GDN layer while the draft and
+commit graphs take no state at all (the MTP layer is full attention), and the ONNX Runtime engine decodes greedy
+token-identical to the torch executor at K=0..3 with prefill chunks shorter than the prompts and a state pool
+poisoned with NaN (a slot is only read after its request wrote it). A `state` that disagrees with the model is
+refused with one line."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+
+from builder import cli
+from models.engine_format import EngineDirError, load_engine_config
+from models.testing import make_hybrid_checkpoint
+from plugins.names import GDN_STEP
+from runtime.core.sampling import SamplingParams
+from runtime.factory import create_engine
+from tests.builder.engine_edits import copy_engine, edit_config
+from tests.runtime.engine_utils import random_prompts
+
+pytest.importorskip("transformers")
+
+VOCAB = 6  # a random MTP module agrees with the main model ~1/vocab of the time: accepted AND rejected drafts
+# 2 layers (one GDN, one gated attention) instead of the fixtures' 4: the ONNX export is the slow part of a build.
+LAYERS = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+LIMITS = dict(max_batch=4, max_num_tokens=32, max_seq_len=64, kv_block_size=4, num_draft_tokens=3)
+PROMPTS = random_prompts((5, 13, 9, 22, 3), vocab=VOCAB, seed=0)
+PARAMS = SamplingParams(max_tokens=12)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
+def hybrid(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    make_hybrid_checkpoint(root / "ckpt", request.param, seed=2, vocab_size=VOCAB, **LAYERS)
+    argv = ["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine")]
+    for k, v in LIMITS.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    assert cli.main(argv) == 0  # ids-only (no tokenizer.json): requests are token ids
+    return root / "ckpt", root / "engine"
+
+
+def _graph(engine, name: str) -> onnx.ModelProto:
+    return onnx.load(str(load_engine_config(engine).graph_file(0, name)), load_external_data=False)
+
+
+def test_build_records_the_state_pool_and_graphs_need_it_only_in_main(hybrid):
+    ckpt, engine = hybrid
+    cfg = load_engine_config(engine)
+    m, state = cfg.model, cfg.state
+    assert state is not None and cfg.kv.num_planes == 1 + m.num_mtp_modules  # only attention layers own a KV plane
+    assert (state.num_layers, state.slots_per_request, state.num_slots) == (1, 3 + 2, 4 * (3 + 2))
+    assert (state.conv_dim, state.conv_kernel, state.dtype_code) == (m.gdn_conv_dim, m.linear_conv_kernel_dim, 0)
+    assert json.loads((engine / "config.json").read_text())["state"]["num_slots"] == 20
+    assert cli.main(["--check", str(engine)]) == 0
+    main = _graph(engine, "main")
+    gdn = [n for n in main.graph.node if n.op_type == GDN_STEP]
+    assert [next(a.i for a in n.attribute if a.name == "layer") for n in gdn] == [0]
+    assert {"state_read_slots", "state_write_slots", "conv_pool_ptr", "ssm_pool_ptr"} <= {i.name for i in main.graph.input}
+    for name in ("mtp_draft", "mtp_commit"):  # the MTP layer is full attention: no recurrent state
+        g = _graph(engine, name).graph
+        assert not [n for n in g.node if n.op_type == GDN_STEP]
+        assert not {i.name for i in g.input} & {"state_read_slots", "conv_pool_ptr", "ssm_pool_ptr"}
+
+
+def test_ort_engine_is_lossless_against_the_torch_executor(hybrid):
+    ckpt, engine = hybrid
+    ref = create_engine(checkpoint=ckpt, executor="torch", num_draft_tokens=0, block_size=4, num_blocks=200,
+                        max_batch=4, max_num_tokens=32, max_seq_len=64)  # fmt: skip
+    want = [o.output_ids for o in ref.generate(PROMPTS, PARAMS)]
+    assert len(set(map(tuple, want))) > 1
+    for k in (0, 1, 2, 3):
+        eng = create_engine(engine_dir=engine, executor="onnxruntime", num_draft_tokens=k, max_prefill_chunk=6)
+        eng.executor.state.conv.fill_(float("nan"))  # every state slot poisoned: read only after written
+        eng.executor.state.ssm.fill_(float("nan"))
+        got = [o.output_ids for o in eng.generate(PROMPTS, PARAMS)]
+        assert got == want, f"K={k}"
+        eng.kv.assert_no_leaks()
+        assert eng.state_slots.num_free_groups == eng.cfg.max_batch
+        if k:
+            rate = eng.metrics.acceptance_rate_per_position[0]
+            assert 0 < rate < 1, f"K={k}: acceptance {rate}: both accepted and rejected drafts must be exercised"
+
+
+def test_a_state_pool_that_disagrees_is_refused_with_one_line(hybrid, tmp_path):
+    ckpt, engine = hybrid
+    copy = copy_engine(engine, tmp_path)
+    edit_config(copy, state__num_slots=8)
+    with pytest.raises(EngineDirError, match=r"state\.num_slots=8 but the model, limits and num_draft_tokens give 20"):
+        load_engine_config(copy)
+    raw = json.loads((copy / "config.json").read_text())
+    del raw["state"]
+    (copy / "config.json").write_text(json.dumps(raw))
+    edit_config(copy)  # re-seal
+    with pytest.raises(EngineDirError, match="has Gated DeltaNet layers but config.json records no `state` pool") as e:
+        load_engine_config(copy)
+    assert "\n" not in str(e.value)
