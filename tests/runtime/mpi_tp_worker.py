@@ -86,11 +86,14 @@ def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: 
         role.stop()
     attn = getattr(role.executor, "model", None)
     heads = attn.layers[0].self_attn.num_heads if attn is not None else None  # torch executor: this rank's q heads
-    gathered = comm.gather((outputs, role.num_calls, heads, collective_seconds()), root=0)
+    hits = engine.metrics.prefix_hit_tokens if role.is_leader else 0
+    gathered = comm.gather((outputs, role.num_calls, heads, collective_seconds(), type(role.executor).__name__, hits),
+                           root=0)  # fmt: skip
     if rank != 0:
         return None
     return {"outputs": {key: v for g in gathered for key, v in g[0].items()}, "calls": [g[1] for g in gathered],
-            "heads": [g[2] for g in gathered], "collective_seconds": [g[3] for g in gathered]}
+            "heads": [g[2] for g in gathered], "collective_seconds": [g[3] for g in gathered],
+            "executors": [g[4] for g in gathered], "prefix_hit_tokens": sum(g[5] for g in gathered)}
 
 
 def main() -> None:
