@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-import plugins.mla_ops  # noqa: F401  (the packages call the plugin ops by name)
+import plugins.collectives  # noqa: F401  (the packages call the plugin ops by name; the collectives: multi-rank)
+import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from builder.graphs import WRAPPERS
 from builder.options import BuildError
@@ -199,7 +200,7 @@ def _rank_main(engine: str) -> int:
         print(f"{RESULT}rank {rank}: {' '.join(str(e).split())[:400]}", flush=True)
         comm.Abort(2)
     results = comm.gather(result, root=0)
-    if rank == 0:
+    if results is not None:  # rank 0
         worst = max(w for w, _ in results)
         bad = next((b for _, b in results if b is not None), None)
         print(RESULT + json.dumps([worst, bad]), flush=True)

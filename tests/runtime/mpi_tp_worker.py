@@ -1,11 +1,12 @@
 """Run under `mpirun -np N python mpi_tp_worker.py SOURCE OUT MODE TP EP KS`: tensor-parallel serving.
 
 SOURCE: a checkpoint directory (torch executor, weights replicated over the TP group, EP 1 or N) or an
-engine directory built with --tp-size (onnxruntime; its config gives TP and EP, the TP/EP arguments must match).
+engine directory built with --tp-size (executor $MTP_TEST_EXECUTOR, default auto: its compiled packages when it
+has them, else onnxruntime; its config gives TP and EP, the TP/EP arguments must match).
 Each DP leader serves its share of PROMPTS (chunked prefill, a shared prefix for prefix hits, requests
 arriving mid-run so batches mix prefill and decode); followers replay. For each K in KS (comma-separated) a
 fresh engine runs ("auto": the leaders agree on each step's k over the leaders comm); rank 0 writes {"K": {"outputs": ..., "calls": [per-rank executor calls], "heads": [per-rank q heads],
-"collective_seconds": [...]}} to OUT.
+"collective_seconds": [...], "executors": [per-rank executor class], "prefix_hit_tokens": leaders' sum}} to OUT.
 MODE "ok": as above. MODE "kill": every rank writes its pid to OUT.pid<rank>, the leaders serve forever.
 MODE "idle": the leader idles (no step in progress) for 2.5 x the collective timeout after its second step:
 the followers' wait for the next step is not armed, so the run must still succeed.
@@ -37,7 +38,8 @@ def prompts() -> tuple[list[list[int]], list[list[int]]]:
 
 def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: str, comm) -> dict | None:
     if (source / "manifest.json").is_file():  # an engine: its limits and KV layout are its own
-        kwargs: dict = dict(engine_dir=source, max_prefill_chunk=SETTINGS["max_prefill_chunk"])
+        kwargs: dict = dict(engine_dir=source, max_prefill_chunk=SETTINGS["max_prefill_chunk"],
+                            executor=os.environ.get("MTP_TEST_EXECUTOR", "auto"))  # fmt: skip
     else:
         kwargs = dict(checkpoint=source, executor="torch", tp_size=tp, ep_size=ep, **SETTINGS)
     _, rank, world = mpi_world()
