@@ -124,7 +124,7 @@ def _rel(cfg: EngineConfig, path: Path) -> str:
 
 
 def _disagrees(cfg: EngineConfig, package: str, worst: float) -> str:
-    return (f"compiled package {package} of {cfg.path} disagrees with the torch model on the probe batch (max |diff| "
+    return (f"compiled package(s) {package} of {cfg.path} disagree with the torch model on the probe batch (max |diff| "
             f"{worst:.2e} > {TOLERANCE}); rebuild with `mtp-build --compile aoti --force`")  # fmt: skip
 
 
@@ -202,8 +202,8 @@ def _rank_main(engine: str) -> int:
     results = comm.gather(result, root=0)
     if results is not None:  # rank 0
         worst = max(w for w, _ in results)
-        bad = next((b for _, b in results if b is not None), None)
-        print(RESULT + json.dumps([worst, bad]), flush=True)
+        bad = [b for _, b in results if b is not None]  # a wrong rank's error reaches its TP group's all-reduces
+        print(RESULT + json.dumps([worst, ", ".join(bad) or None]), flush=True)
     return 0
 
 
