@@ -10,11 +10,18 @@ plane. The torch model is rebuilt from the checkpoint the engine records; withou
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
-import plugins.mla_ops  # noqa: F401  (the packages call the plugin ops by name)
+import plugins.collectives  # noqa: F401  (the packages call the plugin ops by name; the collectives: multi-rank)
+import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from builder.graphs import WRAPPERS
 from builder.options import BuildError
@@ -23,6 +30,15 @@ from models.engine_format.compiled import AOTI_KIND, compiled_info, compiled_pro
 from plugins.kv_pool import allocate_pool, pool_address
 
 TOLERANCE = 1e-4  # fp32 math on both sides: differences are summation order only (~1e-6 measured)
+CHECK_TIMEOUT_S = 300  # the multi-rank probe under mpirun (loads each rank's shard and packages: seconds here)
+RESULT = "COMPILED_CHECK "  # the line a multi-rank probe's ranks report on
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mpirun_path() -> str | None:
+    """The mpirun next to this Python (a venv's mpi4py wheel ships one), else the one on PATH."""
+    local = Path(sys.executable).parent / "mpirun"
+    return str(local) if local.exists() else shutil.which("mpirun")
 
 
 def probe_inputs(cfg: EngineConfig) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -52,8 +68,11 @@ def probe_inputs(cfg: EngineConfig) -> dict[str, tuple[torch.Tensor, ...]]:
     return out
 
 
-def check_compiled(cfg: EngineConfig, rank: int = 0) -> str:
-    """One line saying what was verified; BuildError (one line) when a package fails to load or disagrees."""
+def check_compiled(cfg: EngineConfig) -> str:
+    """One line saying what was verified; BuildError (one line) when a package fails to load or disagrees.
+
+    A multi-rank engine's packages call the collectives, so its probe runs under `mpirun -np W` (each rank
+    against the torch model sharded to that rank, `_rank_main`); without mpirun they are only load-checked."""
     if compiled_info(cfg) is None:
         return "no compiled packages"
     problem = compiled_problem(cfg)
@@ -61,14 +80,25 @@ def check_compiled(cfg: EngineConfig, rank: int = 0) -> str:
         raise BuildError(problem)
     checkpoint = Path(cfg.checkpoint.get("path", ""))
     if not (checkpoint / "config.json").is_file():
+        _load_all(cfg)
         return f"compiled packages load-checked only: the checkpoint {checkpoint} is not here to compare against"
+    if cfg.world_size > 1:
+        return _check_under_mpirun(cfg)
     from models.checkpoint import load_model
 
-    model, _ = load_model(checkpoint)
+    worst, bad = probe_rank(cfg, 0, load_model(checkpoint)[0])
+    if bad is not None:
+        raise BuildError(_disagrees(cfg, bad, worst))
+    return f"compiled packages match the torch model on a probe batch (max |diff| {worst:.1e}, pools equal)"
+
+
+def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
+    """(largest |diff|, the first package over TOLERANCE or None) of this rank's packages against `model` (this
+    rank's shard). Every graph runs whatever the earlier ones gave, so all ranks issue the same collectives."""
     model = model.eval().fuse()
     geom = cfg.kv.geometry()
     ours, theirs = allocate_pool(geom), allocate_pool(geom)
-    worst = 0.0
+    worst, bad = 0.0, None
     with torch.inference_mode():
         for name, inputs in probe_inputs(cfg).items():
             path = cfg.graph_file(rank, name, AOTI_KIND)
@@ -77,17 +107,104 @@ def check_compiled(cfg: EngineConfig, rank: int = 0) -> str:
                 package = torch._inductor.aoti_load_package(str(path))
                 got = package(*inputs, pool_address(ours))
             except Exception as e:  # a package that does not load or run here: one line naming it
-                raise BuildError(f"compiled package {path.name} of {cfg.path} does not run here ({type(e).__name__}: "
-                                 f"{' '.join(str(e).split())[:200]}); rebuild with `mtp-build --compile aoti --force`") from e  # fmt: skip
+                raise BuildError(f"compiled package {_rel(cfg, path)} of {cfg.path} does not run here "
+                                 f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); rebuild with "
+                                 "`mtp-build --compile aoti --force`") from e  # fmt: skip
             want = WRAPPERS[name](model, geom)(*inputs, pool_address(theirs))
             for a, b in zip(_tuple(got), _tuple(want), strict=True):
                 worst = max(worst, _diff(a, b))
             worst = max(worst, _diff(ours, theirs))
-            if worst > TOLERANCE:
-                raise BuildError(f"compiled package {path.name} of {cfg.path} disagrees with the torch model on the "
-                                 f"probe batch (max |diff| {worst:.2e} > {TOLERANCE}); rebuild with `mtp-build "
-                                 "--compile aoti --force`")  # fmt: skip
-    return f"compiled packages match the torch model on a probe batch (max |diff| {worst:.1e}, pools equal)"
+            if worst > TOLERANCE and bad is None:
+                bad = _rel(cfg, path)
+    return worst, bad
+
+
+def _rel(cfg: EngineConfig, path: Path) -> str:
+    return str(path.relative_to(cfg.path)) if path.is_relative_to(cfg.path) else path.name
+
+
+def _disagrees(cfg: EngineConfig, package: str, worst: float) -> str:
+    return (f"compiled package(s) {package} of {cfg.path} disagree with the torch model on the probe batch (max |diff| "
+            f"{worst:.2e} > {TOLERANCE}); rebuild with `mtp-build --compile aoti --force`")  # fmt: skip
+
+
+def _load_all(cfg: EngineConfig) -> None:
+    """Load (not run) every rank's packages: a package this torch cannot load fails with one line."""
+    for rank in range(cfg.world_size):
+        for name in cfg.graphs[rank]:
+            path = cfg.graph_file(rank, name, AOTI_KIND)
+            assert path is not None
+            try:
+                torch._inductor.aoti_load_package(str(path))
+            except Exception as e:
+                raise BuildError(f"compiled package {_rel(cfg, path)} of {cfg.path} does not load here "
+                                 f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); rebuild with "
+                                 "`mtp-build --compile aoti --force`") from e  # fmt: skip
+
+
+def _check_under_mpirun(cfg: EngineConfig) -> str:
+    """Run `_rank_main` on W ranks under mpirun, killed (with its ranks) after CHECK_TIMEOUT_S: never a hang."""
+    mpirun = mpirun_path()
+    if mpirun is None:
+        _load_all(cfg)
+        return (f"compiled packages of {cfg.world_size} ranks load-checked only: their probe runs under mpirun, "
+                "which is not on PATH")  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    if os.geteuid() == 0:  # Open MPI refuses root without these (containers run as root)
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [mpirun, "-np", str(cfg.world_size), "--oversubscribe", sys.executable, "-m", "builder.compile_check",
+           str(cfg.path)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise BuildError(f"the probe of {cfg.path}'s compiled packages under mpirun -np {cfg.world_size} did not end in "
+                         f"{CHECK_TIMEOUT_S}s (a rank stuck in a collective?); rerun with --debug or rebuild") from None  # fmt: skip
+    lines = [ln.removeprefix(RESULT).strip() for ln in output.splitlines() if ln.startswith(RESULT)]
+    errors = [ln for ln in lines if ln.startswith("rank ")]
+    if errors:
+        raise BuildError(errors[0])
+    if proc.returncode != 0 or not lines:
+        tail = " ".join(output.split())[-300:]
+        raise BuildError(f"the probe of {cfg.path}'s compiled packages under mpirun -np {cfg.world_size} failed (exit "
+                         f"{proc.returncode}): {tail}")  # fmt: skip
+    worst, bad = json.loads(lines[-1])
+    if bad is not None:
+        raise BuildError(_disagrees(cfg, bad, worst))
+    return (f"compiled packages of {cfg.world_size} ranks match the torch model (each rank's shard, under mpirun) on "
+            f"a probe batch (max |diff| {worst:.1e}, pools equal)")  # fmt: skip
+
+
+def _rank_main(engine: str) -> int:
+    """One rank of `_check_under_mpirun`: probe this rank's packages; rank 0 prints the result line. A rank that
+    fails prints its line and aborts the world (the others would wait in a collective)."""
+    from mpi4py import MPI
+
+    from models.checkpoint import load_model
+    from models.engine_format import load_engine_config
+    from plugins.collectives import groups
+    from plugins.mapping import rank_mapping
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    try:
+        cfg = load_engine_config(engine, verify_checksums=False)  # the parent verified them
+        groups(cfg.parallel.tp_size)  # the communicators, made by every rank before any collective
+        mapping = rank_mapping(rank, cfg.parallel, cfg.model.n_routed_experts if cfg.model.has_moe else 0)
+        result = probe_rank(cfg, rank, load_model(cfg.checkpoint["path"], mapping=mapping)[0])
+    except BaseException as e:  # noqa: BLE001 - the parent gets one line; the other ranks must not wait
+        print(f"{RESULT}rank {rank}: {' '.join(str(e).split())[:400]}", flush=True)
+        comm.Abort(2)
+    results = comm.gather(result, root=0)
+    if results is not None:  # rank 0
+        worst = max(w for w, _ in results)
+        bad = [b for _, b in results if b is not None]  # a wrong rank's error reaches its TP group's all-reduces
+        print(RESULT + json.dumps([worst, ", ".join(bad) or None]), flush=True)
+    return 0
 
 
 def _tuple(x) -> tuple[torch.Tensor, ...]:
@@ -100,3 +217,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if not a.dtype.is_floating_point:
         return 0.0 if torch.equal(a, b) else float("inf")
     return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+if __name__ == "__main__":  # python -m builder.compile_check ENGINE_DIR, under mpirun (by `_check_under_mpirun`)
+    sys.exit(_rank_main(sys.argv[1]))

@@ -110,10 +110,9 @@ class BuildOptions:
             raise BuildError(f"--max-seq-len {self.max_seq_len} leaves no room for K={self.num_draft_tokens} drafts")
         if self.compile not in COMPILES:
             raise BuildError(f"--compile {self.compile!r} is unknown; choose one of {', '.join(COMPILES)}")
-        if self.compile != "none" and (self.backend != "onnxruntime" or self.world_size != 1):
-            raise BuildError(f"--compile {self.compile} builds CPU packages for one rank: use it with --backend "
-                             f"onnxruntime and --world-size 1 (got --backend {self.backend}, --world-size "
-                             f"{self.world_size}), or drop --compile")  # fmt: skip
+        if self.compile != "none" and self.backend != "onnxruntime":
+            raise BuildError(f"--compile {self.compile} builds CPU packages (one set per rank): use it with --backend "
+                             f"onnxruntime (got --backend {self.backend}), or drop --compile")  # fmt: skip
         if self.backend == "onnxruntime" and self.dtype != "float32":
             raise BuildError(
                 f"--backend onnxruntime supports --dtype float32 only (its plugin ops are onnxruntime-extensions "

@@ -310,9 +310,7 @@ def _write_engine(opts: BuildOptions, work: Path, rep: Reporter, ckpt_cfg: Model
                   for r in range(opts.world_size)]  # fmt: skip
     backend_info = _backend(opts, work, graphs, layout, rep)
     if opts.compile != "none":
-        record = work / rank_dir(0) / COMPILED_INFO
-        backend_info["compiled"] = {"kind": opts.compile, **json.loads(record.read_text())}
-        record.unlink()
+        backend_info["compiled"] = {"kind": opts.compile, **_compiled_record(work, opts.world_size)}
     rep.step("write config + checksums")
     cfg = EngineConfig(
         path=work, schema_version=SCHEMA_VERSION, model=ckpt_cfg, dtype=opts.dtype, limits=opts.limits(),
@@ -330,6 +328,22 @@ def _write_engine(opts: BuildOptions, work: Path, rep: Reporter, ckpt_cfg: Model
     with _signals_held():  # never leave the old engine moved aside and the new one not yet in place
         _install(work, opts.output)
     return cfg
+
+
+def _compiled_record(work: Path, world_size: int) -> dict[str, Any]:
+    """config.json's `build.compiled`: rank 0's compile record, after checking every rank's agrees with it on
+    what `compiled_problem` checks at load (torch version, ISA) and on the weight storage (equal shards)."""
+    records = []
+    for rank in range(world_size):
+        path = work / rank_dir(rank) / COMPILED_INFO
+        records.append(json.loads(path.read_text()))
+        path.unlink()
+    for rank, rec in enumerate(records[1:], 1):
+        for key in ("torch_version", "isa", "weights"):
+            if rec[key] != records[0][key]:
+                raise BuildError(f"rank {rank}'s packages were compiled with {key}={rec[key]!r}, rank 0's with "
+                                 f"{records[0][key]!r}; build every rank on one machine and torch")  # fmt: skip
+    return records[0]
 
 
 def _opset(path: Path) -> int:

@@ -1,4 +1,5 @@
-"""Run one rank's load + export in a child process, so that rank's weights leave memory with it.
+"""Run one rank's load + export (+ its AOTInductor compile) in a child process, so that rank's weights leave
+memory with it.
 
 Why: torch.onnx's exporter keeps references to the weights of the graphs it exported (its IR wraps the torch
 tensors), so in one process every exported rank's share stayed resident until the build ended (measured on an

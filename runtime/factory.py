@@ -135,7 +135,7 @@ def fastest_executor(ecfg: EngineConfig) -> str:
     TensorRT for a TensorRT engine). docs/PERFORMANCE.md ("Compiled engine") has the measured order."""
     if ecfg.backend == "tensorrt":
         return "tensorrt"
-    if ecfg.world_size == 1 and compiled_problem(ecfg) is None:
+    if compiled_problem(ecfg) is None:  # every rank has packages (compiled_info), for this torch and CPU
         return "compiled"
     return "onnxruntime"
 

@@ -9,6 +9,12 @@ except the plugin ops' own bodies (C++ once registered by the C++ plugin library
 
 The pool is allocated here with exactly the geometry the packages were compiled for (its `num_blocks` is
 baked into their plugin calls): a runtime `num_blocks` up to the built one uses the first blocks of it.
+
+Multi-rank (mpirun): each rank loads its own rank's packages. The collectives inside them (`mtp::all_reduce`,
+`mtp::all_gather`, the MoE exchange behind `mtp::moe_experts`) are Python ops over mpi4py; a package calls them
+through the torch dispatcher like any op without a C shim (AOTInductor's proxy executor), so a rank issues the
+same collectives in the same order as the torch and ONNX Runtime executors, and runtime/multirank drives it
+unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import plugins.mla_ops  # noqa: F401  (registers the ops the packages call by name)
+import plugins.collectives  # noqa: F401  (registers the ops the packages call by name; the collectives: multi-rank)
+import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from models.engine_format import EngineConfig, EngineDirError, load_engine_config
 from models.engine_format.compiled import AOTI_KIND, compiled_problem
@@ -60,8 +67,9 @@ class CompiledExecutor:
         problem = compiled_problem(cfg)
         if problem is not None:
             raise EngineDirError(f"--executor compiled: {problem}")
-        if rank != 0 or cfg.world_size != 1:
-            raise EngineDirError(f"--executor compiled runs one-rank engines; {cfg.path} has world_size={cfg.world_size}")
+        if not 0 <= rank < cfg.world_size:
+            raise EngineDirError(f"rank {rank} is outside engine {cfg.path}'s world_size={cfg.world_size}; launch it "
+                                 f"with mpirun -np {cfg.world_size}")  # fmt: skip
         blocks = num_blocks if num_blocks is not None else cfg.kv.num_blocks
         if not 2 <= blocks <= cfg.kv.num_blocks:
             raise ValueError(f"num_blocks={blocks}: the compiled engine's pool has {cfg.kv.num_blocks} blocks (baked "

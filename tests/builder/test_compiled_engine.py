@@ -133,11 +133,13 @@ def test_check_refuses_a_resealed_wrong_package(compiled, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "main.aoti.pt2" in err
 
 
-def test_compile_needs_one_rank(checkpoint, tmp_path, capsys):
-    argv = ["--checkpoint", str(checkpoint), "--output", str(tmp_path / "e"), "--compile", "aoti", "--world-size",
-            "2", "--ep-size", "2"]  # fmt: skip
+def test_compile_needs_onnxruntime(checkpoint, tmp_path, capsys):
+    """Multi-rank compiled engines are tests/runtime/test_mpi_tp.py's; TensorRT engines have no CPU packages."""
+    argv = ["--checkpoint", str(checkpoint), "--output", str(tmp_path / "e"), "--compile", "aoti", "--backend",
+            "tensorrt"]  # fmt: skip
     assert cli.main(argv) == 2
-    assert "--compile aoti builds CPU packages for one rank" in " ".join(capsys.readouterr().err.split())
+    assert "--compile aoti builds CPU packages (one set per rank): use it with --backend onnxruntime" in " ".join(
+        capsys.readouterr().err.split())  # fmt: skip
 
 
 def test_num_blocks_above_the_built_pool_is_refused(compiled):

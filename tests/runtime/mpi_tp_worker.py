@@ -1,12 +1,14 @@
 """Run under `mpirun -np N python mpi_tp_worker.py SOURCE OUT MODE TP EP KS`: tensor-parallel serving.
 
 SOURCE: a checkpoint directory (torch executor, weights replicated over the TP group, EP 1 or N) or an
-engine directory built with --tp-size (onnxruntime; its config gives TP and EP, the TP/EP arguments must match).
+engine directory built with --tp-size (executor $MTP_TEST_EXECUTOR, default auto: its compiled packages when it
+has them, else onnxruntime; its config gives TP and EP, the TP/EP arguments must match).
 Each DP leader serves its share of PROMPTS (chunked prefill, a shared prefix for prefix hits, requests
 arriving mid-run so batches mix prefill and decode); followers replay. For each K in KS (comma-separated) a
 fresh engine runs ("auto": the leaders agree on each step's k over the leaders comm); rank 0 writes {"K": {"outputs": ..., "calls": [per-rank executor calls], "heads": [per-rank q heads],
 "collective_seconds": [...], "accepted": [per-rank (accepted, proposed) drafts per position],
-"experts": [per-rank routed experts held]}} to OUT.
+"experts": [per-rank routed experts held], "executors": [per-rank executor class], "prefix_hit_tokens": leaders' sum}}
+to OUT.
 MODE "ok": as above. MODE "kill": every rank writes its pid to OUT.pid<rank>, the leaders serve forever.
 MODE "idle": the leader idles (no step in progress) for 2.5 x the collective timeout after its second step:
 the followers' wait for the next step is not armed, so the run must still succeed.
@@ -39,7 +41,8 @@ def prompts(vocab: int = 96) -> tuple[list[list[int]], list[list[int]]]:
 
 def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: str, comm) -> dict | None:
     if (source / "manifest.json").is_file():  # an engine: its limits and KV layout are its own
-        kwargs: dict = dict(engine_dir=source, max_prefill_chunk=SETTINGS["max_prefill_chunk"])
+        kwargs: dict = dict(engine_dir=source, max_prefill_chunk=SETTINGS["max_prefill_chunk"],
+                            executor=os.environ.get("MTP_TEST_EXECUTOR", "auto"))  # fmt: skip
     else:
         kwargs = dict(checkpoint=source, executor="torch", tp_size=tp, ep_size=ep, **SETTINGS)
     _, rank, world = mpi_world()
@@ -92,13 +95,16 @@ def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: 
     experts = next((p.shape[0] for n, p in named if n.endswith("w_gate_up")), None)  # routed experts held here
     met = engine.metrics
     accepted = (met.accepted_per_position, met.proposed_per_position) if role.is_leader else ([], [])
-    gathered = comm.gather((outputs, role.num_calls, attn and attn.num_heads, collective_seconds(), accepted, experts),
+    hits = met.prefix_hit_tokens if role.is_leader else 0
+    gathered = comm.gather((outputs, role.num_calls, attn and attn.num_heads, collective_seconds(), accepted, experts,
+                            type(role.executor).__name__, hits),
                            root=0)  # fmt: skip
     if rank != 0:
         return None
     return {"outputs": {key: v for g in gathered for key, v in g[0].items()}, "calls": [g[1] for g in gathered],
             "heads": [g[2] for g in gathered], "collective_seconds": [g[3] for g in gathered],
-            "accepted": [g[4] for g in gathered], "experts": [g[5] for g in gathered]}
+            "accepted": [g[4] for g in gathered], "experts": [g[5] for g in gathered],
+            "executors": [g[6] for g in gathered], "prefix_hit_tokens": sum(g[7] for g in gathered)}
 
 
 def main() -> None:
