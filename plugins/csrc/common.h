@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace mtp {
@@ -406,6 +407,58 @@ struct Avx2 {
       store(y + i, acc, n - i);
     }
   }
+  // out[i][o] = dot(a[i], b + o * ld, n) for i < nx (1..4), o < rows: an M x K by K x N micro-kernel over
+  // weight rows (an expert's [N, K] rows against the M tokens that chose it). Tiles of 4 weight rows x 2
+  // activation rows (8 accumulators in registers), each weight chunk converted once per tile and each
+  // activation chunk loaded once for 4 weight rows. One accumulator per (row, weight row) and reduce4's tree:
+  // a value does not depend on nx, rows or its place in a tile.
+  template <class T>
+  static MTP_AVX2_TARGET inline void rows_dot(int nx, const float* const* a, const T* b, int64_t ld, int64_t rows,
+                                              int64_t n, float* const* out) {
+    for (int64_t o = 0; o < rows; o += 4) {
+      const T* w[4];
+      for (int j = 0; j < 4; ++j) w[j] = b + std::min<int64_t>(o + j, rows - 1) * ld;  // a short tile repeats
+      const int nw = static_cast<int>(std::min<int64_t>(4, rows - o));
+      for (int i = 0; i < nx; i += 2) {
+        if (nx - i >= 2) tile<2>(a + i, w, n, o, nw, out + i);
+        else tile<1>(a + i, w, n, o, nw, out + i);
+      }
+    }
+  }
+  template <int MX, class T>
+  static MTP_AVX2_TARGET inline void tile(const float* const* a, const T* const* w, int64_t n, int64_t o, int nw,
+                                          float* const* out) {
+    __m256 acc[MX][4];
+    for (int m = 0; m < MX; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+      const __m256 w0 = load(w[0] + k), w1 = load(w[1] + k), w2 = load(w[2] + k), w3 = load(w[3] + k);
+      for (int m = 0; m < MX; ++m) {
+        const __m256 x = _mm256_loadu_ps(a[m] + k);
+        acc[m][0] = _mm256_fmadd_ps(x, w0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(x, w1, acc[m][1]);
+        acc[m][2] = _mm256_fmadd_ps(x, w2, acc[m][2]);
+        acc[m][3] = _mm256_fmadd_ps(x, w3, acc[m][3]);
+      }
+    }
+    if (k < n) {
+      const int64_t t = n - k;
+      const __m256 w0 = load(w[0] + k, t), w1 = load(w[1] + k, t), w2 = load(w[2] + k, t), w3 = load(w[3] + k, t);
+      for (int m = 0; m < MX; ++m) {
+        const __m256 x = load(a[m] + k, t);
+        acc[m][0] = _mm256_fmadd_ps(x, w0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(x, w1, acc[m][1]);
+        acc[m][2] = _mm256_fmadd_ps(x, w2, acc[m][2]);
+        acc[m][3] = _mm256_fmadd_ps(x, w3, acc[m][3]);
+      }
+    }
+    for (int m = 0; m < MX; ++m) {
+      float sums[4];
+      reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3], sums);
+      for (int j = 0; j < nw; ++j) out[m][o + j] = sums[j];
+    }
+  }
   // exp(x), the same Cephes polynomial as Avx512::exp; 2^n built in the exponent bits (the input is clamped
   // to [-87.34, 88]: n stays in [-126, 127], and the kernels only take exp of values <= 0 or of -x in SiLU)
   static MTP_AVX2_TARGET inline __m256 exp(__m256 x) {
@@ -480,6 +533,22 @@ MTP_INLINE void axpy_n(int rows, const float* w, const T* const* x, float* y, in
     case 3: V::template axpy_multi<3>(w, x, y, n); break;
     case 2: V::template axpy_multi<2>(w, x, y, n); break;
     default: V::template axpy_multi<1>(w, x, y, n); break;
+  }
+}
+
+// out[i][o] = dot(a[i], b + o * ld, n) for i < nx (1..4), o < rows (weight rows against up to 4 tokens):
+// AVX2's tiled micro-kernel, else one weight row at a time against the nx tokens (dot_multi).
+template <class V, class T>
+MTP_INLINE void rows_dot(int nx, const float* const* a, const T* b, int64_t ld, int64_t rows, int64_t n,
+                         float* const* out) {
+  if constexpr (std::is_same_v<V, Avx2>) {
+    V::rows_dot(nx, a, b, ld, rows, n, out);
+  } else {
+    float tmp[4];
+    for (int64_t o = 0; o < rows; ++o) {
+      dot_n<V>(nx, a, b + o * ld, n, tmp);
+      for (int i = 0; i < nx; ++i) out[i][o] = tmp[i];
+    }
   }
 }
 
