@@ -28,8 +28,8 @@ def load() -> None:
 
 
 def cpu_isa(choose: str = "") -> str:
-    """The instruction set the C++ kernels use ("avx512" or "generic"); choose "generic" / "avx512" / "best"
-    to switch (the portable path stays testable on an AVX-512 machine)."""
+    """The instruction set the C++ kernels use ("avx512", "avx2" or "generic"); choose "generic" / "avx2" /
+    "avx512" / "best" to switch (the portable and AVX2 paths stay testable on an AVX-512 machine)."""
     load()
     return torch.ops.mtp.cpu_isa(choose)
 

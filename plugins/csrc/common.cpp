@@ -17,20 +17,36 @@ bool cpu_has_avx512() {
   return has;
 }
 
+bool cpu_has_avx2() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("bmi2");
+  }();
+  return has;
+}
+
+Isa best_isa() { return cpu_has_avx512() ? Isa::avx512 : cpu_has_avx2() ? Isa::avx2 : Isa::generic; }
+
 static std::atomic<int> g_isa{-1};  // -1: not chosen yet
 
 Isa active_isa() {
   int v = g_isa.load(std::memory_order_relaxed);
   if (v < 0) {
-    v = static_cast<int>(cpu_has_avx512() ? Isa::avx512 : Isa::generic);
+    v = static_cast<int>(best_isa());
     g_isa.store(v, std::memory_order_relaxed);
   }
   return static_cast<Isa>(v);
 }
 
 void set_isa(Isa isa) {
-  TORCH_CHECK_VALUE(isa == Isa::generic || cpu_has_avx512(), "mtp: this CPU has no AVX-512; use isa 'generic'");
+  TORCH_CHECK_VALUE(isa != Isa::avx512 || cpu_has_avx512(), "mtp: this CPU has no AVX-512; use isa 'generic'");
+  TORCH_CHECK_VALUE(isa != Isa::avx2 || cpu_has_avx2(), "mtp: this CPU has no AVX2 + FMA; use isa 'generic'");
   g_isa.store(static_cast<int>(isa), std::memory_order_relaxed);
+}
+
+const char* isa_name(Isa isa) {
+  return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "generic";
 }
 
 Ints ints(const at::Tensor& t, const char* op, const char* name) {

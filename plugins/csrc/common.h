@@ -2,12 +2,12 @@
 //
 // What lives here: reading the KV pool from its address plus geometry ints (plugins/kv_pool.py's layout),
 // int32/int64 metadata views, the dtype dispatch (fp32 / fp16 / bf16), the run-time ISA choice, and the
-// vector primitives (dot, axpy, row conversion) in two flavours: `Generic` (portable C++) and `Avx512`
-// (intrinsics, compiled for AVX-512 by function attribute, used only when the CPU has it).
+// vector primitives (dot, axpy, row conversion) in three flavours: `Generic` (portable C++), `Avx512` and
+// `Avx2` (intrinsics, compiled for their ISA by function attribute, used only when the CPU has it).
 //
-// A kernel body is a template over the ISA; `MTP_ISA_KERNEL` instantiates it twice and calls the AVX-512
-// one through a wrapper marked target(...) + flatten, so the whole body (with the inlined primitives) is
-// compiled for AVX-512 while the library itself stays baseline x86-64 (no -march=native).
+// A kernel body is a template over the ISA; `MTP_ISA_KERNEL` instantiates it three times and calls the vector
+// ones through wrappers marked target(...) + flatten, so the whole body (with the inlined primitives) is
+// compiled for that ISA while the library itself stays baseline x86-64 (no -march=native).
 //
 // Numerics: fp32 accumulation everywhere; conversions to the pool / activation dtype are c10's (round to
 // nearest even, as torch's .to()); the library is compiled with -ffp-contract=off, so only the explicit
@@ -27,18 +27,23 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace mtp {
 
 #define MTP_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2,bmi2")))
+#define MTP_AVX2_TARGET __attribute__((target("avx2,fma,f16c,bmi2")))
 #define MTP_INLINE inline __attribute__((always_inline))
 
 // ---- run-time ISA choice ------------------------------------------------------------------------------
-enum class Isa : int { generic = 0, avx512 = 1 };
+enum class Isa : int { generic = 0, avx512 = 1, avx2 = 2 };
 bool cpu_has_avx512();   // what the CPU supports (checked once)
-Isa active_isa();        // what the kernels use now (the best supported unless set_isa chose generic)
-void set_isa(Isa isa);   // tests: run the portable path on an AVX-512 machine
+bool cpu_has_avx2();     // AVX2 + FMA + F16C + BMI2
+Isa best_isa();          // avx512, else avx2, else generic
+Isa active_isa();        // what the kernels use now (best_isa() unless set_isa chose another)
+void set_isa(Isa isa);   // tests: run the portable (or AVX2) path on a machine with more
+const char* isa_name(Isa isa);  // "generic", "avx2", "avx512"
 
 // ---- metadata ------------------------------------------------------------------------------------------
 // An int32 or int64 CPU tensor read as int64 (the graphs feed int32; Python callers sometimes int64).
@@ -314,6 +319,203 @@ struct Avx512 {
   }
 };
 
+// The same primitives 8 lanes wide for CPUs with AVX2 + FMA + F16C but no AVX-512 (AMD Zen 2/3, Intel
+// before Skylake-SP): the portable loops compile to 4-lane SSE2 without FMA and call libm's expf per score.
+// Tails (n % 8) go through a zero-filled 8-lane buffer. Results are fixed per row as in Avx512 (each row has
+// its own accumulators and reduction tree), within the tests' tolerances of the other paths.
+struct Avx2 {
+  static MTP_AVX2_TARGET inline __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static MTP_AVX2_TARGET inline __m256 load(const c10::BFloat16* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static MTP_AVX2_TARGET inline __m256 load(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  // the first n < 8 elements, zeros after them
+  template <class T>
+  static MTP_AVX2_TARGET inline __m256 load(const T* p, int64_t n) {
+    alignas(32) unsigned char buf[8 * sizeof(T)] = {};
+    std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(T));
+    return load(reinterpret_cast<const T*>(buf));
+  }
+  static MTP_AVX2_TARGET inline void store(float* p, __m256 v, int64_t n) {  // the first n lanes
+    alignas(32) float buf[8];
+    _mm256_store_ps(buf, v);
+    std::memcpy(p, buf, static_cast<size_t>(n) * sizeof(float));
+  }
+  template <class T>
+  static MTP_AVX2_TARGET inline void to_f32(const T* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load(src + i));
+    for (; i < n; ++i) dst[i] = f32(src[i]);
+  }
+  // Sums of 4 vectors' 8 lanes: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) each, independent of the others
+  static MTP_AVX2_TARGET inline void reduce4(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  }
+  template <int NX, class T>
+  static MTP_AVX2_TARGET inline void dot_multi(const float* const* a, const T* b, int64_t n, float* out) {
+    __m256 acc0[4], acc1[4];
+    for (int r = 0; r < 4; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m256 b0 = load(b + i), b1 = load(b + i + 8);
+      for (int r = 0; r < NX; ++r) {
+        acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(a[r] + i), b0, acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(a[r] + i + 8), b1, acc1[r]);
+      }
+    }
+    for (; i < n; i += 8) {
+      if (n - i >= 8) {
+        const __m256 b0 = load(b + i);
+        for (int r = 0; r < NX; ++r) acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(a[r] + i), b0, acc0[r]);
+      } else {
+        const __m256 b0 = load(b + i, n - i);
+        for (int r = 0; r < NX; ++r) acc0[r] = _mm256_fmadd_ps(load(a[r] + i, n - i), b0, acc0[r]);
+      }
+    }
+    float sums[4];
+    reduce4(_mm256_add_ps(acc0[0], acc1[0]), _mm256_add_ps(acc0[1], acc1[1]), _mm256_add_ps(acc0[2], acc1[2]),
+            _mm256_add_ps(acc0[3], acc1[3]), sums);
+    for (int r = 0; r < NX; ++r) out[r] = sums[r];
+  }
+  template <class T>
+  static MTP_AVX2_TARGET inline float dot(const float* a, const T* b, int64_t n) {
+    float out;
+    dot_multi<1>(&a, b, n, &out);
+    return out;
+  }
+  template <class T>
+  static MTP_AVX2_TARGET inline void axpy(float w, const T* x, float* y, int64_t n) {
+    axpy_multi<1>(&w, &x, y, n);
+  }
+  template <int NX, class T>
+  static MTP_AVX2_TARGET inline void axpy_multi(const float* w, const T* const* x, float* y, int64_t n) {
+    __m256 wv[NX];
+    for (int r = 0; r < NX; ++r) wv[r] = _mm256_set1_ps(w[r]);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      __m256 acc = _mm256_loadu_ps(y + i);
+      for (int r = 0; r < NX; ++r) acc = _mm256_fmadd_ps(wv[r], load(x[r] + i), acc);
+      _mm256_storeu_ps(y + i, acc);
+    }
+    if (i < n) {
+      __m256 acc = load(y + i, n - i);
+      for (int r = 0; r < NX; ++r) acc = _mm256_fmadd_ps(wv[r], load(x[r] + i, n - i), acc);
+      store(y + i, acc, n - i);
+    }
+  }
+  // out[i][o] = dot(a[i], b + o * ld, n) for i < nx (1..4), o < rows: an M x K by K x N micro-kernel over
+  // weight rows (an expert's [N, K] rows against the M tokens that chose it). Tiles of 4 weight rows x 2
+  // activation rows (8 accumulators in registers), each weight chunk converted once per tile and each
+  // activation chunk loaded once for 4 weight rows. One accumulator per (row, weight row) and reduce4's tree:
+  // a value does not depend on nx, rows or its place in a tile.
+  template <class T>
+  static MTP_AVX2_TARGET inline void rows_dot(int nx, const float* const* a, const T* b, int64_t ld, int64_t rows,
+                                              int64_t n, float* const* out) {
+    for (int64_t o = 0; o < rows; o += 4) {
+      const T* w[4];
+      for (int j = 0; j < 4; ++j) w[j] = b + std::min<int64_t>(o + j, rows - 1) * ld;  // a short tile repeats
+      const int nw = static_cast<int>(std::min<int64_t>(4, rows - o));
+      for (int i = 0; i < nx; i += 2) {
+        if (nx - i >= 2) tile<2>(a + i, w, n, o, nw, out + i);
+        else tile<1>(a + i, w, n, o, nw, out + i);
+      }
+    }
+  }
+  template <int MX, class T>
+  static MTP_AVX2_TARGET inline void tile(const float* const* a, const T* const* w, int64_t n, int64_t o, int nw,
+                                          float* const* out) {
+    __m256 acc[MX][4];
+    for (int m = 0; m < MX; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+      const __m256 w0 = load(w[0] + k), w1 = load(w[1] + k), w2 = load(w[2] + k), w3 = load(w[3] + k);
+      for (int m = 0; m < MX; ++m) {
+        const __m256 x = _mm256_loadu_ps(a[m] + k);
+        acc[m][0] = _mm256_fmadd_ps(x, w0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(x, w1, acc[m][1]);
+        acc[m][2] = _mm256_fmadd_ps(x, w2, acc[m][2]);
+        acc[m][3] = _mm256_fmadd_ps(x, w3, acc[m][3]);
+      }
+    }
+    if (k < n) {
+      const int64_t t = n - k;
+      const __m256 w0 = load(w[0] + k, t), w1 = load(w[1] + k, t), w2 = load(w[2] + k, t), w3 = load(w[3] + k, t);
+      for (int m = 0; m < MX; ++m) {
+        const __m256 x = load(a[m] + k, t);
+        acc[m][0] = _mm256_fmadd_ps(x, w0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(x, w1, acc[m][1]);
+        acc[m][2] = _mm256_fmadd_ps(x, w2, acc[m][2]);
+        acc[m][3] = _mm256_fmadd_ps(x, w3, acc[m][3]);
+      }
+    }
+    for (int m = 0; m < MX; ++m) {
+      float sums[4];
+      reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3], sums);
+      for (int j = 0; j < nw; ++j) out[m][o + j] = sums[j];
+    }
+  }
+  // exp(x), the same Cephes polynomial as Avx512::exp; 2^n built in the exponent bits (the input is clamped
+  // to [-87.34, 88]: n stays in [-126, 127], and the kernels only take exp of values <= 0 or of -x in SiLU)
+  static MTP_AVX2_TARGET inline __m256 exp(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  }
+  static MTP_AVX2_TARGET inline void exp_sub(float* x, float m, int64_t n) {
+    const __m256 mv = _mm256_set1_ps(m);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+    if (i < n) store(x + i, exp(_mm256_sub_ps(load(x + i, n - i), mv)), n - i);
+  }
+  static MTP_AVX2_TARGET inline float max(const float* x, int64_t n) {
+    __m256 m = _mm256_set1_ps(x[0]);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (; i < n; ++i) lanes[0] = std::max(lanes[0], x[i]);
+    float out = lanes[0];
+    for (int l = 1; l < 8; ++l) out = std::max(out, lanes[l]);
+    return out;
+  }
+  // 8 lane sums in index order, then reduce4's tree: fixed for a given n
+  static MTP_AVX2_TARGET inline float sum(const float* x, int64_t n) {
+    __m256 s = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + i));
+    if (i < n) s = _mm256_add_ps(s, load(x + i, n - i));
+    float out[4];
+    const __m256 z = _mm256_setzero_ps();
+    reduce4(s, z, z, z, out);
+    return out[0];
+  }
+  static MTP_AVX2_TARGET inline __m256 silu_mul(__m256 g, __m256 u) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, exp(_mm256_sub_ps(_mm256_setzero_ps(), g)))), u);
+  }
+  static MTP_AVX2_TARGET inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, silu_mul(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+    if (i < n) store(out + i, silu_mul(load(gate + i, n - i), load(up + i, n - i)), n - i);
+  }
+};
+
 // dot_multi / axpy_multi for a run-time row count 1..4 (tiles of keys, values or tokens)
 template <class V, class T>
 MTP_INLINE void dot_n(int rows, const float* const* a, const T* b, int64_t n, float* out) {
@@ -334,7 +536,23 @@ MTP_INLINE void axpy_n(int rows, const float* w, const T* const* x, float* y, in
   }
 }
 
-// Instantiates BODY<Generic, ...> and BODY<Avx512, ...> (the latter compiled for AVX-512 as a whole) and
+// out[i][o] = dot(a[i], b + o * ld, n) for i < nx (1..4), o < rows (weight rows against up to 4 tokens):
+// AVX2's tiled micro-kernel, else one weight row at a time against the nx tokens (dot_multi).
+template <class V, class T>
+MTP_INLINE void rows_dot(int nx, const float* const* a, const T* b, int64_t ld, int64_t rows, int64_t n,
+                         float* const* out) {
+  if constexpr (std::is_same_v<V, Avx2>) {
+    V::rows_dot(nx, a, b, ld, rows, n, out);
+  } else {
+    float tmp[4];
+    for (int64_t o = 0; o < rows; ++o) {
+      dot_n<V>(nx, a, b + o * ld, n, tmp);
+      for (int i = 0; i < nx; ++i) out[i][o] = tmp[i];
+    }
+  }
+}
+
+// Instantiates BODY<Generic, ...>, BODY<Avx512, ...> and BODY<Avx2, ...> (the last two compiled for their ISA as a whole) and
 // defines NAME(args...) that calls the one active_isa() names. BODY must be a function template
 // `template <class V, class... Ts> void BODY(Args...)`.
 #define MTP_ISA_KERNEL(NAME, BODY)                                                            \
@@ -343,8 +561,14 @@ MTP_INLINE void axpy_n(int rows, const float* w, const T* const* x, float* y, in
     return BODY<::mtp::Avx512, Ts...>(args...);                                               \
   }                                                                                           \
   template <class... Ts, class... Args>                                                       \
+  MTP_AVX2_TARGET __attribute__((flatten)) auto NAME##_avx2(Args... args) {                   \
+    return BODY<::mtp::Avx2, Ts...>(args...);                                                 \
+  }                                                                                           \
+  template <class... Ts, class... Args>                                                       \
   auto NAME(Args... args) {                                                                   \
-    if (::mtp::active_isa() == ::mtp::Isa::avx512) return NAME##_avx512<Ts...>(args...);      \
+    const ::mtp::Isa isa = ::mtp::active_isa();                                               \
+    if (isa == ::mtp::Isa::avx512) return NAME##_avx512<Ts...>(args...);                      \
+    if (isa == ::mtp::Isa::avx2) return NAME##_avx2<Ts...>(args...);                          \
     return BODY<::mtp::Generic, Ts...>(args...);                                              \
   }
 

@@ -2,7 +2,7 @@
 // selected experts' weights, in place (no gather copy), fp32 math over fp32 / fp16 / bf16 weights.
 //
 // Pairs (token, slot) are grouped by local expert; each weight row of an expert is read once and dotted with
-// up to 4 of its tokens at a time. Each pair's expert output lands in its own fp32 row, and a token's output
+// up to 4 of its tokens at a time (AVX2: tiles of 4 weight rows x 2 tokens, common.h rows_dot). Each pair's expert output lands in its own fp32 row, and a token's output
 // sums its slots in slot order, so a token's result never depends on the rest of the batch. Semantics:
 // plugins/reference.py moe_experts_ref (experts outside [offset, offset + E_local) contribute 0).
 // ep_size > 1 or tp_size > 1: moe_experts calls mtp::moe_experts_exchange (Python, mpi4py; plugins/moe_ep.py),
@@ -48,7 +48,6 @@ void experts(const MoeArgs& a) {
   float* y = scratch(0, pairs * a.hidden);    // each pair's expert output
   float* gu = scratch(1, 4 * two_i);          // gate|up of up to 4 pairs
   float* h = scratch(2, 4 * a.inter);         // silu(gate) * up
-  float* tmp = scratch(3, 4);
   for (int64_t e = 0; e < a.num_local; ++e) {
     const W* wg = w_gu + e * two_i * a.hidden;
     const W* wd = w_dn + e * a.hidden * a.inter;
@@ -56,19 +55,17 @@ void experts(const MoeArgs& a) {
       const int nx = static_cast<int>(std::min<int64_t>(4, start[e + 1] - c));
       const float* xs[4];
       const float* hs[4];
+      float* gus[4];
+      float* ys[4];
       for (int i = 0; i < nx; ++i) {
         xs[i] = a.x + (order[c + i] / a.top_k) * a.hidden;
         hs[i] = h + i * a.inter;
+        gus[i] = gu + i * two_i;
+        ys[i] = y + order[c + i] * a.hidden;
       }
-      for (int64_t o = 0; o < two_i; ++o) {
-        dot_n<V>(nx, xs, wg + o * a.hidden, a.hidden, tmp);
-        for (int i = 0; i < nx; ++i) gu[i * two_i + o] = tmp[i];
-      }
+      rows_dot<V>(nx, xs, wg, a.hidden, two_i, a.hidden, gus);
       for (int i = 0; i < nx; ++i) V::silu_mul(gu + i * two_i, gu + i * two_i + a.inter, h + i * a.inter, a.inter);
-      for (int64_t o = 0; o < a.hidden; ++o) {
-        dot_n<V>(nx, hs, wd + o * a.inter, a.inter, tmp);
-        for (int i = 0; i < nx; ++i) y[order[c + i] * a.hidden + o] = tmp[i];
-      }
+      rows_dot<V>(nx, hs, wd, a.inter, a.hidden, a.inter, ys);
     }
   }
   for (int64_t t = 0; t < a.tokens; ++t) {

@@ -12,13 +12,14 @@
 
 namespace mtp {
 
-// "" reads the ISA the kernels use; "generic" / "avx512" / "best" sets it (tests run both paths).
+// "" reads the ISA the kernels use; "generic" / "avx2" / "avx512" / "best" sets it (tests run each path).
 static std::string cpu_isa(c10::string_view set) {
   if (set == "generic") set_isa(Isa::generic);
+  else if (set == "avx2") set_isa(Isa::avx2);
   else if (set == "avx512") set_isa(Isa::avx512);
-  else if (set == "best") set_isa(cpu_has_avx512() ? Isa::avx512 : Isa::generic);
-  else TORCH_CHECK_VALUE(set.empty(), "mtp::cpu_isa: unknown isa '", set, "' (generic, avx512, best or '')");
-  return active_isa() == Isa::avx512 ? "avx512" : "generic";
+  else if (set == "best") set_isa(best_isa());
+  else TORCH_CHECK_VALUE(set.empty(), "mtp::cpu_isa: unknown isa '", set, "' (generic, avx2, avx512, best or '')");
+  return isa_name(active_isa());
 }
 
 }  // namespace mtp

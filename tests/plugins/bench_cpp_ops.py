@@ -6,7 +6,7 @@ vectorized-torch ops), interleaved rounds, 1 thread, medians. Not a test (timing
 Each round runs one child process per checkout (baseline first, then this one; the order alternates), which
 times every case `--calls` times back to back and reports its median µs per call; the table prints the
 median over rounds. Shapes: models/deep (8 q heads / 2 KV heads of 32, hidden 256, 8 experts top-2,
-moe_intermediate 96, block 16) at batch 1 and 8 with 1 and 4 rows per request over a 128-token context,
+moe_intermediate 96, block 16) at batch 1 and 8 with 1, 2 and 4 rows per request over a 128-token context,
 a 256-token prefill, and an MLA layer of GLM-4.7-Flash's latent width (512 + 64 rope, 20 heads). Metadata is the same at every
 call, as for the layers of one forward.
 """
@@ -34,7 +34,8 @@ def _cases():
 
     gen = torch.Generator().manual_seed(0)
     cases = {}
-    for batch, rows, context in ((1, 1, CONTEXT), (1, 4, CONTEXT), (8, 1, CONTEXT), (8, 4, CONTEXT), (1, 256, 0)):
+    for batch, rows, context in ((1, 1, CONTEXT), (1, 2, CONTEXT), (1, 4, CONTEXT), (8, 1, CONTEXT), (8, 2, CONTEXT),
+                                 (8, 4, CONTEXT), (1, 256, 0)):
         t = batch * rows
         blocks = (context + rows + 15) // 16
         geom = KVPoolGeometry(2, 1 + batch * blocks, 16, 2, 32, 0)

@@ -31,7 +31,11 @@ from tests.plugins.cases import Case, cases, filled_pool, tolerance
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
 OPS = ["kv_write", "paged_attention", "moe_experts", "moe_experts_local", "mla_kv_write", "mla_paged_attention"]
-ISAS = ["generic", "best"]  # "best" is avx512 where the CPU has it
+_FLAGS = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
+HAS_AVX512 = all(f in _FLAGS for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2", "bmi2"))
+HAS_AVX2 = all(f in _FLAGS for f in ("avx2", "fma", "f16c", "bmi2"))
+# "best" is avx512 where the CPU has it, else avx2; an AVX-512 machine runs the AVX2 path too
+ISAS = ["generic", "best"] + (["avx2"] if HAS_AVX512 and HAS_AVX2 else [])
 
 
 @pytest.fixture
@@ -54,9 +58,7 @@ def test_the_cpu_kernel_is_the_cpp_library(op: str) -> None:
 
 
 def test_isa_follows_the_cpu() -> None:
-    flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
-    has = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2", "bmi2"))
-    assert cpp_ops.cpu_isa() == ("avx512" if has else "generic")
+    assert cpp_ops.cpu_isa() == ("avx512" if HAS_AVX512 else "avx2" if HAS_AVX2 else "generic")
     with pytest.raises(ValueError, match="unknown isa"):
         cpp_ops.cpu_isa("sse9")
 
