@@ -17,19 +17,28 @@ bool cpu_has_avx512() {
   return has;
 }
 
+bool cpu_has_avx2() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return has;
+}
+
 static std::atomic<int> g_isa{-1};  // -1: not chosen yet
 
 Isa active_isa() {
   int v = g_isa.load(std::memory_order_relaxed);
   if (v < 0) {
-    v = static_cast<int>(cpu_has_avx512() ? Isa::avx512 : Isa::generic);
+    v = static_cast<int>(cpu_has_avx512() ? Isa::avx512 : cpu_has_avx2() ? Isa::avx2 : Isa::generic);
     g_isa.store(v, std::memory_order_relaxed);
   }
   return static_cast<Isa>(v);
 }
 
 void set_isa(Isa isa) {
-  TORCH_CHECK_VALUE(isa == Isa::generic || cpu_has_avx512(), "mtp: this CPU has no AVX-512; use isa 'generic'");
+  TORCH_CHECK_VALUE(isa != Isa::avx512 || cpu_has_avx512(), "mtp: this CPU has no AVX-512; use isa 'generic'");
+  TORCH_CHECK_VALUE(isa != Isa::avx2 || cpu_has_avx2(), "mtp: this CPU has no AVX2 + FMA; use isa 'generic'");
   g_isa.store(static_cast<int>(isa), std::memory_order_relaxed);
 }
 

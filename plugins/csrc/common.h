@@ -35,9 +35,12 @@ namespace mtp {
 #define MTP_INLINE inline __attribute__((always_inline))
 
 // ---- run-time ISA choice ------------------------------------------------------------------------------
-enum class Isa : int { generic = 0, avx512 = 1 };
+// avx2: AVX2 + FMA without AVX-512 (e.g. AMD Zen 2/3). Only mtp::linear_bf16 has an AVX2 body; every other
+// kernel runs its portable body there (MTP_ISA_KERNEL picks AVX-512 or Generic).
+enum class Isa : int { generic = 0, avx512 = 1, avx2 = 2 };
 bool cpu_has_avx512();   // what the CPU supports (checked once)
-Isa active_isa();        // what the kernels use now (the best supported unless set_isa chose generic)
+bool cpu_has_avx2();     // AVX2 + FMA + F16C
+Isa active_isa();        // what the kernels use now (the best supported unless set_isa chose another)
 void set_isa(Isa isa);   // tests: run the portable path on an AVX-512 machine
 
 // ---- metadata ------------------------------------------------------------------------------------------

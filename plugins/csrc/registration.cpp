@@ -12,13 +12,15 @@
 
 namespace mtp {
 
-// "" reads the ISA the kernels use; "generic" / "avx512" / "best" sets it (tests run both paths).
+// "" reads the ISA the kernels use; "generic" / "avx2" / "avx512" / "best" sets it (tests run every path).
 static std::string cpu_isa(c10::string_view set) {
   if (set == "generic") set_isa(Isa::generic);
+  else if (set == "avx2") set_isa(Isa::avx2);
   else if (set == "avx512") set_isa(Isa::avx512);
-  else if (set == "best") set_isa(cpu_has_avx512() ? Isa::avx512 : Isa::generic);
-  else TORCH_CHECK_VALUE(set.empty(), "mtp::cpu_isa: unknown isa '", set, "' (generic, avx512, best or '')");
-  return active_isa() == Isa::avx512 ? "avx512" : "generic";
+  else if (set == "best") set_isa(cpu_has_avx512() ? Isa::avx512 : cpu_has_avx2() ? Isa::avx2 : Isa::generic);
+  else TORCH_CHECK_VALUE(set.empty(), "mtp::cpu_isa: unknown isa '", set, "' (generic, avx2, avx512, best or '')");
+  const Isa now = active_isa();
+  return now == Isa::avx512 ? "avx512" : now == Isa::avx2 ? "avx2" : "generic";
 }
 
 }  // namespace mtp
@@ -46,5 +48,7 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
   // calls it through the dispatcher.
   m.def("moe_experts_exchange(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
         "int num_experts, int ep_size, int tp_size, int tp_rank) -> Tensor");
+  // x [..., K] fp32 @ weight[N, K] bf16 (stored [N, K], read as bf16, fp32 math) + bias fp32 [N] -> fp32 [..., N]
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("cpu_isa(str set='') -> str", &mtp::cpu_isa);
 }
