@@ -20,6 +20,7 @@ from plugins.names import (
     ALL_GATHER,
     ALL_REDUCE,
     KV_WRITE,
+    LINEAR_BF16,
     MLA_KV_WRITE,
     MLA_PAGED_ATTENTION,
     MOE_EXPERTS,
@@ -41,6 +42,7 @@ class Tensor:
     dtype: str  # one of DTYPE_CLASSES
     shape: str  # documentation: "[T, Hkv, D]"
     type_var: str = ""  # ONNX type variable of a FLOAT tensor ("T" unless another float type is allowed)
+    optional: bool = False  # may be None (torch `Tensor?`, an ONNX optional input)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CLASSES:
@@ -69,7 +71,7 @@ class OpSpec:
     @property
     def torch_schema(self) -> str:
         """The torch schema, e.g. `kv_write(Tensor k, ..., int plane, ..., float rope_theta) -> Tensor`."""
-        args = [f"Tensor {t.name}" for t in self.inputs]
+        args = [f"Tensor{'?' if t.optional else ''} {t.name}" for t in self.inputs]
         for a in self.attrs:
             kind = "int" if a.kind is int else "float"
             args.append(f"{kind} {a.name}" + ("" if a.default is None else f"={a.default}"))
@@ -160,6 +162,17 @@ register(OpSpec(
      Attr("scale", float, "softmax scale applied to q.latent")),
     (Tensor("out", FLOAT, "[T, H, latent_dim - rope_dim]"),),
     lambda q, *_, latent_dim, rope_dim, **__: q.new_empty(q.shape[0], q.shape[1], latent_dim - rope_dim),
+))  # fmt: skip
+
+register(OpSpec(
+    "linear_bf16", LINEAR_BF16,
+    "x @ weight^T + bias with the weight read as bf16 and fp32 math (exact: bf16 -> fp32 is a shift); the compiled "
+    "engine's dense linears over bf16-stored weights (builder/compile_aoti.py).",
+    (Tensor("x", FP32, "[..., K]"), Tensor("weight", FLOAT, "[N, K] bf16, row-major", type_var="W"),
+     Tensor("bias", FP32, "[N]", optional=True)),
+    (), (Tensor("y", FP32, "[..., N]"),),
+    lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])),
+    tensorrt=False,  # CPU only: AOTInductor packages call it; TensorRT has its own GEMMs
 ))  # fmt: skip
 
 
