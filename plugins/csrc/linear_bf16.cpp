@@ -28,6 +28,9 @@ namespace mtp {
 namespace {
 
 constexpr int64_t kTiledRows = 16;  // from this many rows on, the converted-tile at::mm path (compute-bound)
+// Software prefetch distance along each weight row (elements): the few-row path streams NR rows at once, more
+// streams than the hardware prefetcher follows far enough ahead on its own for DRAM-cold weights.
+constexpr int64_t kPrefetch = 1024;
 
 struct Gemv {
   const float* x;      // [M, K] fp32, contiguous
@@ -82,15 +85,20 @@ MTP_AVX2_TARGET inline void tile_avx2(const float* const* x, const uint16_t* w, 
   __m256 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= k; i += 8) {
+  auto step = [&](int64_t i) MTP_AVX2_TARGET {
     __m256 wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * k + i);
     for (int r = 0; r < MR; ++r) {
       const __m256 xv = _mm256_loadu_ps(x[r] + i);
       for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
     }
+  };
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {  // one 64-byte line of each weight row; prefetch kPrefetch ahead of it
+    for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kPrefetch), _MM_HINT_T0);
+    for (int u = 0; u < 32; u += 8) step(i + u);
   }
+  for (; i + 8 <= k; i += 8) step(i);
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) {
       float s = hsum8(acc[r][j]);
@@ -111,6 +119,8 @@ MTP_AVX512_TARGET inline void tile_avx512(const float* const* x, const uint16_t*
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 16) {
+    if (i % 32 == 0)  // one 64-byte line of each weight row per two steps
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kPrefetch), _MM_HINT_T0);
     const __mmask16 m = k - i >= 16 ? static_cast<__mmask16>(0xffff) : Avx512::tail(k - i);
     __m512 wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = load16(w + j * k + i, m);

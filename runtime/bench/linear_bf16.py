@@ -1,4 +1,4 @@
-"""mtp::linear_bf16 against torch's fp32 linears, cold weights, 1 thread, interleaved rounds, medians.
+"""mtp::linear_bf16 against torch's fp32 linears, cold weights, 1 thread, interleaved rounds, medians of process CPU time.
 
     OMP_NUM_THREADS=1 python -m runtime.bench.linear_bf16 --rows 1 2 4 8 32 --rounds 7
 
@@ -55,10 +55,10 @@ def main(argv: list[str] | None = None) -> None:
                 weights, fn = cands[c]
                 per = []
                 for _ in range(a.iters):
-                    t0 = time.perf_counter()
+                    t0 = time.process_time()
                     for w in weights:
                         fn(x, w)
-                    per.append((time.perf_counter() - t0) / len(weights))
+                    per.append((time.process_time() - t0) / len(weights))
                 times[c].append(statistics.median(per))
         med = {c: statistics.median(v) for c, v in times.items()}
         cells = []

@@ -30,8 +30,9 @@ from tests.plugins.cases import Case, cases, filled_pool, tolerance
 # The `isa` fixture holds for all examples of a test on purpose (it picks the kernels' instruction set).
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
-OPS = ["kv_write", "paged_attention", "moe_experts", "moe_experts_local", "mla_kv_write", "mla_paged_attention"]
-ISAS = ["generic", "best"]  # "best" is avx512 where the CPU has it
+OPS = ["kv_write", "paged_attention", "moe_experts", "moe_experts_local", "mla_kv_write", "mla_paged_attention",
+       "linear_bf16"]
+ISAS = ["generic", "best"]  # "best" is avx512 where the CPU has it (avx2: only linear_bf16 has such a body)
 
 
 @pytest.fixture
@@ -56,7 +57,8 @@ def test_the_cpu_kernel_is_the_cpp_library(op: str) -> None:
 def test_isa_follows_the_cpu() -> None:
     flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
     has = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2", "bmi2"))
-    assert cpp_ops.cpu_isa() == ("avx512" if has else "generic")
+    avx2 = all(f in flags for f in ("avx2", "fma", "f16c"))
+    assert cpp_ops.cpu_isa() == ("avx512" if has else "avx2" if avx2 else "generic")
     with pytest.raises(ValueError, match="unknown isa"):
         cpp_ops.cpu_isa("sse9")
 
