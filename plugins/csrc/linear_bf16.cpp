@@ -8,8 +8,8 @@
 // weight-row block run back to back, so the block (NR * K * 2 bytes, L1-sized) comes from DRAM once and is
 // re-read from L1 by the next m-tile: the weight is streamed once whatever M is. Each (row, output) dot runs the
 // same lane-wise FMAs and the same horizontal sum whatever MR / NR is, so a row's result does not depend on the
-// rest of the batch below kTiledRows. The [N, K] layout (one sequential stream per weight row, no transposed
-// panel to pack) measured as fast as the packed alternatives for M = 1..8 (docs/PERFORMANCE.md).
+// rest of the batch below kTiledRows. The [N, K] layout: one sequential stream per weight row, no panel to pack
+// (a packed [K, N] panel layout was not measured; docs/PERFORMANCE.md "Compiled engine" has what was).
 // Many rows (prefill chunks): compute-bound; a block of weight rows is converted into a reused fp32 tile and
 // multiplied by at::mm / at::addmm (MKL), so the cost is MKL's plus one conversion of each weight per call.
 //
