@@ -8,10 +8,11 @@ kernel is registered under their names; the pool travels by address, so the comp
 copies) the pool: only the dense parts are generated code.
 
 Weights: `weights="checkpoint"` stores every matrix whose values are bf16 numbers (a bf16 checkpoint's, loaded
-as fp32) as bf16 inside the package and upcasts it next to its use, so the math stays fp32 and exact
-(`bf16_weights`); "float32" stores fp32 weights. `choose_weights` picks one per rank: bf16 only while the rank's
-weights fit in the last-level cache (docs/PERFORMANCE.md "Compiled engine" and "Realistic size" have what each
-costs: the generated upcast copies every weight per step, which is cheap from cache and ruinous from DRAM).
+as fp32) as bf16 inside the package (`bf16_weights`); the dense linears call `mtp::linear_bf16` and the routed
+experts `mtp::moe_experts`, which read bf16 and compute in fp32, so the math stays fp32 and exact and no weight
+is copied per step. "float32" stores fp32 weights. `choose_weights` falls back to fp32 for a graph only if the
+weights it would still upcast per step (uses no bf16-reading op serves) overflow the last-level cache
+(docs/PERFORMANCE.md "Compiled engine" and "Realistic size": an upcast from DRAM is ruinous).
 """
 
 from __future__ import annotations
@@ -47,14 +48,32 @@ def export_program(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_
         return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(SPECS[name]), strict=False)
 
 
-def bf16_weights(program: torch.export.ExportedProgram) -> int:
-    """Store every fp32 weight whose values are all bf16 numbers as bf16 and upcast it at its uses: the math
-    is unchanged bit for bit, the package holds (and a step reads) half the bytes. Weights are the program's
-    parameters and lifted constants (the fused QKV / gate|up tensors are plain attributes, hence constants).
-    Returns how many tensors changed."""
+_LINEAR = torch.ops.aten.linear.default
+_UPCASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
+
+
+def _weight_source(node: torch.fx.Node, low: dict[torch.fx.Node, torch.fx.Node]) -> torch.fx.Node | None:
+    """The bf16 placeholder a linear's weight argument is, through fp32 upcasts (`.float()`), or None."""
+    while node not in low:
+        if node.target not in _UPCASTS or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        node = node.args[0]
+    return low[node]
+
+
+def bf16_weights(program: torch.export.ExportedProgram) -> dict[str, int]:
+    """Store every fp32 weight whose values are all bf16 numbers as bf16 [N, K] row-major; the math stays fp32 and
+    exact (bf16 -> fp32 is a shift). Weights are the program's parameters and lifted constants (the fused QKV /
+    gate|up tensors are plain attributes, hence constants). Their uses:
+      * dense linears (attention projections, MLPs, shared experts, lm_head, the router's `.float()` linear)
+        become `mtp::linear_bf16`, which reads the bf16 weight directly: no fp32 copy of any weight per step;
+      * the routed experts' `mtp::moe_experts` reads bf16 itself; an embedding gathers bf16 rows, then upcasts;
+      * anything else gets an upcast next to its use (a per-step fp32 copy: counted in `upcast_bytes`).
+    Returns {"bf16_weights": tensors stored bf16, "bf16_linears": linears rewritten, "upcast_bytes": bf16 bytes
+    still upcast per step}."""
     sig = program.graph_signature
     graph = program.graph_module.graph
-    changed = 0
+    low: dict[torch.fx.Node, torch.fx.Node] = {}  # converted placeholder (and its upcast) -> the placeholder
     for node in list(graph.nodes):
         if node.op != "placeholder":
             continue
@@ -67,32 +86,65 @@ def bf16_weights(program: torch.export.ExportedProgram) -> int:
         value = store[key]
         if value.dtype != torch.float32 or value.dim() < 2 or not torch.equal(value.bfloat16().float(), value):
             continue
-        low = value.detach().to(torch.bfloat16)
-        store[key] = torch.nn.Parameter(low, requires_grad=False) if store is program.state_dict else low
-        node.meta["val"] = node.meta["val"].to(torch.bfloat16)
-        changed += 1
-        # the experts op reads bf16 weights itself (no fp32 copy of every expert per step); others get an upcast
-        dense_users = [u for u in node.users if u.target is not torch.ops.mtp.moe_experts.default]
-        if not dense_users:
+        # row-major [N, K] (the model keeps linears stored [K, N] for MKL): the layout linear_bf16 streams
+        bf16 = value.detach().contiguous().to(torch.bfloat16)
+        store[key] = torch.nn.Parameter(bf16, requires_grad=False) if store is program.state_dict else bf16
+        node.meta["val"] = node.meta["val"].to(torch.bfloat16).contiguous()
+        low[node] = node
+        for user in list(node.users):
+            if user.target is torch.ops.aten._assert_tensor_metadata.default:
+                graph.erase_node(user)  # export's check that the weight is fp32: no longer true, by design
+            elif user.target is torch.ops.aten.embedding.default and user.args[0] is node:
+                with graph.inserting_after(user):
+                    up = graph.call_function(torch.ops.aten._to_copy.default, (user,), {"dtype": torch.float32})
+                user.replace_all_uses_with(up, delete_user_cb=lambda u, up=up: u is not up)
+                up.meta["val"] = user.meta["val"]
+                user.meta["val"] = user.meta["val"].to(torch.bfloat16)
+        dense_users = [u for u in node.users if u.target is not torch.ops.mtp.moe_experts.default
+                       and u.target is not torch.ops.aten.embedding.default]  # fmt: skip
+        if dense_users:
+            with graph.inserting_after(node):
+                up = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": torch.float32})
+            up.meta["val"] = node.meta["val"].to(torch.float32)
+            for user in dense_users:
+                user.replace_input_with(node, up)
+            low[up] = node
+    linears = 0
+    for node in list(graph.nodes):
+        if node.target is not _LINEAR or not isinstance(node.args[1], torch.fx.Node):
             continue
-        with graph.inserting_after(node):
-            up = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": torch.float32})
-        up.meta["val"] = node.meta["val"].to(torch.float32)
-        for user in dense_users:
-            user.replace_input_with(node, up)
+        x, weight = node.args[0], _weight_source(node.args[1], low)
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        if weight is None or weight.meta["val"].dim() != 2 or x.meta["val"].dtype != torch.float32:
+            continue
+        if bias is not None and bias.meta["val"].dtype != torch.float32:
+            continue
+        with graph.inserting_before(node):
+            op = graph.call_function(torch.ops.mtp.linear_bf16.default, (x, weight, bias))
+        op.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(op)
+        graph.erase_node(node)
+        linears += 1
+    for node in reversed(list(graph.nodes)):  # upcasts the rewrite left unused (now dead code)
+        if node.target in _UPCASTS and not node.users:
+            graph.erase_node(node)
+    left = set(graph.nodes)
+    upcast = sum(2 * up.meta["val"].numel() for up in low if up.op != "placeholder" and up in left)
     graph.lint()
     program.graph_module.recompile()
-    return changed
+    return {"bf16_weights": sum(1 for n in low if n.op == "placeholder"), "bf16_linears": linears,
+            "upcast_bytes": upcast}  # fmt: skip
 
 
-def choose_weights(weight_bytes_bf16: int, cache_bytes: int) -> str:
-    """"checkpoint" (bf16-exact weights stored bf16) while they fit in the last-level cache, else "float32".
+def choose_weights(upcast_bytes_bf16: int, cache_bytes: int) -> str:
+    """"checkpoint" (bf16-exact weights stored bf16) unless the weights a graph would still upcast per step (those
+    no bf16-reading op serves: `bf16_weights`' upcast_bytes) overflow the last-level cache: then "float32".
 
-    Measured (docs/PERFORMANCE.md): models/deep (22 MB in bf16) runs 1.2x faster at batch 8 with bf16 weights; the
-    realistic-size checkpoint (1.65 GB) ran 573.9 ms per token with bf16 weights and 121.9 ms with fp32 ones,
-    because each bf16 weight is copied into a fresh fp32 buffer every step. cache_bytes <= 0: unknown, keep bf16.
+    Measured (docs/PERFORMANCE.md "Realistic size"): a per-step upcast of 1.65 GB of weights from DRAM ran 574 ms per
+    token against 122 ms for fp32 weights; `mtp::linear_bf16` reads them as bf16 with no copy, so GLM-shaped graphs
+    upcast nothing and stay bf16 at every size. cache_bytes <= 0: unknown, keep bf16.
     """
-    return "checkpoint" if cache_bytes <= 0 or weight_bytes_bf16 <= cache_bytes else "float32"
+    return "checkpoint" if cache_bytes <= 0 or upcast_bytes_bf16 <= cache_bytes else "float32"
 
 
 def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
@@ -109,9 +161,10 @@ def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cach
 
 
 def model_weights(model: Glm4MoeMTPModel) -> str:
-    """The weight storage of this rank's packages (`choose_weights` for its matrices and this machine's cache)."""
-    matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
-    return choose_weights(2 * matrices, last_level_cache_bytes())
+    """The weight storage this rank's packages start from: "checkpoint" when some matrix holds bf16 numbers (each
+    graph then keeps it unless `choose_weights` says otherwise for what it still upcasts), else "float32"."""
+    exact = any(p.dim() >= 2 and torch.equal(p.detach().bfloat16().float(), p.detach()) for p in model.parameters())
+    return "checkpoint" if exact else "float32"
 
 
 def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, path: Path,
@@ -119,8 +172,11 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
     """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json)."""
     try:
         program = export_program(name, model, geom, max_blocks)
-        converted = bf16_weights(program) if weights == "checkpoint" else 0
-        options = INDUCTOR_BF16 if converted else INDUCTOR_FLOAT32
+        stats = bf16_weights(program) if weights == "checkpoint" else {"bf16_weights": 0}
+        if stats["bf16_weights"] and choose_weights(stats["upcast_bytes"], last_level_cache_bytes()) == "float32":
+            program = export_program(name, model, geom, max_blocks)  # the per-step upcasts would cost more than fp32
+            stats = {"bf16_weights": 0, "upcast_bytes_refused": stats["upcast_bytes"]}
+        options = INDUCTOR_BF16 if stats["bf16_weights"] else INDUCTOR_FLOAT32
         quiet = io.StringIO()
         logging.getLogger("torch._inductor").setLevel(logging.ERROR)
         with warnings.catch_warnings(), contextlib.redirect_stdout(quiet):
@@ -131,7 +187,7 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
     except Exception as e:  # export and Inductor raise many types; name the graph and keep the cause
         raise BuildError(f"AOTInductor compile of graph {name!r} failed: {type(e).__name__}: "
                          f"{' '.join(str(e).split())[:300]}; build without --compile or report it") from e  # fmt: skip
-    return {"bf16_weights": converted, "inductor": options}
+    return {**stats, "weights": "checkpoint" if stats["bf16_weights"] else "float32", "inductor": options}
 
 
 def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, rdir: Path, work: Path,

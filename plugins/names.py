@@ -29,6 +29,8 @@ TRT_PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES, GDN_STEP)
 # Nodes that index the KV pool and therefore carry its geometry as attributes (MLA ones call head_dim latent_dim).
 POOL_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES)
 
+# Not an ONNX graph node: the compiled (AOTInductor) packages call it for bf16-stored dense weights.
+LINEAR_BF16 = "LinearBf16"
 
 # Tensor-parallel collectives (plugins/collectives.py semantics; docs/ENGINE_FORMAT.md "Collective nodes"):
 # AllReduce sums over the TP comm, AllGather concatenates along the last axis in rank order; attribute tp_size.

@@ -98,14 +98,15 @@ def onnx_schema(spec: OpSpec):
     variables: dict[str, list[str]] = {}
 
     def param(t) -> OpSchema.FormalParameter:
+        option = OpSchema.FormalParameterOption.Optional if t.optional else OpSchema.FormalParameterOption.Single
         if t.dtype == FLOAT:
             var = t.type_var or "T"
             variables[var] = _ONNX_TYPES[FLOAT]
-            return OpSchema.FormalParameter(t.name, var, t.shape)
+            return OpSchema.FormalParameter(t.name, var, t.shape, param_option=option)
         if t.dtype == INDEX:
             variables["I"] = _ONNX_TYPES[INDEX]
-            return OpSchema.FormalParameter(t.name, "I", t.shape)
-        return OpSchema.FormalParameter(t.name, _ONNX_TYPES[t.dtype][0], t.shape)
+            return OpSchema.FormalParameter(t.name, "I", t.shape, param_option=option)
+        return OpSchema.FormalParameter(t.name, _ONNX_TYPES[t.dtype][0], t.shape, param_option=option)
 
     inputs, outputs = [param(t) for t in spec.inputs], [param(t) for t in spec.outputs]
     attributes = [OpSchema.Attribute(a.name, kinds[a.kind], a.doc, required=True) for a in spec.attrs]

@@ -21,6 +21,7 @@ from plugins.names import (
     ALL_REDUCE,
     GDN_STEP,
     KV_WRITE,
+    LINEAR_BF16,
     MLA_KV_WRITE,
     MLA_PAGED_ATTENTION,
     MOE_EXPERTS,
@@ -47,6 +48,7 @@ class Tensor:
     # node cannot alias an input to an output. So the mutation is in the contract as "writes through this int64[1]
     # address", the same for torch, ONNX, ONNX Runtime and TensorRT.
     writes: bool = False
+    optional: bool = False  # may be None (torch `Tensor?`, an ONNX optional input)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CLASSES:
@@ -78,7 +80,7 @@ class OpSpec:
     @property
     def torch_schema(self) -> str:
         """The torch schema, e.g. `kv_write(Tensor k, ..., int plane, ..., float rope_theta) -> Tensor`."""
-        args = [f"Tensor {t.name}" for t in self.inputs]
+        args = [f"Tensor{'?' if t.optional else ''} {t.name}" for t in self.inputs]
         for a in self.attrs:
             kind = "int" if a.kind is int else "float"
             args.append(f"{kind} {a.name}" + ("" if a.default is None else f"={a.default}"))
@@ -201,6 +203,17 @@ register(OpSpec(
     (Tensor("out", FP32, "[T, Hv, Dv] float32"),),
     lambda mixed, *_, num_v_heads, head_v_dim, **__: mixed.new_empty(mixed.shape[0], num_v_heads, head_v_dim,
                                                                      dtype=torch.float32),
+))  # fmt: skip
+
+register(OpSpec(
+    "linear_bf16", LINEAR_BF16,
+    "x @ weight^T + bias with the weight read as bf16 and fp32 math (exact: bf16 -> fp32 is a shift); the compiled "
+    "engine's dense linears over bf16-stored weights (builder/compile_aoti.py).",
+    (Tensor("x", FP32, "[..., K]"), Tensor("weight", FLOAT, "[N, K] bf16, row-major", type_var="W"),
+     Tensor("bias", FP32, "[N]", optional=True)),
+    (), (Tensor("y", FP32, "[..., N]"),),
+    lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])),
+    tensorrt=False,  # CPU only: AOTInductor packages call it; TensorRT has its own GEMMs
 ))  # fmt: skip
 
 

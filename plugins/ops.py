@@ -25,7 +25,7 @@ from plugins.kv_pool import KVPoolGeometry
 from plugins.op_backends import define_torch
 from plugins.op_spec import SPECS
 
-for _op in ("kv_write", "paged_attention", "moe_experts"):
+for _op in ("kv_write", "paged_attention", "moe_experts", "linear_bf16"):
     define_torch(SPECS[_op])  # the C++ library's schema checked against the spec; the fake from its shape rule
 
 

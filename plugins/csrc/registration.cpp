@@ -47,5 +47,7 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
   // calls it through the dispatcher.
   m.def("moe_experts_exchange(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
         "int num_experts, int ep_size, int tp_size, int tp_rank) -> Tensor");
+  // x [..., K] fp32 @ weight[N, K] bf16 (stored [N, K], read as bf16, fp32 math) + bias fp32 [N] -> fp32 [..., N]
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("cpu_isa(str set='') -> str", &mtp::cpu_isa);
 }

@@ -162,8 +162,9 @@ def test_steps_past_the_limits_are_refused(compiled):
 
 
 def test_bf16_exact_weights_are_stored_bf16_and_math_stays_fp32(tmp_path):
-    """A checkpoint whose matrices are bf16 numbers (models/deep): the package keeps them bf16 (the routed experts
-    too, read by the experts op) and computes what the fp32 torch model computes, KV writes included."""
+    """A checkpoint whose matrices are bf16 numbers (models/deep): the package keeps them bf16, every dense linear
+    reads them through mtp::linear_bf16 (the routed experts through the experts op), nothing is upcast per step,
+    and it computes what the fp32 torch model computes, KV writes included."""
     import torch
 
     from builder.compile_aoti import compile_graph
@@ -180,7 +181,9 @@ def test_bf16_exact_weights_are_stored_bf16_and_math_stays_fp32(tmp_path):
     model = model.fuse()
     geom = KVPoolGeometry(model.num_kv_planes, 16, 4, cfg.num_key_value_heads, cfg.head_dim)
     info = compile_graph("mtp_draft", model, geom, 4, tmp_path / "draft.pt2", "checkpoint")
-    assert info["bf16_weights"] > 0 and info["inductor"]["freezing"] is False
+    assert info["bf16_weights"] > 0 and info["inductor"]["freezing"] is False and info["weights"] == "checkpoint"
+    # eh_proj, QKV, o_proj, shared-expert gate|up and down, router, lm_head: 7 linears, no weight upcast left
+    assert info["bf16_linears"] == 7 and info["upcast_bytes"] == 0
     g = torch.Generator().manual_seed(0)
     tables = torch.tensor([[1, 2, -1, -1], [3, -1, -1, -1], [-1, -1, -1, -1]], dtype=torch.int32)
     args = (torch.randn(3, cfg.hidden_size, generator=g), torch.tensor([5, 9, 0]), torch.tensor([5, 2, 0]),

@@ -30,7 +30,8 @@ from tests.plugins.cases import Case, cases, filled_pool, tolerance
 # The `isa` fixture holds for all examples of a test on purpose (it picks the kernels' instruction set).
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
-OPS = ["kv_write", "paged_attention", "moe_experts", "moe_experts_local", "mla_kv_write", "mla_paged_attention"]
+OPS = ["kv_write", "paged_attention", "moe_experts", "moe_experts_local", "mla_kv_write", "mla_paged_attention",
+       "linear_bf16"]
 _FLAGS = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
 HAS_AVX512 = all(f in _FLAGS for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2", "bmi2"))
 HAS_AVX2 = all(f in _FLAGS for f in ("avx2", "fma", "f16c", "bmi2"))

@@ -72,5 +72,6 @@ def test_node_attributes_are_the_torch_ops_non_tensor_arguments() -> None:
 
     for spec in SPECS.values():
         args = getattr(torch.ops.mtp, spec.op).default._schema.arguments
-        assert [a.name for a in args if str(a.type).startswith("Tensor")] == [t.name for t in spec.inputs]
-        assert [a.name for a in args if not str(a.type).startswith("Tensor")] == [a.name for a in spec.attrs]
+        tensor = [str(a.type).removeprefix("Optional[").startswith("Tensor") for a in args]  # Tensor? is Optional
+        assert [a.name for a, t in zip(args, tensor, strict=True) if t] == [t.name for t in spec.inputs]
+        assert [a.name for a, t in zip(args, tensor, strict=True) if not t] == [a.name for a in spec.attrs]

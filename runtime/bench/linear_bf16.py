@@ -1,0 +1,72 @@
+"""mtp::linear_bf16 against torch's fp32 linears, cold weights, 1 thread, interleaved rounds, medians of process CPU time.
+
+    OMP_NUM_THREADS=1 python -m runtime.bench.linear_bf16 --rows 1 2 4 8 32 --rounds 7
+
+Each candidate multiplies x [M, K] by `--count` distinct weights of [N, K] in turn (together far larger than the
+last-level cache, so every weight comes from DRAM, as in a decode step of a large model):
+  bf16-op     torch.ops.mtp.linear_bf16 on the bf16 weights (what the compiled engine calls)
+  fp32        F.linear on fp32 weights stored [N, K]
+  fp32-in-out F.linear on fp32 weights stored [K, N] (models/feed_forward.py store_in_out: the eager layout)
+  upcast+mm   F.linear(x, w.float()) on the bf16 weights (what the compiled engine generated before the op)
+Rounds rotate the order; a candidate's round time is the median over `--iters` passes over all weights. Prints
+per-matrix microseconds, the weight read rate (GB/s of the bytes each candidate stores) and the ratio to fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import plugins.cpp_ops  # noqa: F401  (torch.ops.mtp.linear_bf16)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 32])
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--count", type=int, default=6, help="distinct weights (6 x 4096 x 4096 = 200 MB bf16)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--iters", type=int, default=3)
+    a = p.parse_args(argv)
+    torch.manual_seed(0)
+    low = [torch.randn(a.n, a.k).bfloat16() for _ in range(a.count)]
+    full = [w.float() for w in low]
+    in_out = [w.t().contiguous().t() for w in full]
+    cands = {
+        "bf16-op": (low, lambda x, w: torch.ops.mtp.linear_bf16(x, w, None)),
+        "fp32": (full, lambda x, w: F.linear(x, w)),
+        "fp32-in-out": (in_out, lambda x, w: F.linear(x, w)),
+        "upcast+mm": (low, lambda x, w: F.linear(x, w.float())),
+    }
+    print(f"N={a.n} K={a.k}, {a.count} weights, isa {plugins.cpp_ops.cpu_isa()}, threads {torch.get_num_threads()}")
+    print("| M | " + " | ".join(f"{c} us (GB/s)" for c in cands) + " | bf16-op / fp32 |")
+    print("|---:|" + "---:|" * (len(cands) + 1))
+    for m in a.rows:
+        x = torch.randn(m, a.k)
+        times: dict[str, list[float]] = {c: [] for c in cands}
+        names = list(cands)
+        for r in range(a.rounds):
+            for c in names[r % len(names):] + names[: r % len(names)]:
+                weights, fn = cands[c]
+                per = []
+                for _ in range(a.iters):
+                    t0 = time.process_time()
+                    for w in weights:
+                        fn(x, w)
+                    per.append((time.process_time() - t0) / len(weights))
+                times[c].append(statistics.median(per))
+        med = {c: statistics.median(v) for c, v in times.items()}
+        cells = []
+        for c, (weights, _) in cands.items():
+            gbs = weights[0].numel() * weights[0].element_size() / med[c] / 1e9
+            cells.append(f"{med[c] * 1e6:.0f} ({gbs:.1f})")
+        print(f"| {m} | " + " | ".join(cells) + f" | {med['bf16-op'] / med['fp32']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""mtp::linear_bf16 (plugins/csrc/linear_bf16.cpp): fp32 activations times a bf16 weight read as bf16, fp32 math.
+
+Against the fp64 reference x @ w.float().T + b, so only the fp32 summation order separates them, on every
+instruction set this CPU has (portable, AVX2, AVX-512), for the few-row path (decode / verify / draft) and the
+converted-tile MKL path (prefill chunks); a row's result does not depend on the rest of the batch on the few-row
+path; bad input is a one-line ValueError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import plugins.cpp_ops as cpp_ops
+import plugins.ops  # noqa: F401  (the fake, from the spec)
+
+FLAGS = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
+ISAS = ["generic"] + [isa for isa, need in (("avx2", ("avx2", "fma", "f16c")), ("avx512", ("avx512f", "avx512bw")))
+                      if all(f in FLAGS for f in need)]  # fmt: skip
+SETTINGS = settings(max_examples=25, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
+
+
+@pytest.fixture
+def isa(request):
+    before = cpp_ops.cpu_isa()
+    cpp_ops.cpu_isa(request.param)
+    yield request.param
+    cpp_ops.cpu_isa(before)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return (y if b is None else y + b.double()).float()
+
+
+def _case(seed: int, m: int, n: int, k: int, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    return x, w, torch.randn(n, generator=g) if bias else None
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@SETTINGS
+@given(seed=st.integers(0, 2**16), m=st.integers(1, 70), n=st.integers(1, 41), k=st.integers(1, 300),
+       bias=st.booleans())  # fmt: skip
+def test_matches_the_upcast_linear(isa: str, seed: int, m: int, n: int, k: int, bias: bool) -> None:
+    x, w, b = _case(seed, m, n, k, bias)
+    got = torch.ops.mtp.linear_bf16(x, w, b)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    want = _reference(x, w, b)
+    # fp32 rounding of a k-term sum: a few ulps of the magnitude of the terms, never more
+    scale = (x.abs().double() @ w.double().abs().T).float() + (0 if b is None else b.abs())
+    assert ((got - want).abs() <= 4 * k * torch.finfo(torch.float32).eps * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_a_row_does_not_depend_on_the_batch(isa: str) -> None:
+    """Below the tiled path every row runs the same operations whatever the row count: decode == verify rows."""
+    x, w, b = _case(1, 15, 37, 133, True)
+    full = torch.ops.mtp.linear_bf16(x, w, b)
+    for m in (1, 2, 3, 4, 5, 8):
+        assert torch.equal(torch.ops.mtp.linear_bf16(x[:m], w, b), full[:m])
+
+
+def test_leading_dims_and_strided_activations() -> None:
+    x, w, b = _case(2, 12, 9, 40, True)
+    got = torch.ops.mtp.linear_bf16(x.view(3, 4, 40), w, b)
+    assert got.shape == (3, 4, 9) and torch.equal(got.view(12, 9), torch.ops.mtp.linear_bf16(x, w, b))
+    wide = torch.randn(12, 80)
+    wide[:, ::2] = x
+    assert torch.equal(torch.ops.mtp.linear_bf16(wide[:, ::2], w, b), torch.ops.mtp.linear_bf16(x, w, b))
+    assert torch.ops.mtp.linear_bf16(x[:0], w, b).shape == (0, 9)
+
+
+def test_fake_follows_the_spec() -> None:
+    """The shape rule torch.export traces with (meta tensors run the spec's fake)."""
+    x, w = torch.empty(2, 3, 16, device="meta"), torch.empty(5, 16, dtype=torch.bfloat16, device="meta")
+    y = torch.ops.mtp.linear_bf16(x, w, None)
+    assert y.shape == (2, 3, 5) and y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("args,match", [
+    (lambda x, w, b: (x.double(), w, b), "x must be fp32"),
+    (lambda x, w, b: (x, w.float(), b), "weight must be a 2-D bf16 tensor"),
+    (lambda x, w, b: (x, torch.randn(16, 8).bfloat16().t(), b), "weight must be contiguous"),
+    (lambda x, w, b: (x[:, :5], w, b), r"x must be \[\.\.\., 8\]"),
+    (lambda x, w, b: (x, w, b[:3]), r"bias must be an fp32 CPU tensor \[16\]"),
+    (lambda x, w, b: (x, w, b.bfloat16()), "bias must be an fp32"),
+])  # fmt: skip
+def test_bad_input_is_one_line_value_error(args, match) -> None:
+    x, w, b = _case(3, 4, 16, 8, True)
+    with pytest.raises(ValueError, match=match) as e:
+        torch.ops.mtp.linear_bf16(*args(x, w, b))
+    assert len(str(e.value).strip().splitlines()) == 1
