@@ -81,7 +81,6 @@ def test_mimo_tp2_equals_single_rank(mimo, tmp_path):
         assert res["calls"][0] == res["calls"][1] > 0, "the follower replays exactly its leader's calls"
 
 
-
 def test_qwen3_next_ep2_engine_equals_single_rank(hybrid_engine, tmp_path):
     """The onnxruntime EP2 engine: each rank's graphs hold its half of the routed experts and one GdnStep reading the
     rank's own state pool (same layout on both ranks); an idle rank's dummy forwards read and write no slot."""
