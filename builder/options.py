@@ -120,16 +120,13 @@ class BuildOptions:
             )
 
     def _validate_hybrid(self, cfg: ModelConfig) -> None:
-        """What a hybrid (Gated DeltaNet) engine can be: one rank, ONNX Runtime, no AOTInductor packages."""
+        """What a hybrid (Gated DeltaNet) engine can be: ONNX Runtime, no AOTInductor packages (no TP: check_model)."""
         what = f"{cfg.model_type} is a hybrid (Gated DeltaNet) model"
         if self.backend == "tensorrt":
             raise BuildError(f"{what}: its GdnStep TensorRT plugin is written and type-checked but has never been built "
                              "or run (no GPU here); build it with --backend onnxruntime")  # fmt: skip
         if self.compile != "none":
             raise BuildError(f"{what}: --compile {self.compile} does not support its recurrent-state op; drop --compile")
-        if self.world_size > 1:
-            raise BuildError(f"{what}: engines are built for one rank; use --world-size 1 (multi-rank hybrid runs use "
-                             "the torch executor)")  # fmt: skip
 
     def validate_for_model(self, cfg: ModelConfig) -> None:
         """Checks against the checkpoint's architecture."""
@@ -154,7 +151,7 @@ class BuildOptions:
             check_model(self.world_size, self.ep_size, self.tp_size, flags=True,
                         num_experts=cfg.n_routed_experts if cfg.has_moe else 0, num_heads=cfg.num_attention_heads,
                         num_kv_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size, mla=cfg.is_mla,
-                        inter_sizes=tuple(inter))  # fmt: skip
+                        inter_sizes=tuple(inter), hybrid=cfg.model_type if cfg.is_hybrid else "")  # fmt: skip
         except MappingError as e:
             raise BuildError(str(e)) from None
         if self.max_seq_len > cfg.max_position_embeddings:

@@ -93,14 +93,21 @@ def local_kv_heads(num_kv_heads: int, tp: int) -> int:
 
 
 def check_model(world: int, ep: int, tp: int, *, num_experts: int, num_heads: int, num_kv_heads: int,
-                vocab_size: int, mla: bool = False, inter_sizes: tuple[int, ...] = (),
+                vocab_size: int, mla: bool = False, inter_sizes: tuple[int, ...] = (), hybrid: str = "",
                 flags: bool = False) -> None:  # fmt: skip
     """The model-dependent rules of the contract (after `check_parallel`); one-line MappingError.
 
     `inter_sizes`: the dense MLP and shared-expert intermediate sizes (column-parallel: must split over tp).
+    `hybrid`: the model_type of a hybrid (Gated DeltaNet) model, "" otherwise: no TP (its recurrent state is not
+    head-split, so its layers are replicated on every rank); expert parallelism is allowed.
     """
     check_parallel(world, ep, tp, flags)
     e, t = _flag("ep_size", flags), _flag("tp_size", flags)
+    if hybrid and tp > 1:
+        fix = f"use {t} 1 (drop {t})" if flags else f"use {t} 1 (mtp-run: drop --tp-size)"
+        raise MappingError(f"{hybrid} is a hybrid (Gated DeltaNet) model: tensor parallelism ({t} {tp}) is not "
+                           f"supported for its recurrent layers; {fix}: expert parallelism splits the routed experts "
+                           "over the ranks, GDN and attention replicated")  # fmt: skip
     if num_experts and num_experts % ep:
         raise MappingError(f"n_routed_experts={num_experts} does not split over {e} {ep}; choose an ep size "
                            "that divides the expert count")  # fmt: skip

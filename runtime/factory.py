@@ -179,13 +179,10 @@ def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, parallel: Paralle
     mc = read_model_config(checkpoint)[0]
     experts = mc.n_routed_experts if mc.has_moe else 0
     w, ep, tp = parallel.world_size, parallel.ep_size, parallel.tp_size
-    if mc.is_hybrid and tp > 1:  # the GDN recurrent state is not head-split: its layers are replicated on every rank
-        raise ConfigError(f"{mc.model_type} is a hybrid (Gated DeltaNet) model: tensor parallelism (tp_size {tp}) is "
-                          "not supported for its recurrent layers; use tp_size 1 (mtp-run: drop --tp-size): expert "
-                          "parallelism splits the routed experts over the ranks, GDN and attention replicated")  # fmt: skip
     try:
         check_model(w, ep, tp, num_experts=experts, num_heads=mc.num_attention_heads,
-                    num_kv_heads=mc.num_key_value_heads, vocab_size=mc.vocab_size)  # fmt: skip
+                    num_kv_heads=mc.num_key_value_heads, vocab_size=mc.vocab_size,
+                    hybrid=mc.model_type if mc.is_hybrid else "")  # fmt: skip
         mapping = rank_mapping(rank, parallel, experts)
     except MappingError as e:
         raise ConfigError(f"{e} (--checkpoint {checkpoint})") from None

@@ -194,7 +194,7 @@ def _check_mapping(cfg: EngineConfig) -> None:
     try:
         check_model(p.world_size, p.ep_size, p.tp_size, num_experts=m.n_routed_experts if m.has_moe else 0,
                     num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads, vocab_size=m.vocab_size,
-                    mla=m.is_mla)  # fmt: skip
+                    mla=m.is_mla, hybrid=m.model_type if m.is_hybrid else "")  # fmt: skip
     except MappingError as e:
         raise _refuse(cfg, f"parallel={p}: {e}") from None
     if len(cfg.graphs) != p.world_size:

@@ -4,16 +4,21 @@ the attention replicated on every rank, the routed experts split; each rank serv
 idle rank's dummy forwards touching no state slot) and MiMo with tensor parallelism (TP2: heads, MLP and vocab split).
 Greedy output equals one rank's at K=0 and K=2 (MTP on == MTP off), with 8-token prefill chunks shorter than the
 prompts and late arrivals mixing prefill and decode; the draft acceptances are counted so the K=2 run exercises
-accepted and rejected drafts. Every launch has a timeout (hybrid TP's one-line refusal: tests/runtime/
-test_hybrid_lossless.py)."""
+accepted and rejected drafts. The same EP2 run on an ONNX Runtime engine built by `mtp-build --world-size 2
+--ep-size 2` (each rank its expert slice, the state pool per rank, `--check` passing). Every launch has a timeout
+(hybrid TP's one-line refusal: tests/runtime/test_hybrid_lossless.py; an engine edited to TP is refused here)."""
 
 from __future__ import annotations
 
 import json
 
+import onnx
 import pytest
 
+from builder import cli
+from models.engine_format import EngineDirError, load_engine_config
 from models.testing import make_hybrid_checkpoint, make_mimo_checkpoint
+from tests.builder.engine_edits import copy_engine, edit_config
 from tests.runtime.test_mpi_lockstep import pytestmark  # noqa: F401  (skipped without mpirun)
 from tests.runtime.test_mpi_tp import launch, single_rank_outputs
 
@@ -34,9 +39,23 @@ def mimo(tmp_path_factory):
     return path
 
 
-def run_two_ranks(checkpoint, tmp_path, tp: int, ep: int) -> dict:
+@pytest.fixture(scope="module")
+def hybrid_engine(tmp_path_factory):
+    """(checkpoint, engine): a 2-layer tiny Qwen3-Next (one GDN, one gated attention: the ONNX export is the slow part)
+    built by `mtp-build --world-size 2 --ep-size 2` with the worker's limits (block 4, batch 4, 64 tokens, K=2)."""
+    root = tmp_path_factory.mktemp("qwen3_next_ep2")
+    make_hybrid_checkpoint(root / "ckpt", "qwen3_next", seed=2, vocab_size=6, num_hidden_layers=2,
+                           layer_types=["linear_attention", "full_attention"])  # fmt: skip
+    assert cli.main(["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"), "--world-size", "2",
+                     "--ep-size", "2", "--max-batch", "4", "--max-num-tokens", "64", "--max-seq-len", "128",
+                     "--kv-block-size", "4", "--num-draft-tokens", "2"]) == 0  # fmt: skip
+    return root / "ckpt", root / "engine"
+
+
+def run_two_ranks(checkpoint, tmp_path, tp: int, ep: int, source=None) -> dict:
+    """`source` (default: the checkpoint, torch executor) under mpirun -np 2 at K=0 and K=2 vs one rank's outputs."""
     out = tmp_path / "out.json"
-    proc = launch(2, checkpoint, out, "ok", tp, ep, "0,2", timeout=240)
+    proc = launch(2, source or checkpoint, out, "ok", tp, ep, "0,2", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     reference = single_rank_outputs(checkpoint)
@@ -61,3 +80,27 @@ def test_mimo_tp2_equals_single_rank(mimo, tmp_path):
         assert res["heads"] == [2, 2], "the 4 q heads must be split over the TP group"
         assert res["calls"][0] == res["calls"][1] > 0, "the follower replays exactly its leader's calls"
 
+
+def test_qwen3_next_ep2_engine_equals_single_rank(hybrid_engine, tmp_path):
+    """The onnxruntime EP2 engine: each rank's graphs hold its half of the routed experts and one GdnStep reading the
+    rank's own state pool (same layout on both ranks); an idle rank's dummy forwards read and write no slot."""
+    ckpt, engine = hybrid_engine
+    assert cli.main(["--check", str(engine)]) == 0
+    cfg = load_engine_config(engine)
+    assert cfg.state is not None and cfg.world_size == 2 and (cfg.parallel.ep_size, cfg.parallel.tp_size) == (2, 1)
+    for rank in range(2):
+        main = onnx.load(str(cfg.graph_file(rank, "main")), load_external_data=False).graph
+        assert [n.op_type for n in main.node].count("GdnStep") == 1
+        experts = {i.name: i.dims[0] for i in main.initializer if i.name.endswith("mlp.w_gate_up")}
+        assert experts and set(experts.values()) == {4}, f"rank {rank}: 4 of the 8 routed experts per layer"
+    results = run_two_ranks(ckpt, tmp_path, tp=1, ep=2, source=engine)
+    for res in results.values():
+        assert min(res["calls"]) > 0
+
+
+def test_qwen3_next_engine_edited_to_tp_is_refused_with_one_line(hybrid_engine, tmp_path):
+    copy = copy_engine(hybrid_engine[1], tmp_path)
+    edit_config(copy, parallel__tp_size=2)
+    with pytest.raises(EngineDirError, match=r"hybrid \(Gated DeltaNet\) model: tensor parallelism") as e:
+        load_engine_config(copy)
+    assert "\n" not in str(e.value)
