@@ -7,7 +7,6 @@ small hypothesis geometries: padded rows, -1 holes, count-0 segments, the poison
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,25 +25,15 @@ from plugins.reference import (
     paged_attention_ref,
 )
 from tests.plugins.cases import Case, cases, filled_pool, tolerance
+from tests.plugins.conftest import HAS_AVX2, HAS_AVX512
 
 # The `isa` fixture holds for all examples of a test on purpose (it picks the kernels' instruction set).
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
 OPS = ["kv_write", "paged_attention", "moe_experts", "moe_experts_local", "mla_kv_write", "mla_paged_attention",
        "linear_bf16"]
-_FLAGS = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
-HAS_AVX512 = all(f in _FLAGS for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2", "bmi2"))
-HAS_AVX2 = all(f in _FLAGS for f in ("avx2", "fma", "f16c", "bmi2"))
 # "best" is avx512 where the CPU has it, else avx2; an AVX-512 machine runs the AVX2 path too
 ISAS = ["generic", "best"] + (["avx2"] if HAS_AVX512 and HAS_AVX2 else [])
-
-
-@pytest.fixture
-def isa(request):
-    before = cpp_ops.cpu_isa()
-    cpp_ops.cpu_isa(request.param)
-    yield request.param
-    cpp_ops.cpu_isa(before)
 
 
 @pytest.mark.parametrize("op", OPS)

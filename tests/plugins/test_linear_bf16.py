@@ -7,29 +7,17 @@ path; bad input is a one-line ValueError."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import plugins.cpp_ops as cpp_ops
 import plugins.ops  # noqa: F401  (the fake, from the spec)
+from tests.plugins.conftest import HAS_AVX2, HAS_AVX512
 
-FLAGS = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
-ISAS = ["generic"] + [isa for isa, need in (("avx2", ("avx2", "fma", "f16c")), ("avx512", ("avx512f", "avx512bw")))
-                      if all(f in FLAGS for f in need)]  # fmt: skip
+ISAS = ["generic"] + (["avx2"] if HAS_AVX2 else []) + (["avx512"] if HAS_AVX512 else [])
 SETTINGS = settings(max_examples=25, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
-
-
-@pytest.fixture
-def isa(request):
-    before = cpp_ops.cpu_isa()
-    cpp_ops.cpu_isa(request.param)
-    yield request.param
-    cpp_ops.cpu_isa(before)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
