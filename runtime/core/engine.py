@@ -85,6 +85,9 @@ class LLMEngine:
         if draft_length is None and cfg.auto_draft_tokens and self.k:
             draft_length = DraftLengthController(self.k)
         self.draft_length = draft_length
+        # rows a request holds back while `auto` runs k = 0 (mtp_plan.plan_step): the request's whole commit segment
+        # (carry + up to 2K verified rows + the tail) must fit one commit call of max_num_tokens rows
+        self._max_carry_rows = max(0, min(4 * cfg.block_size, cfg.max_num_tokens - 2 * self.k - 1))
         # auto's cost of a draft length k is a cycle: the draft loop that made k drafts plus the next step
         self._prev_draft = (0.0, 0.0, 0.0)  # the previous step's draft loop: (wall seconds, depths, requests)
         self._cycle = (0.0, 0.0, 0.0, 0.0)  # the last finished cycle: (seconds, depths, requests, verify rows)
@@ -155,9 +158,9 @@ class LLMEngine:
         k = self._choose_draft_length(self._sample(scheduled, accepted, errors))
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
                          draft_depths=k, refresh_drafts=self.cfg.commit_pass,
-                         max_carry_rows=4 * self.cfg.block_size)  # 4. plan  # fmt: skip
-        if plan.commit is not None:  # 5. commit (no collective inside, so skipping an empty write keeps lockstep)
-            self._timed(self.executor.run_commit, plan.commit)
+                         max_carry_rows=self._max_carry_rows, max_commit_rows=self.cfg.max_num_tokens)  # 4. plan  # fmt: skip
+        for commit in plan.commits:  # 5. commit (no collective inside, so skipping an empty write keeps lockstep)
+            self._timed(self.executor.run_commit, commit)
         outputs, drafting = self._apply(scheduled, plan)  # 6. apply
         if self.state_slots is not None:  # rollback of the recurrent state: a slot choice per request
             self.state_slots.commit(scheduled, plan.updates)

@@ -103,7 +103,8 @@ class StepPlan:
     """The whole post-verify plan of one step, built from the verify results before anything mutates."""
 
     updates: list[RequestUpdate]  # one per scheduled request, in order
-    commit: CommitInput | None  # None: MTP off, or no row to write (no collective inside, so lockstep holds)
+    commits: list[CommitInput]  # [] when MTP is off or no row is written; > 1 only when carried rows overflow one
+    # commit's row limit (no collective inside a commit, so ranks may issue different numbers of them)
 
 
 def plan_step(
@@ -118,12 +119,15 @@ def plan_step(
     draft_depths: int = 1,  # k of this step's draft loop (0: `auto` chose not to draft)
     refresh_drafts: bool = True,  # False = --no-commit-pass ablation (decode refresh skipped)
     max_carry_rows: int = 16,  # with k = 0: rows a request may hold back before every carry is written
+    max_commit_rows: int | None = None,  # rows one commit call may carry (the engine's token budget)
 ) -> StepPlan:
     """All the hidden-row arithmetic of a step after verify lives here (module docstring has the layout).
 
     With k = 0 nobody runs depth 0, so row p = base-1 (h_{base-1}, base token) is written by the commit pass
     instead. To keep K=0-like steps free of a commit call, such rows are carried (like a chunk seam) while
-    no request has other rows to write and no carry is full; the next commit then writes them all.
+    no request has other rows to write and no carry is full; the next commit then writes them all. Carried rows
+    of a batch can outnumber one commit's row limit (8 requests x 64 rows > 256), so the write is split into
+    commits of whole requests that each fit (`pack_commits`).
     """
     errors = errors if errors is not None else [None] * len(scheduled)
     defer = mtp and draft_depths == 0 and all(
@@ -150,10 +154,10 @@ def plan_step(
         segments.append(seg)
         if s.reaches_end and draft_depths > 0:
             upd.draft_row = main.row_offsets[i] + s.num_new_tokens - 1 + a
-    commit = None
+    commits = []
     if mtp and any(seg.token_ids for seg in segments):
-        commit = pack_commit(segments, main.inp.block_tables, hidden.shape[1])
-    return StepPlan(updates, commit)
+        commits = pack_commits(segments, main.inp.block_tables, hidden.shape[1], max_commit_rows)
+    return StepPlan(updates, commits)
 
 
 def _carried(s: ScheduledRequest) -> int:
@@ -197,6 +201,26 @@ def _plan_rows(s: ScheduledRequest, a: int, next_token: int | None, main_hidden:
     if len(tokens) != hidden.shape[0]:
         raise ValueError(f"commit plan mismatch for {req.req_id}: {hidden.shape[0]} hiddens vs {len(tokens)} tokens")
     return CommitSegment(first_p, hidden, tokens), new_carry
+
+
+def pack_commits(segments: list[CommitSegment], block_tables: np.ndarray, hidden_size: int,
+                 max_rows: int | None = None) -> list[CommitInput]:
+    """The commit calls of a step: consecutive requests grouped so each call has at most max_rows rows (None:
+    one call). A request's segment is never split (its rows are one contiguous KV write); one larger than
+    max_rows still gets a call of its own, which the executor refuses with its one-line limit error."""
+    groups: list[list[int]] = [[]]
+    rows = 0
+    for i, seg in enumerate(segments):
+        n = len(seg.token_ids)
+        if max_rows is not None and groups[-1] and rows + n > max_rows:
+            groups.append([])
+            rows = 0
+        groups[-1].append(i)
+        rows += n
+    if len(groups) == 1:
+        return [pack_commit(segments, block_tables, hidden_size)]
+    return [pack_commit([segments[i] for i in g], block_tables[g], hidden_size) for g in groups
+            if any(segments[i].token_ids for i in g)]  # fmt: skip
 
 
 def pack_commit(segments: list[CommitSegment], block_tables: np.ndarray, hidden_size: int) -> CommitInput:

@@ -72,6 +72,9 @@ class RecordingExecutor:
     ownership_violations: list = field(default_factory=list)
     segment_violations: list = field(default_factory=list)  # invariant 5: one commit segment per request
     num_main_requests: int = 0
+    commit_requests: int = 0  # segments in this step's commit calls (a step's commits partition its requests)
+    max_commit_rows: int = 0  # the most rows any one commit call carried
+    commit_calls: int = 0  # commit calls of the current step
 
     @property
     def hidden_size(self):
@@ -95,6 +98,9 @@ class RecordingExecutor:
                 row += 1
 
     def run_main(self, inp):
+        if self.commit_requests not in (0, self.num_main_requests):  # the previous step's commits
+            self.segment_violations.append((self.step, self.commit_requests, self.num_main_requests))
+        self.commit_requests = self.commit_calls = 0
         self.step += 1
         self.depth = 0
         self.num_main_requests = len(inp.q_counts)
@@ -103,8 +109,11 @@ class RecordingExecutor:
         return self.inner.run_main(inp)
 
     def run_commit(self, inp):
-        if len(inp.counts) != self.num_main_requests or len(inp.starts) != len(inp.counts):
+        self.commit_requests += len(inp.counts)
+        self.commit_calls += 1
+        if self.commit_requests > self.num_main_requests or len(inp.starts) != len(inp.counts):
             self.segment_violations.append((self.step, len(inp.counts), self.num_main_requests))
+        self.max_commit_rows = max(self.max_commit_rows, len(inp.token_ids))
         self._record("commit", "mtp", inp.counts, inp.starts, inp.block_tables, inp.token_ids, "main")
         return self.inner.run_commit(inp)
 

@@ -151,6 +151,43 @@ def test_auto_with_forced_length_changes_keeps_the_invariants():
     assert sum(1 for n in engine.metrics.draft_length_counts if n) >= 3
 
 
+def test_a_long_k0_stretch_writes_its_carried_rows_in_commits_that_fit():
+    """auto at k = 0 holds each request's commit rows back; a batch's carries can outnumber one commit call's row
+    limit (the compiled executor refused 258 rows > 256 at batch 8). They are written in several calls of whole
+    requests, each within max_num_tokens, and drafting afterwards still sees exact MTP KV (lossless)."""
+    from tests.runtime.test_commit_coverage import last_mtp_writes
+
+    prompts = random_prompts((6, 9, 4, 7), seed=5)
+    params = SamplingParams(max_tokens=40)
+    limits = dict(max_batch=4, max_num_tokens=16, block_size=4, enable_prefix_caching=False)
+    reference = [o.output_ids for o in make_engine(0, **limits).generate(prompts, params)]
+
+    class ZeroThenDraft(DraftLengthController):  # k = 0 long enough to fill every carry, then K_max
+        def choose(self, num_drafting, base_rows, remaining=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            return 0 if self.calls < 30 or not num_drafting else 3
+
+    engine, rec = make_recorded_engine(3, auto_draft_tokens=True, draft_length=ZeroThenDraft(3), **limits)
+    ids = [engine.add_request(p, params) for p in prompts]
+    finals, splits = {}, 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                finals[o.req_id] = o.output_ids
+        splits += rec.commit_calls > 1
+        assert not rec.ownership_violations and not rec.segment_violations
+        last = last_mtp_writes(rec.writes)
+        for req in engine.scheduler.running:
+            table, bs = engine.kv.block_table(req.req_id), engine.cfg.block_size
+            for p in range(req.num_computed if req.spec.carry is None else req.spec.carry.position):
+                w = last.get((table[p // bs], p % bs))
+                assert w is not None and w.hidden_source == "main" and w.token == req.token_ids[p + 1]
+    assert [finals[i] for i in ids] == reference
+    assert 0 < rec.max_commit_rows <= limits["max_num_tokens"]
+    assert splits > 0  # the carried rows did overflow one call: the split was exercised
+    engine.kv.assert_no_leaks()
+
+
 def test_conditional_acceptance_counts_only_steps_that_reached_the_depth():
     from runtime.core.metrics import Metrics
 
