@@ -19,12 +19,19 @@ see, such as exploration), and the promise is that MTP is never slower than K=0.
 Costs are kept per batch regime (drafting requests in power-of-two buckets: `regime`): drafting can pay at
 batch 1, where a step's fixed cost dominates, and lose at batch 8, where rows dominate (the compiled engine
 does both), and one fit across both would carry batch 1's choice into batch 8 until it re-learned. A regime
-seen for the first time starts from its nearest neighbour's fit, measures k = 0 and explores soon. Acceptance
-is the model's, shared by all regimes.
+seen for the first time starts from its nearest neighbour's fit, measures k = 0 and explores soon; only a k
+measured in the regime itself may be chosen there (the fit only says which unmeasured k is worth measuring).
+Acceptance is the model's, shared by all regimes.
 
 Acceptance at depth j is only seen when k > j, so the controller explores: a warm-up that tries every k,
 then the neighbours of the best k every `interval` steps; the interval doubles with every exploration
-(its cost vanishes on a model where drafting never pays) and halves when the best k changes.
+and halves when the best k changes. A neighbour already measured in this regime and predicted more than
+`explore_gap` behind (after 3 measurements: one can be noise) is only re-checked every `max_interval` steps.
+
+Where drafting never pays, `auto` must still be as fast as K=0 (its promise), so the k = 0 path is kept
+cheap: the fit is plain floats (numpy's per-call overhead on a 3x3 system was ~50 us of a 1.5 ms step), and
+while k = 0 is the settled choice only one step in `park_stride` builds a sample and decides
+(`skips_this_step`).
 
 Lockstep: the controller is deterministic (no random numbers). Under MPI every rank feeds it the same
 combined measurements (`combine` over an allgather of each rank's `StepSample.to_array()`), so every rank
@@ -58,44 +65,65 @@ def parse_num_draft_tokens(text: str) -> int | str:
 ROW_SCALE, DRAFT_SCALE = 100.0, 10.0  # keep the features of similar size, so the ridge treats them alike
 
 
-def features(k: int, num_drafting: float, rows: float) -> np.ndarray:
-    return np.array([1.0, rows / ROW_SCALE, k * num_drafting / DRAFT_SCALE])
+def features(k: int, num_drafting: float, rows: float) -> tuple[float, float, float]:
+    return (1.0, rows / ROW_SCALE, k * num_drafting / DRAFT_SCALE)
 
 
 @dataclass(slots=True)
 class DecayedRidge:
-    """y ~ b . x by ridge least squares over exponentially decayed sums (recent observations weigh most).
+    """y ~ b . x (3 features) by ridge least squares over exponentially decayed sums (recent observations weigh
+    most). The ridge (relative to the total weight) keeps collinear features (a constant batch) solvable.
 
-    The ridge (relative to the total weight) keeps collinear features (a constant batch) solvable.
-    """
+    Plain Python floats, not numpy: this runs every engine step, and for a 3x3 system numpy's per-call overhead
+    (tens of microseconds) was a measurable share of a 1.5 ms compiled step."""
 
-    num_features: int
     decay: float = 0.98
     ridge: float = 1e-3
-    xx: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
-    xy: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    xx: list[float] = field(default_factory=lambda: [0.0] * 9)  # row-major 3x3 sum of x x^T
+    xy: list[float] = field(default_factory=lambda: [0.0] * 3)
     weight: float = 0.0
-    _coef: np.ndarray | None = None  # solved lazily, once per observation
+    _coef: tuple[float, float, float] | None = None  # solved lazily, once per observation
 
-    def __post_init__(self) -> None:
-        self.xx, self.xy = np.zeros((self.num_features, self.num_features)), np.zeros(self.num_features)
-
-    def observe(self, x: np.ndarray, y: float) -> None:
-        self.xx *= self.decay
-        self.xx += np.outer(x, x)
-        self.xy *= self.decay
-        self.xy += x * y
-        self.weight = self.decay * self.weight + 1.0
+    def observe(self, x: tuple[float, float, float], y: float) -> None:
+        d, xx, xy = self.decay, self.xx, self.xy
+        for i in range(3):
+            xi = x[i]
+            xy[i] = d * xy[i] + xi * y
+            for j in range(3):
+                xx[3 * i + j] = d * xx[3 * i + j] + xi * x[j]
+        self.weight = d * self.weight + 1.0
         self._coef = None
 
-    def coefficients(self) -> np.ndarray:
+    def coefficients(self) -> tuple[float, float, float]:
         if self._coef is None:
             lam = self.ridge * max(self.weight, 1e-12)
-            self._coef = np.linalg.solve(self.xx + lam * np.eye(self.num_features), self.xy)
+            a = list(self.xx)
+            a[0] += lam
+            a[4] += lam
+            a[8] += lam
+            self._coef = solve3(a, self.xy)
         return self._coef
 
-    def predict(self, x: np.ndarray) -> float:
-        return float(x @ self.coefficients()) if self.weight else 0.0
+    def predict(self, x: tuple[float, float, float]) -> float:
+        if not self.weight:
+            return 0.0
+        c = self.coefficients()
+        return c[0] * x[0] + c[1] * x[1] + c[2] * x[2]
+
+    def copy(self) -> DecayedRidge:
+        return DecayedRidge(self.decay, self.ridge, list(self.xx), list(self.xy), self.weight)
+
+
+def solve3(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """x with A x = b for a symmetric positive definite row-major 3x3 A (Cramer's rule; the ridge keeps det > 0)."""
+    a0, a1, a2, a3, a4, a5, a6, a7, a8 = a
+    m0, m1, m2 = a4 * a8 - a5 * a7, a3 * a8 - a5 * a6, a3 * a7 - a4 * a6  # cofactors of the first row
+    det = a0 * m0 - a1 * m1 + a2 * m2
+    b0, b1, b2 = b
+    x0 = (b0 * m0 - a1 * (b1 * a8 - a5 * b2) + a2 * (b1 * a7 - a4 * b2)) / det
+    x1 = (a0 * (b1 * a8 - a5 * b2) - b0 * m1 + a2 * (a3 * b2 - b1 * a6)) / det
+    x2 = (a0 * (a4 * b2 - b1 * a7) - a1 * (a3 * b2 - b1 * a6) + b0 * m2) / det
+    return (x0, x1, x2)
 
 
 @dataclass(slots=True)
@@ -152,7 +180,7 @@ class RegimeCosts:
     k_max: int
     decay: float
     min_interval: int
-    cost: DecayedRidge = field(default_factory=lambda: DecayedRidge(3))
+    cost: DecayedRidge = field(default_factory=DecayedRidge)
     offset_sum: list[float] = field(default_factory=list)  # per k: decayed residuals of the shared fit
     offset_weight: list[float] = field(default_factory=list)
     best: int = 0
@@ -160,19 +188,19 @@ class RegimeCosts:
     since_explore: int = 0
     explore_step: int = 0  # alternates up / down neighbours
     warmup: list[int] = field(default_factory=list)  # draft lengths still to try before deciding
+    seen: list[int] = field(default_factory=list)  # per k: cycles measured in this regime (not seeded)
 
     def __post_init__(self) -> None:
-        self.cost = DecayedRidge(3, decay=self.decay)
+        self.cost = DecayedRidge(decay=self.decay)
         self.offset_sum, self.offset_weight = [0.0] * (self.k_max + 1), [0.0] * (self.k_max + 1)
+        self.seen = [0] * (self.k_max + 1)
         self.interval = self.min_interval
         self.warmup = [self.k_max - i // 2 for i in range(2 * (self.k_max + 1))]  # k_max, k_max, ..., 0, 0
 
     def seeded_from(self, other: RegimeCosts) -> RegimeCosts:
-        """A new regime starts from a neighbour's fit (the shared cost structure carries over) and re-measures
-        each k once, so its offsets are its own before it decides."""
-        self.cost = DecayedRidge(3, decay=self.decay, xx=other.cost.xx.copy(), xy=other.cost.xy.copy(),
-                                 weight=other.cost.weight)  # fmt: skip
-        self.offset_sum, self.offset_weight = list(other.offset_sum), list(other.offset_weight)
+        """A new regime starts from a neighbour's fit (the shared cost structure carries over); its per-k
+        offsets are its own, learnt as it measures each k."""
+        self.cost = other.cost.copy()  # per-k offsets are the regime's own: they start empty
         self.warmup = [0]
         self.interval = max(1, self.min_interval // 4)
         return self
@@ -193,12 +221,27 @@ class DraftLengthController:
     prior_trials: float = 2.0  # acceptance prior: c_j = 0.5 with the weight of 2 observations
     outlier: float = 1.5  # a cycle slower than this times its prediction counts as this (noise is one-sided)
     offset_decay: float = 0.9  # per measurement of that k
+    explore_gap: float = 0.3  # a neighbour measured in this regime and predicted this far behind is explored
+    # only every max_interval steps (on a model where drafting never pays, exploring is pure loss)
+    park_stride: int = 4  # while k = 0 is the settled choice, one step in this many is measured and decided
     regimes: dict[int, RegimeCosts] = field(default_factory=dict)  # cost state per batch regime
     succ: list[float] = field(default_factory=list)  # acceptance is the model's, shared by every regime
     trials: list[float] = field(default_factory=list)
+    parked: int = 0  # steps left that run k = 0 without a sample (see skips_this_step)
+    last_k: int = 0  # the previous decision (its cycle is only measured two steps later)
 
     def __post_init__(self) -> None:
         self.succ, self.trials = [0.0] * self.k_max, [0.0] * self.k_max
+
+    def skips_this_step(self) -> bool:
+        """True: run k = 0 and build no sample. While k = 0 is the settled choice only one step in `park_stride`
+        is measured and decided: a k = 0 step teaches acceptance nothing and its cost is well known, and the
+        per-step host work (sample, fit, decision) was a measurable share of a ~1.5 ms compiled step, where
+        `auto` must not lose to K=0. Depends on the controller's state only, so every rank skips alike."""
+        if self.parked:
+            self.parked -= 1
+            return True
+        return False
 
     def regime_costs(self, num_drafting: float) -> RegimeCosts:
         """The regime's state, created on first use (seeded from the nearest regime seen, if any)."""
@@ -211,7 +254,12 @@ class DraftLengthController:
 
     # ------------------------------------------------------------------ learning
     def observe(self, s: StepSample) -> None:
-        if s.cycle_seconds > 0 and s.cycle_drafting > 0:  # a decision's cycle (not a prefill-only step)
+        # a decision's cycle, and a decode-like one: a prefill chunk in the verify step adds tens to hundreds of
+        # rows whose cost is not linear in them (MoE expert coverage saturates), and a fit that takes them in
+        # extrapolated decode costs that were off by 4x, even negative; the same cost at every k, it hardly
+        # moves the decision anyway
+        extra_rows = s.cycle_rows - s.cycle_drafting * (1 + s.cycle_depths)
+        if s.cycle_seconds > 0 and s.cycle_drafting > 0 and extra_rows <= s.cycle_drafting:
             rc = self.regime_costs(s.cycle_drafting)
             k = int(s.cycle_depths)
             x = features(k, s.cycle_drafting, s.cycle_rows)
@@ -223,6 +271,7 @@ class DraftLengthController:
             rc.cost.observe(x, y - offset)  # the shared fit sees every k with its offset taken out
             rc.offset_sum[k] = self.offset_decay * rc.offset_sum[k] + (y - shared)  # k's own offset learns
             rc.offset_weight[k] = self.offset_decay * rc.offset_weight[k] + 1.0
+            rc.seen[k] += 1
         d = self.acceptance_decay
         for j in range(self.k_max):
             t = s.trials[j] if j < len(s.trials) else 0.0
@@ -237,11 +286,15 @@ class DraftLengthController:
 
     def expected_tokens(self, k: int, acceptance: list[float] | None = None) -> float:
         """E[accepted + 1] per drafting request at draft length k."""
-        total, run = 1.0, 1.0
-        for c in (acceptance or self.acceptance())[:k]:
+        return self.expected_tokens_table(acceptance)[k]
+
+    def expected_tokens_table(self, acceptance: list[float] | None = None) -> list[float]:
+        """E[accepted + 1] per drafting request for k = 0..k_max: 1, 1 + c_0, 1 + c_0 + c_0 c_1, ..."""
+        table, run = [1.0], 1.0
+        for c in acceptance or self.acceptance():
             run *= c
-            total += run
-        return total
+            table.append(table[-1] + run)
+        return table
 
     def predicted_costs(self, num_drafting: float, base_rows: float) -> list[float]:
         """Seconds of the cycle for k = 0..k_max: k draft depths now, then the step that verifies them.
@@ -249,28 +302,29 @@ class DraftLengthController:
         rc = self.regime_costs(num_drafting)
         if not rc.cost.weight:
             return [0.0] * (self.k_max + 1)
-        c = rc.cost.coefficients().tolist()
+        c = rc.cost.coefficients()
         return [c[0] + c[1] * (base_rows + num_drafting * k) / ROW_SCALE + c[2] * k * num_drafting / DRAFT_SCALE
                 + rc.offset(k) for k in range(self.k_max + 1)]  # fmt: skip
 
     def rates(self, num_drafting: float, base_rows: float, remaining: list[float] | None = None) -> list[float]:
         """Predicted tokens per second of the drafting requests for k = 0..k_max (rows of other requests
         add the same tokens at every k). remaining: StepSample.remaining (None: nobody is near its end)."""
-        costs, acc = self.predicted_costs(num_drafting, base_rows), self.acceptance()
+        costs, table = self.predicted_costs(num_drafting, base_rows), self.expected_tokens_table()
         out = []
         for k, c in enumerate(costs):
             if remaining:  # a request that may emit m more tokens uses at most m - 1 drafts
-                tokens = sum(n * self.expected_tokens(min(k, m), acc) for m, n in enumerate(remaining) if n)
+                tokens = sum(n * table[min(k, m)] for m, n in enumerate(remaining) if n)
             else:
-                tokens = num_drafting * self.expected_tokens(k, acc)
+                tokens = num_drafting * table[k]
             out.append(tokens / c if c > 0 else 0.0)
         return out
 
     def best_k(self, num_drafting: float, base_rows: float, remaining: list[float] | None = None) -> int:
         """The best k; k > 0 must beat k = 0 by `zero_margin`, and a new best the current one by `margin` (no
         flapping between two lengths that the noise cannot tell apart)."""
-        r = self.rates(num_drafting, base_rows, remaining)
-        current = self.regime_costs(num_drafting).best
+        return self._best(self.rates(num_drafting, base_rows, remaining), self.regime_costs(num_drafting).best)
+
+    def _best(self, r: list[float], current: int) -> int:
         score = [r[0]] + [x / (1 + self.zero_margin) for x in r[1:]]
         best = max(range(self.k_max + 1), key=lambda k: score[k])
         if best != current and score[best] <= score[current] * (1 + self.margin):
@@ -280,19 +334,36 @@ class DraftLengthController:
     # ------------------------------------------------------------------ deciding
     def choose(self, num_drafting: float, base_rows: float, remaining: list[float] | None = None) -> int:
         """The draft length of this step (0 when nobody drafts: nothing to learn, nothing to run)."""
+        self.last_k = self._choose(num_drafting, base_rows, remaining)
+        return self.last_k
+
+    def _choose(self, num_drafting: float, base_rows: float, remaining: list[float] | None) -> int:
         if self.k_max == 0 or num_drafting <= 0:
             return 0
         rc = self.regime_costs(num_drafting)
         if rc.warmup:
             return rc.warmup.pop(0)
-        best = self.best_k(num_drafting, base_rows, remaining)
+        r = self.rates(num_drafting, base_rows, remaining)
+        # only a k measured in this regime may be chosen (k = 0 always may: K=0 is the promise); the fit's
+        # prediction for an unmeasured k only decides whether to explore it
+        best = self._best([x if k == 0 or rc.seen[k] else 0.0 for k, x in enumerate(r)], rc.best)
         if best != rc.best:  # explore sooner after a change, but not from scratch: noise flips it too
             rc.best, rc.interval = best, max(self.min_interval, rc.interval // 2)
-        rc.since_explore += 1
-        if rc.since_explore < rc.interval:
-            return best
+        # park only after two k = 0 decisions: a k > 0 cycle is reported two steps after its decision
+        self.parked = self.park_stride - 1 if best == 0 and self.last_k == 0 else 0
+        rc.since_explore += 1 + self.parked  # intervals count steps, parked ones too
+        if rc.since_explore < rc.interval or base_rows > 2 * num_drafting:
+            return best  # (a step with prefill rows is not learnt from: explore at the next decode step)
+        self.parked = 0
         rc.since_explore = 0
         rc.interval = min(2 * rc.interval, self.max_interval)
         rc.explore_step += 1
+        promising = max(range(self.k_max + 1), key=lambda k: r[k])
+        if not rc.seen[promising] and r[promising] > (1 + self.zero_margin) * r[best]:
+            return promising  # the fit says an unmeasured k beats the best: measure it
         up, down = min(best + 1, self.k_max), max(best - 1, 0)
-        return up if (rc.explore_step % 2 or down == best) and up != best else down
+        k = up if (rc.explore_step % 2 or down == best) and up != best else down
+        if rc.seen[k] >= 3 and r[k] < (1 - self.explore_gap) * r[best] and rc.interval < self.max_interval:
+            rc.interval = self.max_interval  # measured here and far behind: only the rare check at max_interval
+            return best
+        return k

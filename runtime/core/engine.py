@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -144,7 +144,7 @@ class LLMEngine:
             if self.ranks.lockstep:  # invariant 9: an idle rank still enters every collective-bearing forward
                 idle = mtp_plan.plan_idle_main(self.width)
                 self.executor.run_main(idle if self.state_slots is None else idle_input(idle))
-                self._dummy_drafts(self._choose_draft_length(StepSample()))
+                self._dummy_drafts(self._choose_draft_length(StepSample))
             return []
         scheduled = sched.scheduled
         tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
@@ -155,7 +155,7 @@ class LLMEngine:
         main = self._timed(self.executor.run_main, inp)  # 2. verify (main KV appended inside)
         logprobs.record_prompt(scheduled, prompt_spans, main.logits)
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
-        k = self._choose_draft_length(self._sample(scheduled, accepted, errors))
+        k = self._choose_draft_length(lambda: self._sample(scheduled, accepted, errors))
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
                          draft_depths=k, refresh_drafts=self.cfg.commit_pass,
                          max_carry_rows=self._max_carry_rows, max_commit_rows=self.cfg.max_num_tokens)  # 4. plan  # fmt: skip
@@ -191,11 +191,14 @@ class LLMEngine:
         cycle, self._cycle = self._cycle, (0.0, 0.0, 0.0, 0.0)  # each finished cycle is reported once
         return mtp_plan.step_sample(scheduled, accepted, errors, self.k, self.cfg.max_seq_len, cycle)
 
-    def _choose_draft_length(self, sample: StepSample) -> int:
+    def _choose_draft_length(self, measure: Callable[[], StepSample]) -> int:
         """Fixed K, or the controller's pick; under MPI from every rank's sample, so every rank picks the same."""
         ctl = self.draft_length
         if ctl is None:
             return self.k
+        if ctl.skips_this_step():  # k = 0 settled: no sample this step (the same steps on every rank)
+            return 0
+        sample = measure()
         if self.ranks.lockstep:
             sample = combine(self.ranks.gather_draft_samples(sample.to_array(self.k)), self.k)
         ctl.observe(sample)

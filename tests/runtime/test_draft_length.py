@@ -203,6 +203,51 @@ def test_conditional_acceptance_counts_only_steps_that_reached_the_depth():
     assert fixed.conditional_acceptance_per_position == [3 / 4, 2 / 3]  # = accepted[i] / accepted[i-1]
 
 
+def drive(ctl, cost, acceptance, r, steps):
+    """The engine's timing, not simulate()'s: a decision's cycle (its draft loop + the step that verifies it)
+    is reported two steps later, its acceptance one step later, and a step the controller parks
+    (`skips_this_step`) builds no sample, so what it would have reported is lost. Returns (k, skipped) per step."""
+    pending = [(0.0, 0.0, 0.0, 0.0)] * 2  # cycles of the last two decisions, oldest first
+    accepted_from = 0  # the previous decision's k: its drafts are verified in this step
+    out = []
+    for _ in range(steps):
+        cycle = pending.pop(0)
+        reach = np.cumprod([1.0] + list(acceptance[: ctl.k_max - 1]))
+        trials = [r * reach[j] if j < accepted_from else 0.0 for j in range(ctl.k_max)]
+        skipped = ctl.skips_this_step()
+        if skipped:
+            k = 0
+        else:
+            ctl.observe(StepSample(*cycle, r, r, trials, [t * acceptance[j] for j, t in enumerate(trials)]))
+            k = ctl.choose(r, r)
+        pending.append((cost(k), k, r, r * (1 + k)))
+        accepted_from = k
+        out.append((k, skipped))
+    return out
+
+
+def test_a_settled_k0_samples_one_step_in_park_stride_and_measures_every_exploration():
+    """Drafting never pays (a depth costs twice a main forward): `auto` must cost no more than K=0, so most
+    steps build no sample; yet every exploration's cycle is still measured (parking right after one lost it,
+    so a useless k was explored forever at short intervals)."""
+    ctl = DraftLengthController(K_MAX)
+    steps = drive(ctl, lambda k: 0.01 + 0.001 * R * (1 + k) + 0.02 * k, [0.5, 0.5, 0.5], R, 800)
+    late = steps[400:]
+    assert sum(s for _, s in late) >= 0.6 * len(late)  # park_stride 4: up to 3 in 4 steps skipped
+    assert sum(k > 0 for k, _ in late) <= 0.02 * len(late)
+    drafted = sum(k > 0 for k, _ in steps[:-2])  # the last two decisions are not reported yet
+    assert sum(ctl.regime_costs(R).seen[1:]) == drafted
+
+
+def test_cycles_with_prefill_rows_are_not_learnt():
+    """A verify step that also carried a prefill chunk costs what its extra rows cost, not what k costs."""
+    ctl = DraftLengthController(K_MAX)
+    ctl.observe(StepSample(0.05, 1.0, R, R * 2 + 100, R, R))  # k = 1 with a 100-row chunk beside it
+    assert ctl.regime_costs(R).seen == [0] * (K_MAX + 1)
+    ctl.observe(StepSample(0.02, 1.0, R, R * 2, R, R))
+    assert ctl.regime_costs(R).seen == [0, 1, 0, 0]
+
+
 def test_requests_near_their_end_draft_less():
     """A request that may emit only m more tokens uses at most m - 1 drafts: deeper ones only cost."""
     ctl = DraftLengthController(K_MAX)
