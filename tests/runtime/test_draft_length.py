@@ -120,10 +120,31 @@ def test_auto_is_lossless_and_reports_the_chosen_lengths(chunk):
     assert len(hist) >= 2  # the warm-up alone tries every length
 
 
-def test_auto_with_forced_length_changes_keeps_the_invariants():
-    """k jumping between 0 and K_max every step: drafts of the last step are fewer or more than the new k."""
+def run_checking_mtp_writes(engine, rec, prompts, params, after_step=None) -> list[list[int]]:
+    """Run prompts to completion; after every step check invariants 5 and 8 and that every committed
+    position's MTP entry was last written from a main hidden with its partner token. Returns the outputs."""
     from tests.runtime.test_commit_coverage import last_mtp_writes
 
+    ids = [engine.add_request(p, params) for p in prompts]
+    finals = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                finals[o.req_id] = o.output_ids
+        if after_step is not None:
+            after_step()
+        assert not rec.ownership_violations and not rec.segment_violations
+        last = last_mtp_writes(rec.writes)
+        for req in engine.scheduler.running:
+            table, bs = engine.kv.block_table(req.req_id), engine.cfg.block_size
+            for p in range(req.num_computed if req.spec.carry is None else req.spec.carry.position):
+                w = last.get((table[p // bs], p % bs))
+                assert w is not None and w.hidden_source == "main" and w.token == req.token_ids[p + 1]
+    return [finals[i] for i in ids]
+
+
+def test_auto_with_forced_length_changes_keeps_the_invariants():
+    """k jumping between 0 and K_max every step: drafts of the last step are fewer or more than the new k."""
     prompts = random_prompts((7, 12, 4), seed=3)
     params = SamplingParams(max_tokens=16)
     reference = [o.output_ids for o in make_engine(0, enable_prefix_caching=False).generate(prompts, params)]
@@ -134,20 +155,7 @@ def test_auto_with_forced_length_changes_keeps_the_invariants():
             return next(lengths) if num_drafting else 0
 
     engine, rec = make_recorded_engine(3, auto_draft_tokens=True, max_prefill_chunk=5, draft_length=Scripted(3))
-    ids = [engine.add_request(p, params) for p in prompts]
-    finals = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                finals[o.req_id] = o.output_ids
-        assert not rec.ownership_violations and not rec.segment_violations
-        last = last_mtp_writes(rec.writes)
-        for req in engine.scheduler.running:
-            table, bs = engine.kv.block_table(req.req_id), engine.cfg.block_size
-            for p in range(req.num_computed if req.spec.carry is None else req.spec.carry.position):
-                w = last.get((table[p // bs], p % bs))
-                assert w is not None and w.hidden_source == "main" and w.token == req.token_ids[p + 1]
-    assert [finals[i] for i in ids] == reference
+    assert run_checking_mtp_writes(engine, rec, prompts, params) == reference
     assert sum(1 for n in engine.metrics.draft_length_counts if n) >= 3
 
 
@@ -155,8 +163,6 @@ def test_a_long_k0_stretch_writes_its_carried_rows_in_commits_that_fit():
     """auto at k = 0 holds each request's commit rows back; a batch's carries can outnumber one commit call's row
     limit (the compiled executor refused 258 rows > 256 at batch 8). They are written in several calls of whole
     requests, each within max_num_tokens, and drafting afterwards still sees exact MTP KV (lossless)."""
-    from tests.runtime.test_commit_coverage import last_mtp_writes
-
     prompts = random_prompts((6, 9, 4, 7), seed=5)
     params = SamplingParams(max_tokens=40)
     limits = dict(max_batch=4, max_num_tokens=16, block_size=4, enable_prefix_caching=False)
@@ -168,23 +174,10 @@ def test_a_long_k0_stretch_writes_its_carried_rows_in_commits_that_fit():
             return 0 if self.calls < 30 or not num_drafting else 3
 
     engine, rec = make_recorded_engine(3, auto_draft_tokens=True, draft_length=ZeroThenDraft(3), **limits)
-    ids = [engine.add_request(p, params) for p in prompts]
-    finals, splits = {}, 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                finals[o.req_id] = o.output_ids
-        splits += rec.commit_calls > 1
-        assert not rec.ownership_violations and not rec.segment_violations
-        last = last_mtp_writes(rec.writes)
-        for req in engine.scheduler.running:
-            table, bs = engine.kv.block_table(req.req_id), engine.cfg.block_size
-            for p in range(req.num_computed if req.spec.carry is None else req.spec.carry.position):
-                w = last.get((table[p // bs], p % bs))
-                assert w is not None and w.hidden_source == "main" and w.token == req.token_ids[p + 1]
-    assert [finals[i] for i in ids] == reference
+    splits: list[int] = []
+    assert run_checking_mtp_writes(engine, rec, prompts, params, lambda: splits.append(rec.commit_calls > 1)) == reference
     assert 0 < rec.max_commit_rows <= limits["max_num_tokens"]
-    assert splits > 0  # the carried rows did overflow one call: the split was exercised
+    assert sum(splits) > 0  # the carried rows did overflow one call: the split was exercised
     engine.kv.assert_no_leaks()
 
 
