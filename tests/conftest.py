@@ -38,3 +38,17 @@ def tiny_dp2tp2_ep4_engine(tmp_path_factory) -> Path:
             *TINY_TP_BUILD_FLAGS]  # fmt: skip
     assert cli.main(argv) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_ep2_engine(tmp_path_factory) -> Path:
+    """`mtp-build` of models/tiny for 2 ranks with expert parallelism (EP2, no TP; onnxruntime, K=2): one build
+    serves tests/builder/test_build.py (each rank's graphs hold its experts) and tests/runtime/test_mpi_lockstep.py
+    (mtp-run on it under mpirun)."""
+    from builder import cli
+
+    out = tmp_path_factory.mktemp("tiny_ep2") / "engine"
+    argv = ["--checkpoint", str(TINY), "--output", str(out), "--world-size", "2", "--ep-size", "2",
+            "--num-draft-tokens", "2", "--max-seq-len", "128", "--max-batch", "4"]  # fmt: skip
+    assert cli.main(argv) == 0
+    return out
