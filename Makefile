@@ -44,7 +44,7 @@ ops: $(OPS_LIB)
 install: $(STAMP) $(OPS_LIB)
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 lint: $(STAMP)
 	.venv/bin/ruff check builder plugins runtime models tests

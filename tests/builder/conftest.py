@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,24 @@ def engine(checkpoint, tmp_path_factory) -> Path:
         argv += [f"--{k.replace('_', '-')}", str(v)]
     assert cli.main(argv) == 0
     return out
+
+
+@pytest.fixture(scope="package")
+def tp2_build(checkpoint, tmp_path_factory) -> tuple[Path, str]:
+    """TP2 engine of `checkpoint` built through the CLI *without* --ep-size, with what the CLI printed: one build
+    serves the TP tests (test_tp_build.py, which need EP2 = the default) and the default's own test
+    (test_build_defaults.py, which checks the message and the recorded mapping)."""
+    out = tmp_path_factory.mktemp("tp2") / "engine"
+    argv = ["--checkpoint", str(checkpoint), "--output", str(out), "--world-size", "2", "--tp-size", "2"]
+    for k, v in LIMITS.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # rich's Console writes to sys.stdout as it is at print time
+        rc = cli.main(argv)
+    assert rc == 0, printed.getvalue()[-3000:]
+    return out, printed.getvalue()
+
+
+@pytest.fixture(scope="package")
+def tp2(tp2_build) -> Path:
+    return tp2_build[0]

@@ -10,11 +10,10 @@ import pytest
 from onnx import numpy_helper
 
 from builder import cli
-from builder.pipeline import build
 from models.checkpoint import load_model
 from models.engine_format import SCHEMA_VERSION, EngineDirError, Limits, Parallel, load_engine_config
-from tests.builder.conftest import tiny_opts
 from tests.builder.engine_edits import copy_engine, edit_config
+from tests.conftest import TINY
 
 GRAPHS = ("main", "mtp_draft", "mtp_commit")
 
@@ -120,13 +119,15 @@ def test_engine_from_before_newer_plugins_still_loads(engine, tmp_path):
     assert load_engine_config(copy).plugins["nodes"] == nodes
 
 
-def test_expert_parallel_ranks_hold_their_experts(checkpoint, tmp_path):
-    out = tmp_path / "ep2"
-    cfg = build(tiny_opts(checkpoint, out, world_size=2, ep_size=2)).config
+def test_expert_parallel_ranks_hold_their_experts(tiny_ep2_engine):
+    """The session's `mtp-build --world-size 2 --ep-size 2` of models/tiny (tests/conftest.py, shared with
+    tests/runtime/test_mpi_lockstep.py): each rank's main graph holds exactly its half of the routed experts."""
+    out, checkpoint = tiny_ep2_engine, TINY
+    cfg = load_engine_config(out)
     assert cfg.world_size == 2 and sorted(p.name for p in out.glob("rank*")) == ["rank0", "rank1"]
     for rank in (0, 1):
         model, _ = load_model(checkpoint, ep_rank=rank, ep_size=2)
-        want = model.layers[1].mlp.w_down.detach().numpy()  # experts [2r, 2r+2) of 4
+        want = model.layers[1].mlp.w_down.detach().numpy()  # experts [4r, 4r+4) of 8
         m = onnx.load(str(out / f"rank{rank}" / "main.onnx"))
         moe = [n for n in m.graph.node if n.op_type == "MoeExperts"]
         assert moe and all(a.i == 2 for n in moe for a in n.attribute if a.name == "ep_size")

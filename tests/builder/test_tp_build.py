@@ -16,6 +16,7 @@ from models.testing import make_checkpoint, tiny_config
 from plugins.mapping import Parallel
 from tests.builder.conftest import LIMITS
 from tests.builder.engine_edits import copy_engine, reseal_manifest
+from tests.conftest import TINY
 from tests.mpi_launch import mpirun_path, run_mpi
 
 needs_mpi = pytest.mark.skipif(mpirun_path() is None, reason="mpirun not found")
@@ -28,18 +29,14 @@ def _argv(ckpt: Path, out: Path, **kw) -> list[str]:
     return argv
 
 
-@pytest.fixture(scope="module")
-def tp2(checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tp2") / "engine"
-    assert cli.main(_argv(checkpoint, out, world_size=2, tp_size=2, ep_size=2)) == 0
-    return out
+# tp2 (world 2, TP2, EP2 by default) is tests/builder/conftest.py's, shared with test_build_defaults.py.
 
 
 @pytest.fixture(scope="module")
-def tp2dp2(checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tp2dp2") / "engine"
-    assert cli.main(_argv(checkpoint, out, world_size=4, tp_size=2, ep_size=4)) == 0
-    return out
+def tp2dp2(tiny_dp2tp2_ep4_engine) -> tuple[Path, Path]:
+    """(engine, its checkpoint): the session's 4-rank DP2 x TP2 / EP4 build of models/tiny (tests/conftest.py),
+    shared with tests/runtime/test_mpi_tp.py instead of a second 4-rank build of the random tiny checkpoint."""
+    return tiny_dp2tp2_ep4_engine, TINY
 
 
 def _nodes(path: Path) -> list[onnx.NodeProto]:
@@ -141,6 +138,8 @@ def test_vocab_must_split(tmp_path, capsys):
 @pytest.mark.parametrize("which, ranks", [("tp2", 2), ("tp2dp2", 4)])
 def test_tp_engine_equals_single_rank_under_mpirun(request, checkpoint, which, ranks):
     engine = request.getfixturevalue(which)
+    if isinstance(engine, tuple):  # tp2dp2: a build of another checkpoint
+        engine, checkpoint = engine
     code, out = run_mpi(ranks, "tests.builder.mpi_tp_engine_worker", str(engine), str(checkpoint), timeout=300)
     assert code == 0, out[-4000:]
     assert "TP_ENGINE_RESULT failures=0" in out, out[-4000:]

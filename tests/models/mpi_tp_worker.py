@@ -1,5 +1,6 @@
 """Run under `mpirun -np W`: the tensor-parallel model (plugins/mapping.py + models/sharding.py)
-equals the single-rank model. Args: world ep tp [fused|plain].
+equals the single-rank model. Args: world ep tp [fused|plain] [ep tp fused|plain ...]: several meshes of the
+same world size run one after another in one launch (mpirun's start-up of W ranks is most of a mesh's cost).
 
 Each DP group gets its own requests (a different number of rows per group, so the EP == W column exchange sees
 uneven sends); every rank also runs the full model on its group's inputs as the reference. Steps: a prefill
@@ -62,12 +63,8 @@ def _steps(model: Glm4MoeMTPModel, lens: list[int], seed: int) -> list[torch.Ten
     return outs
 
 
-def main() -> int:
-    world, ep, tp = (int(a) for a in sys.argv[1:4])
-    fused = sys.argv[4] == "fused" if len(sys.argv) > 4 else True
-    comm = MPI.COMM_WORLD
+def _check_mesh(comm, world: int, ep: int, tp: int, fused: bool) -> int:
     rank = comm.Get_rank()
-    assert comm.Get_size() == world, f"launched {comm.Get_size()} ranks, expected {world}"
     ref, _ = load_model(TINY)
     mapping = rank_mapping(rank, Parallel(world, ep, tp), ref.cfg.n_routed_experts)
     model, _ = load_model(TINY, mapping=mapping)
@@ -90,9 +87,22 @@ def main() -> int:
     total = comm.allreduce(failures)
     worst = comm.allreduce(worst, op=MPI.MAX)
     if rank == 0:
-        print(f"TP_MODEL_RESULT failures={total} worst={worst:.3g} world={world} ep={ep} tp={tp}", flush=True)
-    return 1 if total else 0
+        mode = "fused" if fused else "plain"
+        print(f"TP_MODEL_RESULT failures={total} worst={worst:.3g} world={world} ep={ep} tp={tp} mode={mode}",
+              flush=True)  # fmt: skip
+    return total
 
 
-if __name__ == "__main__":  # python -m tests.models.mpi_tp_worker W EP TP, under mpirun
+def main() -> int:
+    world, rest = int(sys.argv[1]), sys.argv[2:]
+    comm = MPI.COMM_WORLD
+    assert comm.Get_size() == world, f"launched {comm.Get_size()} ranks, expected {world}"
+    if len(rest) == 2:
+        rest.append("fused")
+    meshes = [(int(rest[i]), int(rest[i + 1]), rest[i + 2] == "fused") for i in range(0, len(rest), 3)]
+    failed = [_check_mesh(comm, world, ep, tp, fused) for ep, tp, fused in meshes]
+    return 1 if any(failed) else 0
+
+
+if __name__ == "__main__":  # python -m tests.models.mpi_tp_worker W EP TP [MODE ...], under mpirun
     abort_on_error(main)

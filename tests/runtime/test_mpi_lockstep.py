@@ -49,15 +49,10 @@ def our_lines(stderr: str, prog: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ep2_engine(tmp_path_factory):
-    """The shipped tiny model built for 2 ranks (EP2), onnxruntime backend."""
-    from builder import cli as build_cli
-
-    engine = tmp_path_factory.mktemp("ep2") / "engine"
-    assert build_cli.main(["--checkpoint", str(ROOT / "models" / "tiny"), "--output", str(engine), "--world-size",
-                           "2", "--ep-size", "2", "--num-draft-tokens", "2", "--max-seq-len", "128",
-                           "--max-batch", "4"]) == 0  # fmt: skip
-    return engine
+def ep2_engine(tiny_ep2_engine):
+    """The shipped tiny model built for 2 ranks (EP2), onnxruntime backend, K=2: the session's build
+    (tests/conftest.py), shared with tests/builder/test_build.py."""
+    return tiny_ep2_engine
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ import pytest
 from models.testing import make_checkpoint, tiny_config
 from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
+from tests.conftest import TINY_TP_BUILD_FLAGS
 from tests.runtime.mpi_tp_worker import SETTINGS, prompts
 from tests.runtime.test_mpi_lockstep import ENV, MPIRUN, ROOT, _alive, our_lines
 from tests.runtime.test_mpi_lockstep import pytestmark as needs_mpirun
@@ -72,8 +73,7 @@ def build(out: Path, world: int, tp: int, ep: int, *extra: str) -> Path:
     from builder import cli as build_cli
 
     assert build_cli.main(["--checkpoint", str(TINY), "--output", str(out), "--world-size", str(world), "--tp-size",
-                           str(tp), "--ep-size", str(ep), "--num-draft-tokens", "3", "--max-seq-len", "128",
-                           "--max-batch", "4", *extra]) == 0  # fmt: skip
+                           str(tp), "--ep-size", str(ep), *TINY_TP_BUILD_FLAGS, *extra]) == 0  # fmt: skip
     return out
 
 
@@ -107,9 +107,10 @@ def test_tp_outputs_equal_single_rank(checkpoint, reference, tmp_path, np_, tp, 
 
 
 @pytest.mark.parametrize("np_,tp,ep", [(2, 2, 2), (4, 2, 4)], ids=["TP2", "DP2xTP2-EP4"])
-def test_tp_onnxruntime_engines_equal_single_rank(tp2_engine, tiny_reference, tmp_path, np_, tp, ep):
-    """Engines built by `mtp-build --tp-size`: each rank runs its own shard graphs under onnxruntime."""
-    engine = tp2_engine if np_ == 2 else build(tmp_path / "engine", np_, tp, ep)
+def test_tp_onnxruntime_engines_equal_single_rank(request, tiny_reference, tmp_path, np_, tp, ep):
+    """Engines built by `mtp-build --tp-size`: each rank runs its own shard graphs under onnxruntime. The 4-rank one
+    is the session's (tests/conftest.py: the same flags as build() here), shared with tests/builder/test_tp_build.py."""
+    engine = request.getfixturevalue("tp2_engine" if np_ == 2 else "tiny_dp2tp2_ep4_engine")
     out = tmp_path / "out.json"
     proc = launch(np_, engine, out, "ok", tp, ep, "0,1,2,3", env={"MTP_TEST_EXECUTOR": "onnxruntime"})
     assert proc.returncode == 0, proc.stderr[-3000:]
