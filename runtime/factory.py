@@ -51,6 +51,7 @@ def create_engine(
     prog: str | None = None,
     wrap_executor: Callable[[Executor], Executor] | None = None,
     draft_length: DraftLengthController | None = None,
+    share_executor_of: LLMEngine | None = None,
     **overrides,
 ) -> LLMEngine:
     """Args:
@@ -66,6 +67,10 @@ def create_engine(
         collective_timeout, prog: multi-rank only: the watchdog's deadline and the program its line names.
         wrap_executor: wraps the executor before the engine is built (tests record or fault its calls).
         draft_length: a controller for `auto` in place of the default one (runtime/core/draft_length.py).
+        share_executor_of: run on this engine's executor (its weights and KV pool) instead of loading another:
+            engines of one model that take turns, e.g. the bench's K variants. Separate copies of the same
+            weights measured up to 19% apart in speed from their memory placement alone, which swamped the
+            differences between K. The engines must not run steps concurrently, and neither may cache prefixes.
         overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...); num_draft_tokens="auto"
             picks the draft length per step, up to the engine's built K (runtime/core/draft_length.py).
     """
@@ -92,7 +97,9 @@ def create_engine(
         check_within_engine(cfg, ecfg.limits, ecfg.kv, ecfg.num_draft_tokens)
         model_cfg, tokenizer = ecfg.model, load_tokenizer(Path(engine_dir))
         ex: Executor
-        if executor == "compiled":
+        if share_executor_of is not None:
+            ex = _shared_executor(share_executor_of, cfg)
+        elif executor == "compiled":
             from runtime.executors.compiled_executor import CompiledExecutor
 
             ex = CompiledExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)
@@ -117,7 +124,10 @@ def create_engine(
                               "or use --executor torch with --checkpoint")  # fmt: skip
         cfg = RuntimeConfig(**overrides)
         parallel = Parallel(world_size, world_size if ep_size is None else ep_size, tp_size or 1)
-        ex, model_cfg = _torch_executor(checkpoint, cfg, rank, parallel, device, cuda_graphs)
+        if share_executor_of is not None:
+            ex, model_cfg = _shared_executor(share_executor_of, cfg), share_executor_of.model_cfg
+        else:
+            ex, model_cfg = _torch_executor(checkpoint, cfg, rank, parallel, device, cuda_graphs)
         tokenizer = load_tokenizer(Path(checkpoint))
     if model_cfg.num_mtp_modules == 0 and cfg.num_draft_tokens:
         cfg = replace(cfg, num_draft_tokens=0)  # the checkpoint has no MTP module: plain decoding
@@ -128,6 +138,19 @@ def create_engine(
     cpu = executor in ("compiled", "onnxruntime") or (executor == "torch" and device == "cpu")
     return LLMEngine(ex, model_cfg, cfg, tokenizer, seed=seed, ranks=ranks, draft_length=draft_length,
                      draft_clock=time.process_time if cpu else time.perf_counter)  # fmt: skip
+
+
+def _shared_executor(other: LLMEngine, cfg: RuntimeConfig) -> Executor:
+    """other's executor, if its KV pool has this engine's geometry and neither engine caches prefixes (a block
+    one engine keeps cached would be overwritten by the other's requests)."""
+    if cfg.enable_prefix_caching or other.cfg.enable_prefix_caching:
+        raise ConfigError("share_executor_of: engines sharing one KV pool would overwrite each other's cached "
+                          "prefix blocks; create both with enable_prefix_caching=False")  # fmt: skip
+    mine, theirs = (cfg.num_blocks, cfg.block_size), (other.cfg.num_blocks, other.cfg.block_size)
+    if mine != theirs:
+        raise ConfigError(f"share_executor_of: the shared pool has (num_blocks, block_size) = {theirs}, this "
+                          f"engine asks for {mine}; give both engines the same num_blocks and block_size")  # fmt: skip
+    return other.executor
 
 
 def fastest_executor(ecfg: EngineConfig) -> str:

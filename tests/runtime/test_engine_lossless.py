@@ -116,6 +116,27 @@ def test_onnxruntime_executor_is_lossless(reference, ort_engine_dir, k, chunk):
     assert run(engine) == reference
 
 
+def test_engines_sharing_one_executor_take_turns_losslessly(reference, ort_engine_dir):
+    """The bench's K variants run on one executor (the same weights in memory, one KV pool): taking turns,
+    each is lossless and leaves the pool as it found it; a pool of another geometry is refused in one line."""
+    from runtime.core.config import ConfigError
+    from runtime.factory import create_engine
+
+    def make(k, **kw):
+        kw = {"num_blocks": 200, "enable_prefix_caching": False, **kw}
+        return create_engine(ort_engine_dir, executor="onnxruntime", num_draft_tokens=k, **kw)
+
+    owner = make(3)
+    k0, auto = make(0, share_executor_of=owner), make("auto", share_executor_of=owner)
+    assert k0.executor is owner.executor is auto.executor
+    for engine in (k0, auto, owner, k0, auto):
+        assert run(engine) == reference
+    with pytest.raises(ConfigError, match=r"num_blocks.* = \(200, 4\).*asks for \(150, 4\)"):
+        make(0, num_blocks=150, share_executor_of=owner)
+    with pytest.raises(ConfigError, match="enable_prefix_caching=False"):  # a cached block would be overwritten
+        make(0, enable_prefix_caching=True, share_executor_of=owner)
+
+
 def test_prefill_chunks_never_exceed_the_chunk_size():
     engine = make_engine(2, max_prefill_chunk=5, max_num_tokens=64)
     sizes = []
