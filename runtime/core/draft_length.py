@@ -20,8 +20,8 @@ exploration), and the promise is that MTP is never slower than K=0.
 Costs are kept per batch regime (drafting requests in power-of-two buckets: `regime`): drafting can pay at
 batch 1, where a step's fixed cost dominates, and lose at batch 8, where rows dominate (the compiled engine
 does both), and one fit across both would carry batch 1's choice into batch 8 until it re-learned. A regime
-seen for the first time starts from its nearest neighbour's fit, measures k = 0 and explores soon; only a k
-measured in the regime itself may be chosen there (the fit only says which unmeasured k is worth measuring).
+seen for the first time starts from its nearest neighbour's fit and measures k = 0; only a k
+measured twice in the regime itself may be chosen there (the fit only says which k is worth measuring).
 Acceptance is the model's, shared by all regimes.
 
 Acceptance at depth j is only seen when k > j, so the controller explores: a warm-up that tries every k,
@@ -203,7 +203,6 @@ class RegimeCosts:
         offsets are its own, learnt as it measures each k."""
         self.cost = other.cost.copy()  # per-k offsets are the regime's own: they start empty
         self.warmup = [0]
-        self.interval = max(1, self.min_interval // 4)
         return self
 
     def offset(self, k: int) -> float:
@@ -345,9 +344,9 @@ class DraftLengthController:
         if rc.warmup:
             return rc.warmup.pop(0)
         r = self.rates(num_drafting, base_rows, remaining)
-        # only a k measured in this regime may be chosen (k = 0 always may: K=0 is the promise); the fit's
-        # prediction for an unmeasured k only decides whether to explore it
-        best = self._best([x if k == 0 or rc.seen[k] else 0.0 for k, x in enumerate(r)], rc.best)
+        # only a k measured twice in this regime may be chosen (k = 0 always may: K=0 is the promise; one
+        # sample can be noise); the fit's prediction for an unmeasured k only decides whether to explore it
+        best = self._best([x if k == 0 or rc.seen[k] >= 2 else 0.0 for k, x in enumerate(r)], rc.best)
         if best != rc.best:  # explore sooner after a change, but not from scratch: noise flips it too
             rc.best, rc.interval = best, max(self.min_interval, rc.interval // 2)
         # park only after two k = 0 decisions: a k > 0 cycle is reported two steps after its decision
@@ -360,7 +359,7 @@ class DraftLengthController:
         rc.interval = min(2 * rc.interval, self.max_interval)
         rc.explore_step += 1
         promising = max(range(self.k_max + 1), key=lambda k: r[k])
-        if not rc.seen[promising] and r[promising] > (1 + self.zero_margin) * r[best]:
+        if rc.seen[promising] < 2 and r[promising] > (1 + self.zero_margin) * r[best]:
             return promising  # the fit says an unmeasured k beats the best: measure it
         up, down = min(best + 1, self.k_max), max(best - 1, 0)
         k = up if (rc.explore_step % 2 or down == best) and up != best else down
