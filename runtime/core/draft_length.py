@@ -20,7 +20,7 @@ exploration), and the promise is that MTP is never slower than K=0.
 Costs are kept per batch regime (drafting requests in power-of-two buckets: `regime`): drafting can pay at
 batch 1, where a step's fixed cost dominates, and lose at batch 8, where rows dominate (the compiled engine
 does both), and one fit across both would carry batch 1's choice into batch 8 until it re-learned. A regime
-seen for the first time starts from its nearest neighbour's fit and measures k = 0; only a k
+seen for the first time starts from its nearest neighbour's fit, measures k = 0 and explores soon; only a k
 measured twice in the regime itself may be chosen there (the fit only says which k is worth measuring).
 Acceptance is the model's, shared by all regimes.
 
@@ -203,6 +203,7 @@ class RegimeCosts:
         offsets are its own, learnt as it measures each k."""
         self.cost = other.cost.copy()  # per-k offsets are the regime's own: they start empty
         self.warmup = [0]
+        self.interval = max(1, self.min_interval // 4)  # learn soon: a batch-8 bench run is ~65 steps
         return self
 
     def offset(self, k: int) -> float:
