@@ -174,6 +174,11 @@ def regime(num_drafting: float) -> int:
     return int(num_drafting).bit_length()
 
 
+def decode_like(base_rows: float, num_drafting: float) -> bool:
+    """A step's rows without drafts are (about) one per drafting request, not a prefill chunk beside them."""
+    return base_rows <= 2 * num_drafting
+
+
 @dataclass(slots=True)
 class RegimeCosts:
     """One regime's cost fit, per-k offsets and exploration state (see the module docstring)."""
@@ -259,8 +264,8 @@ class DraftLengthController:
         # rows whose cost is not linear in them (MoE expert coverage saturates), and a fit that takes them in
         # extrapolated decode costs that were off by 4x, even negative; the same cost at every k, it hardly
         # moves the decision anyway
-        extra_rows = s.cycle_rows - s.cycle_drafting * (1 + s.cycle_depths)
-        if s.cycle_seconds > 0 and s.cycle_drafting > 0 and extra_rows <= s.cycle_drafting:
+        decode = decode_like(s.cycle_rows - s.cycle_drafting * s.cycle_depths, s.cycle_drafting)
+        if s.cycle_seconds > 0 and s.cycle_drafting > 0 and decode:
             rc = self.regime_costs(s.cycle_drafting)
             k = int(s.cycle_depths)
             x = features(k, s.cycle_drafting, s.cycle_rows)
@@ -284,10 +289,6 @@ class DraftLengthController:
         """c_j: conditional acceptance per depth (prior 0.5)."""
         p = self.prior_trials
         return [(self.succ[j] + p / 2) / (self.trials[j] + p) for j in range(self.k_max)]
-
-    def expected_tokens(self, k: int, acceptance: list[float] | None = None) -> float:
-        """E[accepted + 1] per drafting request at draft length k."""
-        return self.expected_tokens_table(acceptance)[k]
 
     def expected_tokens_table(self, acceptance: list[float] | None = None) -> list[float]:
         """E[accepted + 1] per drafting request for k = 0..k_max: 1, 1 + c_0, 1 + c_0 + c_0 c_1, ..."""
@@ -353,7 +354,7 @@ class DraftLengthController:
         # park only after two k = 0 decisions: a k > 0 cycle is reported two steps after its decision
         self.parked = self.park_stride - 1 if best == 0 and self.last_k == 0 else 0
         rc.since_explore += 1 + self.parked  # intervals count steps, parked ones too
-        if rc.since_explore < rc.interval or base_rows > 2 * num_drafting:
+        if rc.since_explore < rc.interval or not decode_like(base_rows, num_drafting):
             return best  # (a step with prefill rows is not learnt from: explore at the next decode step)
         self.parked = 0
         rc.since_explore = 0
