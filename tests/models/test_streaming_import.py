@@ -49,8 +49,11 @@ BIG = tiny_config(vocab_size=8192, hidden_size=1024, intermediate_size=1024, num
                   max_position_embeddings=4096)  # fmt: skip
 EP_RANK, EP_SIZE = 1, 4
 # Slack over (largest tensor + rank share): the file mapping of the tensor being copied (<= the largest tensor,
-# already counted once), the finite check's chunk temporaries (8 MiB), allocator rounding and the meta model.
-SLACK = 64 * MiB
+# already counted once), the finite check's chunk temporaries (8 MiB), allocator rounding, the meta model and
+# torch's lazy per-op set-up, which varies by machine and environment: +619 MiB here and +692 MiB in a fresh CI
+# clone for the same 608 MiB share, so 64 MiB was too tight. 192 MiB keeps the bound (816 MiB) far below what
+# reading the whole 2 GiB checkpoint costs (+2100 MiB), which the test also asserts.
+SLACK = 192 * MiB
 
 
 def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
