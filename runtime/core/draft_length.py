@@ -32,7 +32,9 @@ and halves when the best k changes. A neighbour already measured in this regime 
 Where drafting never pays, `auto` must still be as fast as K=0 (its promise), so the k = 0 path is kept
 cheap: the fit is plain floats (numpy's per-call overhead on a 3x3 system was ~50 us of a 1.5 ms step), and
 while k = 0 is the settled choice only one step in `park_stride` builds a sample and decides
-(`skips_this_step`).
+(`skips_this_step`). Once k = 1 has also been measured twice in the regime and lost, the engine lets that
+step's requests stop keeping their MTP plane (`gives_up_drafting`, docs/RUNTIME.md "Giving up drafting"):
+they then cost exactly what K=0 costs, and never draft again.
 
 Lockstep: the controller is deterministic (no random numbers). Under MPI every rank feeds it the same
 combined measurements (`combine` over an allgather of each rank's `StepSample.to_array()`), so every rank
@@ -235,6 +237,8 @@ class DraftLengthController:
     trials: list[float] = field(default_factory=list)
     parked: int = 0  # steps left that run k = 0 without a sample (see skips_this_step)
     last_k: int = 0  # the previous decision (its cycle is only measured two steps later)
+    settled_zero: bool = False  # the last decision was k = 0 by choice, twice in a row (not warm-up, not exploring)
+    gives_up_drafting: bool = False  # ... and k = 1 was measured twice in this regime and lost (see choose)
 
     def __post_init__(self) -> None:
         self.succ, self.trials = [0.0] * self.k_max, [0.0] * self.k_max
@@ -335,8 +339,18 @@ class DraftLengthController:
 
     # ------------------------------------------------------------------ deciding
     def choose(self, num_drafting: float, base_rows: float, remaining: list[float] | None = None) -> int:
-        """The draft length of this step (0 when nobody drafts: nothing to learn, nothing to run)."""
+        """The draft length of this step (0 when nobody drafts: nothing to learn, nothing to run).
+
+        After it, `gives_up_drafting` says whether the engine may let this step's requests stop keeping their MTP
+        plane (runtime/core/engine.py): k = 0 is settled and k = 1, measured twice in this regime, lost to it. A
+        request that keeps its MTP plane at k = 0 pays a commit of one MTP layer per token and the carry's host
+        work (3-6% of a step on models/tiny), which would make `auto` lose to K=0 exactly where drafting never
+        pays. Requiring k = 1's measurements first keeps a fresh regime (say the last requests of a batch) able
+        to find out that drafting pays there."""
+        self.settled_zero = self.gives_up_drafting = False
         self.last_k = self._choose(num_drafting, base_rows, remaining)
+        if self.settled_zero and num_drafting > 0:
+            self.gives_up_drafting = self.regime_costs(num_drafting).seen[1] >= 2
         return self.last_k
 
     def _choose(self, num_drafting: float, base_rows: float, remaining: list[float] | None) -> int:
@@ -352,11 +366,12 @@ class DraftLengthController:
         if best != rc.best:  # explore sooner after a change, but not from scratch: noise flips it too
             rc.best, rc.interval = best, max(self.min_interval, rc.interval // 2)
         # park only after two k = 0 decisions: a k > 0 cycle is reported two steps after its decision
-        self.parked = self.park_stride - 1 if best == 0 and self.last_k == 0 else 0
+        self.settled_zero = best == 0 and self.last_k == 0
+        self.parked = self.park_stride - 1 if self.settled_zero else 0
         rc.since_explore += 1 + self.parked  # intervals count steps, parked ones too
         if rc.since_explore < rc.interval or not decode_like(base_rows, num_drafting):
             return best  # (a step with prefill rows is not learnt from: explore at the next decode step)
-        self.parked = 0
+        self.parked, self.settled_zero = 0, False
         rc.since_explore = 0
         rc.interval = min(2 * rc.interval, self.max_interval)
         rc.explore_step += 1

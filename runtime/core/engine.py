@@ -7,7 +7,8 @@ One `step()` is plan, then apply; the phases run in this order and no other:
                 then this step's draft length k (fixed K, or `auto`: runtime/core/draft_length.py, same on all ranks)
   4. plan       plan_step (runtime/core/mtp_plan.py, pure): commit input, chunk carries, rewinds (bases),
                 emitted tokens and draft rows, all from the verify results before any state changes
-                (with k = 0 depth 0's entry at base-1 is carried, then written by a later commit)
+                (with k = 0 depth 0's entry at base-1 is carried, then written by a later commit; once
+                `auto` gives up drafting the step's requests stop writing their MTP plane for good)
   5. commit     one packed varlen write of the MTP plane from main hiddens (the plan's commit input)
   6. apply      per request: rewind num_computed to base (bookkeeping only; lookahead blocks stay owned),
                 set or clear the chunk carry, drop the verified drafts, emit tokens, stop conditions
@@ -144,7 +145,7 @@ class LLMEngine:
             if self.ranks.lockstep:  # invariant 9: an idle rank still enters every collective-bearing forward
                 idle = mtp_plan.plan_idle_main(self.width)
                 self.executor.run_main(idle if self.state_slots is None else idle_input(idle))
-                self._dummy_drafts(self._choose_draft_length(StepSample))
+                self._dummy_drafts(self._choose_draft_length(StepSample)[0])
             return []
         scheduled = sched.scheduled
         tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
@@ -155,10 +156,13 @@ class LLMEngine:
         main = self._timed(self.executor.run_main, inp)  # 2. verify (main KV appended inside)
         logprobs.record_prompt(scheduled, prompt_spans, main.logits)
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
-        k = self._choose_draft_length(lambda: self._sample(scheduled, accepted, errors))
+        if self.ranks.lockstep or any(s.req.spec.may_draft for s in scheduled):
+            k, freeze = self._choose_draft_length(lambda: self._sample(scheduled, accepted, errors))
+        else:  # alone, and nobody may draft: nothing to decide (lockstep ranks still gather: others may draft)
+            k, freeze = 0, False
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
-                         draft_depths=k, refresh_drafts=self.cfg.commit_pass,
-                         max_carry_rows=self._max_carry_rows, max_commit_rows=self.cfg.max_num_tokens)  # 4. plan  # fmt: skip
+                         draft_depths=k, refresh_drafts=self.cfg.commit_pass, max_carry_rows=self._max_carry_rows,
+                         max_commit_rows=self.cfg.max_num_tokens, freeze=freeze)  # 4. plan  # fmt: skip
         for commit in plan.commits:  # 5. commit (no collective inside, so skipping an empty write keeps lockstep)
             self._timed(self.executor.run_commit, commit)
         outputs, drafting = self._apply(scheduled, plan)  # 6. apply
@@ -191,18 +195,21 @@ class LLMEngine:
         cycle, self._cycle = self._cycle, (0.0, 0.0, 0.0, 0.0)  # each finished cycle is reported once
         return mtp_plan.step_sample(scheduled, accepted, errors, self.k, self.cfg.max_seq_len, cycle)
 
-    def _choose_draft_length(self, measure: Callable[[], StepSample]) -> int:
-        """Fixed K, or the controller's pick; under MPI from every rank's sample, so every rank picks the same."""
+    def _choose_draft_length(self, measure: Callable[[], StepSample]) -> tuple[int, bool]:
+        """Fixed K, or the controller's pick; under MPI from every rank's sample, so every rank picks the same.
+        Also whether this step's requests stop keeping their MTP plane (`auto` gave up drafting for them: a
+        request at k = 0 that keeps it pays an MTP commit per token, and `auto` must not lose to K=0)."""
         ctl = self.draft_length
         if ctl is None:
-            return self.k
+            return self.k, False
         if ctl.skips_this_step():  # k = 0 settled: no sample this step (the same steps on every rank)
-            return 0
+            return 0, False
         sample = measure()
         if self.ranks.lockstep:
             sample = combine(self.ranks.gather_draft_samples(sample.to_array(self.k)), self.k)
         ctl.observe(sample)
-        return ctl.choose(sample.num_drafting, sample.base_rows, sample.remaining)
+        k = ctl.choose(sample.num_drafting, sample.base_rows, sample.remaining)
+        return k, ctl.gives_up_drafting
 
     def _timed(self, fn, *args):
         """Call an executor method, adding its time to this step's executor time."""
@@ -258,6 +265,8 @@ class LLMEngine:
                 continue
             req.num_computed = upd.num_computed
             req.spec.carry, req.spec.drafts, req.spec.draft_probs = upd.carry, [], None
+            if upd.mtp_frozen_at is not None:
+                req.spec.mtp_frozen_at = upd.mtp_frozen_at
             if not upd.emit:  # a non-final prefill chunk
                 continue
             self._record_verify(s, upd.num_accepted)
@@ -267,16 +276,19 @@ class LLMEngine:
                 outputs.append(self._fail(req, f"emission failed: {type(e).__name__}: {e}"))
                 continue
             outputs.append(RequestOutput.snapshot(req, new))
-            if not req.is_finished:  # verified and still running: drafts next (k = 0 included: counted, not run)
+            if not req.is_finished and req.spec.may_draft:  # drafts next (k = 0 included: counted, not run)
                 drafting.append(i)
         return outputs, drafting
 
     def _publish(self, scheduled: list[ScheduledRequest]) -> None:
-        """Publish blocks whose main and MTP entries are final (a carried position is not final yet)."""
+        """Publish blocks whose main and MTP entries are final (a carried position is not final yet, a frozen
+        plane's positions from mtp_frozen_at on never are: a prefix hit must be able to draft from them)."""
         for s in scheduled:
             if not s.req.is_finished:
-                carry = s.req.spec.carry
-                final = s.req.num_computed if carry is None else carry.position
+                spec = s.req.spec
+                final = s.req.num_computed if spec.carry is None else spec.carry.position
+                if spec.mtp_frozen_at is not None:
+                    final = min(final, spec.mtp_frozen_at)
                 self.kv.publish_full_blocks(s.req.req_id, s.req.token_ids, final)
 
     def _dummy_drafts(self, k: int) -> None:

@@ -96,6 +96,7 @@ class RequestUpdate:
     carry: ChunkCarry | None  # the next chunk's seam (MTP on, non-final chunk only)
     draft_row: int  # main row of h_{base-1}, depth 0's input; -1 = does not draft
     error: str | None = None  # a per-request inconsistency: the engine aborts this request alone
+    mtp_frozen_at: int | None = None  # set: the request stops keeping its MTP plane from this position on
 
 
 @dataclass(slots=True)
@@ -120,6 +121,7 @@ def plan_step(
     refresh_drafts: bool = True,  # False = --no-commit-pass ablation (decode refresh skipped)
     max_carry_rows: int = 16,  # with k = 0: rows a request may hold back before every carry is written
     max_commit_rows: int | None = None,  # rows one commit call may carry (the engine's token budget)
+    freeze: bool = False,  # `auto` gave up drafting: requests that verified no drafts stop keeping their MTP plane
 ) -> StepPlan:
     """All the hidden-row arithmetic of a step after verify lives here (module docstring has the layout).
 
@@ -128,11 +130,18 @@ def plan_step(
     no request has other rows to write and no carry is full; the next commit then writes them all. Carried rows
     of a batch can outnumber one commit's row limit (8 requests x 64 rows > 256), so the write is split into
     commits of whole requests that each fit (`pack_commits`).
+
+    A request whose MTP plane is frozen (`SpecState.mtp_frozen_at`) writes nothing and drafts no more; with
+    `freeze` every request that reaches its end without drafts to refresh freezes now: its carry is dropped
+    unwritten, so its plane stays exact below the first unwritten position (main KV and outputs are untouched).
     """
     errors = errors if errors is not None else [None] * len(scheduled)
+    freezing = [freeze and mtp and err is None and s.reaches_end and not s.num_drafts and s.req.spec.may_draft
+                for s, err in zip(scheduled, errors, strict=True)]  # fmt: skip
+    writes = [mtp and s.req.spec.may_draft and not f for s, f in zip(scheduled, freezing, strict=True)]
     defer = mtp and draft_depths == 0 and all(
-        err is not None or (s.num_new_tokens - 1 + a == 0 and _carried(s) < max_carry_rows)
-        for s, a, err in zip(scheduled, accepted, errors, strict=True))  # fmt: skip
+        not w or err is not None or (s.num_new_tokens - 1 + a == 0 and _carried(s) < max_carry_rows)
+        for s, a, err, w in zip(scheduled, accepted, errors, writes, strict=True))  # fmt: skip
     updates, segments = [], []
     for i, s in enumerate(scheduled):
         a, nxt = accepted[i], next_tokens[i]
@@ -142,13 +151,15 @@ def plan_step(
         if not mtp:
             continue
         seg = None
-        if upd.error is None:
+        if freezing[i]:  # the first position it leaves unwritten (carried rows included)
+            upd.mtp_frozen_at = s.start if s.req.spec.carry is None else s.req.spec.carry.position
+        if upd.error is None and writes[i]:
             try:
                 seg, upd.carry = _plan_rows(s, a, nxt, hidden, main.row_offsets[i], draft_depths, defer,
                                             refresh_drafts)  # fmt: skip
             except ValueError as e:  # this request's state is inconsistent: it alone is aborted, unwritten
                 upd.error = str(e)
-        if seg is None:  # nothing is written for an aborted request, but its segment keeps its place
+        if seg is None:  # nothing is written for an aborted or frozen request, but its segment keeps its place
             segments.append(CommitSegment(s.start, hidden[:0], []))
             continue
         segments.append(seg)
@@ -276,7 +287,7 @@ def step_sample(scheduled: list[ScheduledRequest], accepted: list[int], errors: 
     accepted, and how many tokens each request may still emit (runtime/core/draft_length.py)."""
     trials, successes, remaining = [0.0] * k_max, [0.0] * k_max, [0.0] * (k_max + 1)
     for s, a, err in zip(scheduled, accepted, errors, strict=True):
-        if err is not None or not s.reaches_end:
+        if err is not None or not s.reaches_end or not s.req.spec.may_draft:
             continue
         for j in range(min(s.num_drafts, k_max)):  # depth j is reached when 0..j-1 were accepted
             trials[j] += a >= j

@@ -137,7 +137,10 @@ def run_checking_mtp_writes(engine, rec, prompts, params, after_step=None) -> li
         last = last_mtp_writes(rec.writes)
         for req in engine.scheduler.running:
             table, bs = engine.kv.block_table(req.req_id), engine.cfg.block_size
-            for p in range(req.num_computed if req.spec.carry is None else req.spec.carry.position):
+            exact = req.num_computed if req.spec.carry is None else req.spec.carry.position
+            if req.spec.mtp_frozen_at is not None:  # `auto` gave up drafting for it: exact below this only
+                exact = min(exact, req.spec.mtp_frozen_at)
+            for p in range(exact):
                 w = last.get((table[p // bs], p % bs))
                 assert w is not None and w.hidden_source == "main" and w.token == req.token_ids[p + 1]
     return [finals[i] for i in ids]
@@ -181,6 +184,69 @@ def test_a_long_k0_stretch_writes_its_carried_rows_in_commits_that_fit():
     engine.kv.assert_no_leaks()
 
 
+class GivesUpAfter(DraftLengthController):
+    """Drafts K_max while `mode` is "draft"; with "give up" settles on k = 0 and gives up drafting."""
+
+    mode = "draft"
+
+    def choose(self, num_drafting, base_rows, remaining=None):
+        self.gives_up_drafting = self.mode == "give up" and num_drafting > 0
+        return self.k_max if self.mode == "draft" and num_drafting else 0
+
+
+def test_requests_auto_gives_up_on_stop_writing_their_mtp_plane_and_stay_lossless():
+    """Once `auto` gives up drafting, the running requests drop their carried rows and write no MTP entry again
+    (K=0's cost: no commit, no carry), never draft again, and still emit K=0's tokens."""
+    prompts = random_prompts((6, 11, 4, 9), seed=7)
+    params = SamplingParams(max_tokens=30)
+    reference = [o.output_ids for o in make_engine(0, enable_prefix_caching=False).generate(prompts, params)]
+    ctl = GivesUpAfter(3)
+    engine, rec = make_recorded_engine(3, auto_draft_tokens=True, draft_length=ctl, max_prefill_chunk=5,
+                                       enable_prefix_caching=False)  # fmt: skip
+    steps, mtp_writes_after_freeze = [0], []
+
+    def after_step():
+        steps[0] += 1
+        if steps[0] == 8:
+            ctl.mode = "give up"
+        running = engine.scheduler.running
+        if running and all(r.spec.mtp_frozen_at is not None for r in running):
+            mtp_writes_after_freeze.append(sum(w.plane == "mtp" for w in rec.writes))
+            assert all(not r.spec.drafts and r.spec.carry is None for r in running)
+
+    assert run_checking_mtp_writes(engine, rec, prompts, params, after_step) == reference
+    assert len(mtp_writes_after_freeze) > 10  # the requests did run on frozen
+    assert len(set(mtp_writes_after_freeze)) == 1  # ... and wrote no MTP entry while they did
+    engine.kv.assert_no_leaks()
+
+
+def test_a_frozen_request_publishes_only_blocks_whose_mtp_entries_are_exact():
+    """The prefix cache serves blocks to requests that draft from them, so a request that stopped writing its MTP
+    plane publishes only the blocks below mtp_frozen_at; a later request sharing its whole sequence as a prefix
+    drafts from exact MTP entries (publishing up to num_computed handed it never-written ones)."""
+    first = random_prompts((13,), seed=11)[0]
+    params = SamplingParams(max_tokens=24)
+    ctl = GivesUpAfter(3)
+    engine, rec = make_recorded_engine(3, auto_draft_tokens=True, draft_length=ctl, block_size=4,
+                                       enable_prefix_caching=True)  # fmt: skip
+    steps = [0]
+
+    def after_step():
+        steps[0] += 1
+        ctl.mode = "give up" if steps[0] == 3 else ctl.mode
+
+    (out_a,) = run_checking_mtp_writes(engine, rec, [first], params, after_step)
+    ctl.mode = "draft"
+    second = first + out_a + random_prompts((5,), seed=12)[0]
+    reference = [o.output_ids for o in make_engine(0, enable_prefix_caching=False).generate([second], params)]
+    hits, drafted = engine.kv.stats.num_hit_tokens, engine.metrics.draft_length_counts[3]
+    assert run_checking_mtp_writes(engine, rec, [second], params) == reference
+    hits = engine.kv.stats.num_hit_tokens - hits
+    assert 4 <= hits < len(first) + len(out_a) - 4  # a prefix hit, ending at the frozen plane's first block
+    assert engine.metrics.draft_length_counts[3] > drafted  # the second request drafted
+    engine.kv.assert_no_leaks()
+
+
 def test_conditional_acceptance_counts_only_steps_that_reached_the_depth():
     from runtime.core.metrics import Metrics
 
@@ -196,7 +262,7 @@ def test_conditional_acceptance_counts_only_steps_that_reached_the_depth():
     assert fixed.conditional_acceptance_per_position == [3 / 4, 2 / 3]  # = accepted[i] / accepted[i-1]
 
 
-def drive(ctl, cost, acceptance, r, steps):
+def drive(ctl, cost, acceptance, r, steps, gave_up=None):
     """The engine's timing, not simulate()'s: a decision's cycle (its draft loop + the step that verifies it)
     is reported two steps later, its acceptance one step later, and a step the controller parks
     (`skips_this_step`) builds no sample, so what it would have reported is lost. Returns (k, skipped) per step."""
@@ -213,6 +279,8 @@ def drive(ctl, cost, acceptance, r, steps):
         else:
             ctl.observe(StepSample(*cycle, r, r, trials, [t * acceptance[j] for j, t in enumerate(trials)]))
             k = ctl.choose(r, r)
+            if gave_up is not None and ctl.gives_up_drafting:
+                gave_up.append(ctl.regime_costs(r).seen[1])
         pending.append((cost(k), k, r, r * (1 + k)))
         accepted_from = k
         out.append((k, skipped))
@@ -230,6 +298,19 @@ def test_a_settled_k0_samples_one_step_in_park_stride_and_measures_every_explora
     assert sum(k > 0 for k, _ in late) <= 0.02 * len(late)
     drafted = sum(k > 0 for k, _ in steps[:-2])  # the last two decisions are not reported yet
     assert sum(ctl.regime_costs(R).seen[1:]) == drafted
+
+
+def test_auto_gives_up_drafting_only_where_k1_was_measured_and_lost():
+    """Giving up drafting freezes the requests' MTP planes for good, so the controller says so only with k = 0
+    settled and k = 1 measured twice in the regime; where drafting pays it never does."""
+    gave_up: list[int] = []
+    ctl = DraftLengthController(K_MAX)
+    for r in (R, 1):  # batch 1 is a new regime, seeded from R's fit, that has measured nothing itself
+        drive(ctl, lambda k, r=r: 0.01 + 0.001 * r * (1 + k) + 0.02 * k, [0.5] * 3, r, 300, gave_up)
+        assert gave_up and min(gave_up) >= 2 and ctl.regime_costs(r).seen[1] >= 2
+    pays: list[int] = []
+    drive(DraftLengthController(K_MAX), lambda k: 0.01 + 0.0001 * R * (1 + k) + 0.0005 * k, [0.9] * 3, R, 300, pays)
+    assert pays == []
 
 
 def test_cycles_with_prefill_rows_are_not_learnt():
