@@ -6,7 +6,7 @@ TINY    := models/tiny
 DEEP    := models/deep
 ENGINE  := engines/deep
 
-.PHONY: install ops test lint demo bench bench-realsize bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
+.PHONY: install ops test lint demo bench bench-auto bench-realsize bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	python3 -m venv .venv
@@ -71,6 +71,12 @@ bench: $(STAMP)
 	$(PY) -m runtime.bench --checkpoint $(BENCH_CKPT) --engine $(BENCH_ENGINE) --threads $(BENCH_THREADS) \
 		--llama-cpp $(LLAMA_BUILD)/bin
 	$(PY) -m runtime.bench.table bench_results/bench.json --readme README.md
+
+# Does `--num-draft-tokens auto` keep >= 0.97x of K=0? K=0 / auto pairs back to back, CPU and wall time, every
+# executor, batch 1 and 8, both shipped models -> bench_results/auto_guard.json (docs/BENCHMARKS.md, "auto guard").
+bench-auto: $(STAMP)
+	$(PY) -m runtime.bench.auto_guard --checkpoint $(DEEP) --engine engines/bench-deep --pairs 8
+	$(PY) -m runtime.bench.auto_guard --checkpoint $(TINY) --engine engines/bench-tiny --pairs 8 --max-k 2
 
 # Realistic size (docs/PERFORMANCE.md, "Realistic size"): a 1.6 GB GLM-4.5-Air-shaped random checkpoint in build/realsize/,
 # its bf16 GGUF and a compiled engine; decode per forward for ours (compiled, eager), llama.cpp and the bandwidth bound.

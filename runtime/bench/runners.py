@@ -32,11 +32,16 @@ class RunResult:
     wall_seconds: float
     summary: dict = field(default_factory=dict)  # Metrics.summary() of the run (engine runs only)
     decode_steps: int = 0  # target-model forwards (verify steps) in the decode-only time
+    decode_cpu_seconds: float = 0.0  # process CPU time of the decode-only steps (runtime/bench/auto_guard.py)
     texts: list[str] | None = None  # llama.cpp: decoded text instead of ids (outputs is empty then)
 
     @property
     def decode_tps(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def decode_cpu_tps(self) -> float:
+        return self.decode_tokens / self.decode_cpu_seconds if self.decode_cpu_seconds else 0.0
 
     @property
     def e2e_tps(self) -> float:
@@ -102,24 +107,25 @@ def _drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, 
     mine = [engine.requests[i] for i in ids]
     finals: dict[str, list[int]] = {}
     dec_tokens = total = dec_steps = 0
-    dec_seconds = 0.0
+    dec_seconds = dec_cpu = 0.0
     while engine.has_unfinished():
         decode_only = all(r.output_ids for r in mine if not r.is_finished)  # nothing left to prefill
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = engine.step()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         n = sum(len(o.new_token_ids) for o in outs)
         total += n
         if decode_only:
             dec_tokens += n
             dec_seconds += dt
+            dec_cpu += dc
             dec_steps += 1
         for o in outs:
             if o.finished:
                 finals[o.req_id] = o.output_ids
     for i in ids:  # keep the engine's request table small across repeats
         engine.requests.pop(i, None)
-    return [finals[i] for i in ids], dec_tokens, dec_seconds, total, dec_steps
+    return [finals[i] for i in ids], dec_tokens, dec_seconds, total, dec_steps, dec_cpu
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int, tag: str) -> RunResult:
@@ -128,16 +134,18 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], batch: int, max_toke
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outputs: list[list[int]] = []
     dec_tokens = total = steps = 0
-    dec_seconds = 0.0
+    dec_seconds = dec_cpu = 0.0
     t0 = time.perf_counter()
     for lo in range(0, len(prompts), batch):
-        outs, dt, ds, tt, st = _drive(engine, prompts[lo : lo + batch], params, f"{tag}-{lo}")
+        outs, dt, ds, tt, st, dc = _drive(engine, prompts[lo : lo + batch], params, f"{tag}-{lo}")
         outputs += outs
         dec_tokens, dec_seconds, total, steps = dec_tokens + dt, dec_seconds + ds, total + tt, steps + st
+        dec_cpu += dc
     wall = time.perf_counter() - t0
     engine.kv.assert_no_leaks()
     summary = engine.metrics.summary(wall, len(prompts))
-    return RunResult(outputs, dec_tokens, dec_seconds, total, wall, summary, decode_steps=steps)
+    return RunResult(outputs, dec_tokens, dec_seconds, total, wall, summary, decode_steps=steps,
+                     decode_cpu_seconds=dec_cpu)
 
 
 # ----------------------------------------------------------------------------------------------- HF runs
@@ -269,3 +277,13 @@ def rates_summary(uncond: list[float], steps: int) -> dict:
     return {"mean_acceptance_length": round(1 + sum(uncond), 3),
             "acceptance_rate_per_position": [round(x, 3) for x in uncond],
             "conditional_acceptance_per_position": [round(x, 3) for x in cond], "num_steps": steps}  # fmt: skip
+
+
+def warm_up(engine: LLMEngine, prompts: list[list[int]]) -> None:
+    """One short untimed run (allocation, kernel selection, the first call of every compiled graph), then a
+    fresh `auto` controller: the warm-up's one-off costs are not what a draft length costs (the first calls
+    of the compiled draft graphs made k > 0 look slow, and auto then gave up drafting at batch 1, 1.0x of K=0
+    instead of 1.3-1.7x)."""
+    run_engine(engine, prompts[:2], 2, 8, "warm")
+    if engine.draft_length is not None:
+        engine.draft_length = type(engine.draft_length)(engine.k)

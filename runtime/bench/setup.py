@@ -19,7 +19,7 @@ from pathlib import Path
 
 from models.engine_format.layout import cdiv
 from runtime.bench.llama_cpp import LlamaCppError, LlamaCppRunner
-from runtime.bench.runners import HFRunner, RunResult, Workload, make_workload, run_engine
+from runtime.bench.runners import HFRunner, RunResult, Workload, make_workload, run_engine, warm_up
 from runtime.core.config import ConfigError, RuntimeConfig
 from runtime.core.engine import LLMEngine
 from runtime.factory import create_engine, load_tokenizer
@@ -216,7 +216,7 @@ def make_setup(args, console) -> BenchSetup:
     plan = [Entry(ex, k, b, partial(run_engine, eng, prompts, b, mt, f"{ex}{k}b{b}"))
             for (ex, k), eng in engines.items() for b in args.batches]  # fmt: skip
     warmups: list[tuple[str, Callable[[], object]]] = [
-        (f"{ex} K={k}", partial(run_engine, eng, prompts[:2], 2, 8, "warm")) for (ex, k), eng in engines.items()
+        (f"{ex} K={k}", partial(warm_up, eng, prompts)) for (ex, k), eng in engines.items()
     ]
     ablation = None
     if max_k > 0:

@@ -209,7 +209,7 @@ class RegimeCosts:
         """A new regime starts from a neighbour's fit (the shared cost structure carries over); its per-k
         offsets are its own, learnt as it measures each k."""
         self.cost = other.cost.copy()  # per-k offsets are the regime's own: they start empty
-        self.warmup = [0]
+        self.warmup = [0]  # (a full warm-up per regime made batch 8 draft where it loses: 0.86x of K=0, compiled)
         self.interval = max(1, self.min_interval // 4)  # learn soon: a batch-8 bench run is ~65 steps
         return self
 
@@ -345,8 +345,9 @@ class DraftLengthController:
         plane (runtime/core/engine.py): k = 0 is settled and k = 1, measured twice in this regime, lost to it. A
         request that keeps its MTP plane at k = 0 pays a commit of one MTP layer per token and the carry's host
         work (3-6% of a step on models/tiny), which would make `auto` lose to K=0 exactly where drafting never
-        pays. Requiring k = 1's measurements first keeps a fresh regime (say the last requests of a batch) able
-        to find out that drafting pays there."""
+        pays. Requiring k = 1's own measurements first keeps a fresh regime (say the last requests of a batch)
+        able to find out that drafting pays there. (Longer k are not required: a seeded regime measures them only
+        when its fit says they pay, see seeded_from.)"""
         self.settled_zero = self.gives_up_drafting = False
         self.last_k = self._choose(num_drafting, base_rows, remaining)
         if self.settled_zero and num_drafting > 0:

@@ -142,3 +142,22 @@ def test_llama_cpp_greedy_output_matches_ours(tmp_path):
         assert [o.prompt_tokens for o in outs] == [len(p) for p in work.prompts]
         if k:
             assert 1.0 < res.summary["mean_acceptance_length"] <= 3.0
+
+
+def test_auto_guard_pairs_auto_with_k0_and_records_both_clocks(tmp_path):
+    """mtp-bench auto guard (runtime/bench/auto_guard.py) on models/tiny, torch, one pair per batch: the JSON
+    holds each batch's CPU- and wall-time ratios with the verdict, auto stayed lossless, and a second model's
+    run adds its own key to the same file."""
+    out = tmp_path / "auto_guard.json"
+    out.write_text(json.dumps({"other": {"results": {}}}))
+    cmd = [sys.executable, "-m", "runtime.bench.auto_guard", "--checkpoint", str(TINY), "--executors", "torch",
+           "--batches", "1,2", "--pairs", "1", "--num-prompts", "2", "--max-tokens", "10", "--output", str(out)]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600, check=False)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(res) == {"other", "tiny"} and not res["tiny"]["lossless_failures"]
+    for b in ("1", "2"):
+        e = res["tiny"]["results"]["torch"][b]
+        assert len(e["cpu_ratio"]["runs"]) == len(e["wall_ratio"]["runs"]) == 1
+        assert 0 < e["cpu_ratio"]["median"] < 10 and e["holds"] == (e["cpu_ratio"]["median"] >= 0.97)
+    assert "| tiny | torch | 2 |" in p.stdout
