@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 PROMISE = 0.97
 
@@ -50,7 +51,8 @@ def _engines(args, executor: str, max_k: int, max_batch: int, longest: int):
     from runtime.factory import create_engine
 
     block = RuntimeConfig().block_size
-    common = dict(max_batch=max_batch, enable_prefix_caching=False, max_num_tokens=token_budget(max_batch, max_k))
+    common: dict[str, Any] = dict(max_batch=max_batch, enable_prefix_caching=False,
+                                  max_num_tokens=token_budget(max_batch, max_k))
     if executor == "torch":
         src, common["max_seq_len"] = None, cdiv(longest, block) * block
     else:
@@ -99,7 +101,7 @@ def measure(args, console) -> tuple[dict, list[str]]:
             for e in (k0, auto):  # allocation, kernel selection, caches: not timed
                 warm_up(e, work.prompts)
             for b in batches:
-                cpu, wall, hist = [], [], {}
+                cpu, wall, hist = [], [], dict[str, int]()
                 for i in range(args.pairs):
                     progress.update(task, description=f"{executor} batch {b} pair {i + 1}")
                     runs = {}

@@ -32,8 +32,8 @@ class RunResult:
     wall_seconds: float
     summary: dict = field(default_factory=dict)  # Metrics.summary() of the run (engine runs only)
     decode_steps: int = 0  # target-model forwards (verify steps) in the decode-only time
-    decode_cpu_seconds: float = 0.0  # process CPU time of the decode-only steps (runtime/bench/auto_guard.py)
     texts: list[str] | None = None  # llama.cpp: decoded text instead of ids (outputs is empty then)
+    decode_cpu_seconds: float = 0.0  # process CPU time of the decode-only steps (runtime/bench/auto_guard.py)
 
     @property
     def decode_tps(self) -> float:
