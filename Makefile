@@ -71,12 +71,15 @@ bench: $(STAMP)
 	$(PY) -m runtime.bench --checkpoint $(BENCH_CKPT) --engine $(BENCH_ENGINE) --threads $(BENCH_THREADS) \
 		--llama-cpp $(LLAMA_BUILD)/bin
 	$(PY) -m runtime.bench.table bench_results/bench.json --readme README.md
+	$(PY) -m runtime.bench.auto_guard --checkpoint $(BENCH_CKPT) --engine $(BENCH_ENGINE) --pairs 16 --readme README.md
 
 # Does `--num-draft-tokens auto` keep >= 0.97x of K=0? K=0 / auto pairs back to back, CPU and wall time, every
 # executor, batch 1 and 8, both shipped models -> bench_results/auto_guard.json (docs/BENCHMARKS.md, "auto guard").
+# Pairs: one pair's ratio scatters by ~8% here, so the median needs tens of pairs to resolve 3% (tiny runs are short).
 bench-auto: $(STAMP)
-	$(PY) -m runtime.bench.auto_guard --checkpoint $(DEEP) --engine engines/bench-deep --pairs 8
-	$(PY) -m runtime.bench.auto_guard --checkpoint $(TINY) --engine engines/bench-tiny --pairs 8 --max-k 2
+	$(PY) -m runtime.bench.auto_guard --checkpoint $(DEEP) --engine engines/bench-deep --pairs 16
+	$(PY) -m runtime.bench.auto_guard --checkpoint $(TINY) --engine engines/bench-tiny --pairs 40 --max-k 2 \
+		--readme README.md
 
 # Realistic size (docs/PERFORMANCE.md, "Realistic size"): a 1.6 GB GLM-4.5-Air-shaped random checkpoint in build/realsize/,
 # its bf16 GGUF and a compiled engine; decode per forward for ours (compiled, eager), llama.cpp and the bandwidth bound.
