@@ -24,7 +24,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from runtime.bench.runners import RunResult
@@ -53,28 +53,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _engines(args, executor: str, max_k: int, max_batch: int, longest: int):
-    """(K=0 engine, auto engine) on one executor (a third engine owns it, sized for max_k)."""
-    from models.engine_format.layout import cdiv
-    from runtime.bench.setup import token_budget
-    from runtime.core.config import RuntimeConfig
-    from runtime.factory import create_engine
-
-    block = RuntimeConfig().block_size
-    common: dict[str, Any] = dict(max_batch=max_batch, enable_prefix_caching=False,
-                                  max_num_tokens=token_budget(max_batch, max_k))
-    if executor == "torch":
-        src, common["max_seq_len"] = None, cdiv(longest, block) * block
-    else:
-        src, common["threads"] = args.engine, 1
-        if executor == "compiled":
-            del common["threads"]
-    owner = create_engine(src, args.checkpoint, executor, num_draft_tokens=max_k, **common)
-    k0 = create_engine(src, args.checkpoint, executor, num_draft_tokens=0, share_executor_of=owner, **common)
-    auto = create_engine(src, args.checkpoint, executor, num_draft_tokens="auto", share_executor_of=owner, **common)
-    return k0, auto
-
-
 def _summary(ratios: list[float]) -> dict:
     """Median, range and a 95% bootstrap interval of the median (how well the pairs pin it down)."""
     import numpy as np
@@ -91,7 +69,7 @@ def measure(args, console) -> tuple[dict, list[str]]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from runtime.bench.runners import make_workload, warm_up
-    from runtime.bench.setup import ensure_engine_dir
+    from runtime.bench.setup import engine_factory, ensure_engine_dir
     from runtime.core.config import ConfigError
     from runtime.factory import load_tokenizer
 
@@ -105,7 +83,10 @@ def measure(args, console) -> tuple[dict, list[str]]:
         ensure_engine_dir(argparse.Namespace(**{**vars(args), "executors": executors}), args.max_k or 3,
                           max(batches), console)  # fmt: skip
     max_k = args.max_k or _engine_k(args)
-    longest = max(map(len, work.prompts)) + args.max_tokens + 2 * max_k + 1
+    # mtp-bench's own engines: one shared executor per kind, sized for max_k and the largest batch
+    engine_for = engine_factory(argparse.Namespace(int_ks=[max_k], batches=batches, max_tokens=args.max_tokens,
+                                                    max_seq_len=None, threads=1, engine=args.engine,
+                                                    checkpoint=args.checkpoint), work)  # fmt: skip
     results: dict = {}
     failures: list[str] = []
     progress = Progress(TextColumn("{task.description:<30}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -113,7 +94,7 @@ def measure(args, console) -> tuple[dict, list[str]]:
     with progress:
         task = progress.add_task("building engines", total=len(executors) * len(batches) * args.pairs)
         for executor in executors:
-            k0, auto = _engines(args, executor, max_k, max(batches), longest)
+            k0, auto = engine_for(executor, "0"), engine_for(executor, "auto")
             for e in (k0, auto):  # allocation, kernel selection, caches: not timed
                 warm_up(e, work.prompts)
             for b in batches:

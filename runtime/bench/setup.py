@@ -119,7 +119,7 @@ def ensure_engine_dir(args, max_k: int, max_batch: int, console) -> None:
             raise ConfigError(f"mtp-build failed for {engine_dir} (exit {rc})")
 
 
-def _engine_factory(args, work: Workload) -> Callable[..., LLMEngine]:
+def engine_factory(args, work: Workload) -> Callable[..., LLMEngine]:
     """engine_for(executor, k, commit_pass=True), sized for the largest K and batch, prefix caching off."""
     max_k, max_b = max(args.int_ks), max(args.batches)
     block = RuntimeConfig().block_size  # the torch engine's block size; the table width is what attention scans
@@ -196,7 +196,7 @@ def make_setup(args, console) -> BenchSetup:
     vocab_size = int(json.loads((args.checkpoint / "config.json").read_text())["vocab_size"])
     tokenizer = load_tokenizer(args.checkpoint)
     work = make_workload(args.checkpoint, args.num_prompts, args.prompt_chars, vocab_size, tokenizer)
-    engine_for = _engine_factory(args, work)
+    engine_for = engine_factory(args, work)
     notes: list[str] = []
     engines: dict[tuple[str, str], LLMEngine] = {}
     for ex in args.executors:
