@@ -286,4 +286,4 @@ def warm_up(engine: LLMEngine, prompts: list[list[int]]) -> None:
     instead of 1.3-1.7x)."""
     run_engine(engine, prompts[:2], 2, 8, "warm")
     if engine.draft_length is not None:
-        engine.draft_length = type(engine.draft_length)(engine.k)
+        engine.draft_length.forget()

@@ -243,6 +243,13 @@ class DraftLengthController:
     def __post_init__(self) -> None:
         self.succ, self.trials = [0.0] * self.k_max, [0.0] * self.k_max
 
+    def forget(self) -> None:
+        """Drop what was learnt (acceptance, costs, exploration), keep the settings: the bench's warm-up run
+        pays one-off costs (first calls of every compiled graph) that are not what a draft length costs."""
+        self.regimes = {}
+        self.succ, self.trials = [0.0] * self.k_max, [0.0] * self.k_max
+        self.parked, self.last_k, self.settled_zero, self.gives_up_drafting = 0, 0, False, False
+
     def skips_this_step(self) -> bool:
         """True: run k = 0 and build no sample. While k = 0 is the settled choice only one step in `park_stride`
         is measured and decided: a k = 0 step teaches acceptance nothing and its cost is well known, and the

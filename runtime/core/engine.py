@@ -7,8 +7,7 @@ One `step()` is plan, then apply; the phases run in this order and no other:
                 then this step's draft length k (fixed K, or `auto`: runtime/core/draft_length.py, same on all ranks)
   4. plan       plan_step (runtime/core/mtp_plan.py, pure): commit input, chunk carries, rewinds (bases),
                 emitted tokens and draft rows, all from the verify results before any state changes
-                (with k = 0 depth 0's entry at base-1 is carried, then written by a later commit; once
-                `auto` gives up drafting the step's requests stop writing their MTP plane for good)
+                (k = 0: depth 0's entry at base-1 is carried to a later commit, or dropped once auto gives up)
   5. commit     one packed varlen write of the MTP plane from main hiddens (the plan's commit input)
   6. apply      per request: rewind num_computed to base (bookkeeping only; lookahead blocks stay owned),
                 set or clear the chunk carry, drop the verified drafts, emit tokens, stop conditions
@@ -44,7 +43,8 @@ from runtime.core.sampling import (
     accept_exact_match,
     accept_greedy,
     accept_rejection,
-    probs_from_logits,
+    draft_token,
+    probs_from_logits,  # fmt: skip
     sample,
 )
 from runtime.core.scheduler import ScheduledRequest, Scheduler
@@ -156,10 +156,8 @@ class LLMEngine:
         main = self._timed(self.executor.run_main, inp)  # 2. verify (main KV appended inside)
         logprobs.record_prompt(scheduled, prompt_spans, main.logits)
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
-        if self.ranks.lockstep or any(s.req.spec.may_draft for s in scheduled):
-            k, freeze = self._choose_draft_length(lambda: self._sample(scheduled, accepted, errors))
-        else:  # alone, and nobody may draft: nothing to decide (lockstep ranks still gather: others may draft)
-            k, freeze = 0, False
+        k, freeze = self._choose_draft_length(lambda: self._sample(scheduled, accepted, errors),
+                                              any(s.req.spec.may_draft for s in scheduled))  # fmt: skip
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
                          draft_depths=k, refresh_drafts=self.cfg.commit_pass, max_carry_rows=self._max_carry_rows,
                          max_commit_rows=self.cfg.max_num_tokens, freeze=freeze)  # 4. plan  # fmt: skip
@@ -195,14 +193,14 @@ class LLMEngine:
         cycle, self._cycle = self._cycle, (0.0, 0.0, 0.0, 0.0)  # each finished cycle is reported once
         return mtp_plan.step_sample(scheduled, accepted, errors, self.k, self.cfg.max_seq_len, cycle)
 
-    def _choose_draft_length(self, measure: Callable[[], StepSample]) -> tuple[int, bool]:
-        """Fixed K, or the controller's pick; under MPI from every rank's sample, so every rank picks the same.
-        Also whether this step's requests stop keeping their MTP plane (`auto` gave up drafting for them: a
-        request at k = 0 that keeps it pays an MTP commit per token, and `auto` must not lose to K=0)."""
+    def _choose_draft_length(self, measure: Callable[[], StepSample], may_draft: bool = True) -> tuple[int, bool]:
+        """Fixed K, or the controller's pick (under MPI from every rank's sample, so every rank picks the same),
+        and whether this step's requests stop keeping their MTP plane (`auto` gave up drafting: docs/RUNTIME.md).
+        may_draft: some request here may draft (alone and none may: nothing to decide; lockstep ranks still gather)."""
         ctl = self.draft_length
         if ctl is None:
             return self.k, False
-        if ctl.skips_this_step():  # k = 0 settled: no sample this step (the same steps on every rank)
+        if not (may_draft or self.ranks.lockstep) or ctl.skips_this_step():  # k = 0 settled: no sample (all ranks)
             return 0, False
         sample = measure()
         if self.ranks.lockstep:
@@ -265,8 +263,7 @@ class LLMEngine:
                 continue
             req.num_computed = upd.num_computed
             req.spec.carry, req.spec.drafts, req.spec.draft_probs = upd.carry, [], None
-            if upd.mtp_frozen_at is not None:
-                req.spec.mtp_frozen_at = upd.mtp_frozen_at
+            req.spec.mtp_frozen_at = req.spec.mtp_frozen_at if upd.mtp_frozen_at is None else upd.mtp_frozen_at
             if not upd.emit:  # a non-final prefill chunk
                 continue
             self._record_verify(s, upd.num_accepted)
@@ -281,14 +278,10 @@ class LLMEngine:
         return outputs, drafting
 
     def _publish(self, scheduled: list[ScheduledRequest]) -> None:
-        """Publish blocks whose main and MTP entries are final (a carried position is not final yet, a frozen
-        plane's positions from mtp_frozen_at on never are: a prefix hit must be able to draft from them)."""
+        """Publish blocks whose main and MTP entries are final (a prefix hit drafts from the MTP entries)."""
         for s in scheduled:
             if not s.req.is_finished:
-                spec = s.req.spec
-                final = s.req.num_computed if spec.carry is None else spec.carry.position
-                if spec.mtp_frozen_at is not None:
-                    final = min(final, spec.mtp_frozen_at)
+                final = s.req.spec.mtp_exact_end(s.req.num_computed)
                 self.kv.publish_full_blocks(s.req.req_id, s.req.token_ids, final)
 
     def _dummy_drafts(self, k: int) -> None:
@@ -313,7 +306,8 @@ class LLMEngine:
             out = self._timed(self.executor.run_draft, plan_draft(hidden, tokens, bases, depth, tables))
             for j, r in enumerate(reqs):
                 try:
-                    tokens[j] = self._draft_token(r, out.logits[j : j + 1], probs[j])
+                    tokens[j] = draft_token(r.params, r.rng, grammar.mask_draft(r, out.logits[j : j + 1]), probs[j])
+                    grammar.push_draft(r, tokens[j])
                 except Exception as e:  # noqa: BLE001 - one request's failure must not fail the batch
                     failed.setdefault(j, f"drafting failed: {type(e).__name__}: {e}")
                 r.spec.drafts.append(tokens[j])
@@ -324,19 +318,6 @@ class LLMEngine:
             elif probs[j]:
                 r.spec.draft_probs = np.stack(probs[j])
             grammar.end_drafts(r)  # matcher back at the last emitted token; drafts it rejected are cut
-
-    @staticmethod
-    def _draft_token(r: Request, logits: np.ndarray, probs: list[np.ndarray]) -> int:
-        """Sampled drafts (rejection acceptance) keep their distribution; otherwise the argmax (grammar-masked)."""
-        logits = grammar.mask_draft(r, logits)
-        if r.params.acceptance == "rejection" and not r.params.is_greedy:
-            q = probs_from_logits(logits, r.params)
-            probs.append(q[0])
-            token = int(sample(q, r.rng)[0])
-        else:
-            token = int(logits[0].argmax())
-        grammar.push_draft(r, token)
-        return token
 
     # ------------------------------------------------------------------ emission and bookkeeping
     def _emit(self, req: Request, tokens: list[int]) -> list[int]:

@@ -57,6 +57,12 @@ class SpecState:
     def may_draft(self) -> bool:
         return self.mtp_frozen_at is None
 
+    def mtp_exact_end(self, num_computed: int) -> int:
+        """Positions below this hold final MTP entries: not a carried one (written later), nor one at or past a
+        frozen plane's first unwritten position (never written). Prefix blocks publish only below it."""
+        end = num_computed if self.carry is None else self.carry.position
+        return end if self.mtp_frozen_at is None else min(end, self.mtp_frozen_at)
+
 
 def request_rng(engine_seed: int, req_id: str, seed: int | None) -> np.random.Generator:
     """The request's own generator: from its explicit seed, else from (engine seed, request id).

@@ -208,3 +208,13 @@ def accept_rejection(draft_ids: Sequence[int], draft_probs: np.ndarray, target_p
             residual = target_probs[i]
         return i, int(sample(residual[None, :], rng)[0])
     return k, int(sample(target_probs[k][None, :], rng)[0])
+
+
+def draft_token(params: SamplingParams, rng: np.random.Generator, logits: np.ndarray, probs: list[np.ndarray]) -> int:
+    """One draft from a depth's (grammar-masked) logits [1, V]: sampled when rejection acceptance will check it
+    against its distribution (appended to probs), else the argmax."""
+    if params.acceptance == "rejection" and not params.is_greedy:
+        q = probs_from_logits(logits, params)
+        probs.append(q[0])
+        return int(sample(q, rng)[0])
+    return int(logits[0].argmax())

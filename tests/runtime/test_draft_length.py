@@ -137,10 +137,7 @@ def run_checking_mtp_writes(engine, rec, prompts, params, after_step=None) -> li
         last = last_mtp_writes(rec.writes)
         for req in engine.scheduler.running:
             table, bs = engine.kv.block_table(req.req_id), engine.cfg.block_size
-            exact = req.num_computed if req.spec.carry is None else req.spec.carry.position
-            if req.spec.mtp_frozen_at is not None:  # `auto` gave up drafting for it: exact below this only
-                exact = min(exact, req.spec.mtp_frozen_at)
-            for p in range(exact):
+            for p in range(req.spec.mtp_exact_end(req.num_computed)):  # a carried or frozen position: not final
                 w = last.get((table[p // bs], p % bs))
                 assert w is not None and w.hidden_source == "main" and w.token == req.token_ids[p + 1]
     return [finals[i] for i in ids]
