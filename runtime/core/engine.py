@@ -156,9 +156,9 @@ class LLMEngine:
         main = self._timed(self.executor.run_main, inp)  # 2. verify (main KV appended inside)
         logprobs.record_prompt(scheduled, prompt_spans, main.logits)
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
-        k, freeze = self._choose_draft_length(lambda: self._sample(scheduled, accepted, errors),
-                                              any(s.req.spec.may_draft for s in scheduled))  # fmt: skip
-        plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=self.k > 0,
+        may_draft = self.k > 0 and any(s.req.spec.may_draft for s in scheduled)  # False: all frozen, plan as K=0
+        k, freeze = self._choose_draft_length(lambda: self._sample(scheduled, accepted, errors), may_draft)
+        plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=may_draft,
                          draft_depths=k, refresh_drafts=self.cfg.commit_pass, max_carry_rows=self._max_carry_rows,
                          max_commit_rows=self.cfg.max_num_tokens, freeze=freeze)  # 4. plan  # fmt: skip
         for commit in plan.commits:  # 5. commit (no collective inside, so skipping an empty write keeps lockstep)

@@ -62,11 +62,12 @@ class Scheduler:
 
         Depth d writes MTP KV at base-1+d with base <= num_tokens + n_drafts, so the last draft write is
         below num_tokens + n_drafts + k - 1. k is the configured (maximum) draft length: a step that drafts
-        fewer (`--num-draft-tokens auto`) writes a subset of these positions.
+        fewer (`--num-draft-tokens auto`) writes a subset of these positions; a request whose MTP plane is
+        frozen (auto gave up drafting) never drafts again and needs none.
         """
         if start + n_new < req.num_tokens:
             return start + n_new
-        k = self.cfg.num_draft_tokens
+        k = self.cfg.num_draft_tokens if req.spec.may_draft else 0
         return req.num_tokens + n_drafts + max(k - 1, 0)
 
     def schedule(self) -> SchedulerOutput:

@@ -210,6 +210,9 @@ def test_requests_auto_gives_up_on_stop_writing_their_mtp_plane_and_stay_lossles
         if running and all(r.spec.mtp_frozen_at is not None for r in running):
             mtp_writes_after_freeze.append(sum(w.plane == "mtp" for w in rec.writes))
             assert all(not r.spec.drafts and r.spec.carry is None for r in running)
+            if len(mtp_writes_after_freeze) > 3:  # blocks reserved before the freeze are filled by now
+                for r in running:  # no lookahead for drafts that never come (block size 4, k = 3: 2 positions)
+                    assert len(engine.kv.block_table(r.req_id)) <= -(-r.num_tokens // 4), r.req_id
 
     assert run_checking_mtp_writes(engine, rec, prompts, params, after_step) == reference
     assert len(mtp_writes_after_freeze) > 10  # the requests did run on frozen
