@@ -10,9 +10,11 @@ KV pool, and writes its layer's slots in place: one form for the torch executor,
 Runtime op and the TensorRT plugin (its spec: plugins/op_spec.py). `gdn_step_tensors` is the same computation on
 one layer's pool tensors [S, C, K-1] / [S, Hv, Dk, Dv].
 
-The CPU implementation vectorises over requests and heads: the conv of every row at once (an unfold over
-window ++ rows), then the recurrence one row index at a time for all requests together (a verify step of 1+k rows is
-1+k iterations for the whole batch). CUDA tensors go to the Triton kernel (plugins/gdn_triton.py).
+The op's CPU kernel is C++ (plugins/csrc/gdn_step.cpp, loaded by plugins/cpp_ops.py, like every plugin op's):
+eager torch and the ONNX Runtime op call it. CUDA tensors go through `_op` to the Triton kernel
+(plugins/gdn_triton.py). `gdn_step_tensors` is the torch form on one layer's pool tensors: on CPU it vectorises over
+requests and heads (the conv of every row at once, an unfold over window ++ rows, then the recurrence one row index
+at a time for all requests together); the GDN rollback bench (runtime/bench/gdn_rollback.py) runs it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import plugins.cpp_ops  # noqa: F401  (defines mtp::gdn_step's schema and registers its C++ CPU kernel)
 from plugins.gdn_pool import GDNPoolGeometry, layer_views
 from plugins.op_backends import define_torch
 from plugins.op_spec import SPECS
@@ -34,7 +37,7 @@ def _geometry(num_layers, num_slots, conv_dim, conv_kernel, num_k_heads, num_v_h
 def _op(mixed, b, a, q_counts, starts, read_slots, write_slots, conv_pool_ptr, ssm_pool_ptr, conv_weight, a_log,
         dt_bias, layer, num_layers, num_slots, conv_dim, conv_kernel, num_k_heads, num_v_heads, head_k_dim,
         head_v_dim, dtype):  # fmt: skip
-    """The op on any device: view the layer's pools at the addresses, run the tensor form."""
+    """The CUDA kernel (the CPU one is C++): view the layer's pools at the addresses, run the tensor form."""
     geom = _geometry(num_layers, num_slots, conv_dim, conv_kernel, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
                      dtype)  # fmt: skip
     if mixed.shape[1] != conv_dim or a.shape[1] != num_v_heads or tuple(conv_weight.shape) != (conv_dim, conv_kernel):
@@ -45,7 +48,7 @@ def _op(mixed, b, a, q_counts, starts, read_slots, write_slots, conv_pool_ptr, s
                             dt_bias, num_k_heads, head_k_dim, head_v_dim)  # fmt: skip
 
 
-define_torch(SPECS["gdn_step"], _op)  # schema + fake from the spec, CPU kernel
+define_torch(SPECS["gdn_step"])  # the C++ library's schema checked against the spec; the fake from its shape rule
 torch.library.impl("mtp::gdn_step", "CUDA")(_op)  # the tensor form sends CUDA tensors to the Triton kernel
 
 

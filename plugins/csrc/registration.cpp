@@ -47,6 +47,11 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
   // calls it through the dispatcher.
   m.def("moe_experts_exchange(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
         "int num_experts, int ep_size, int tp_size, int tp_rank) -> Tensor");
+  // One Gated DeltaNet layer's token mixing; the conv / ssm state pools by address, written in place (gdn_step.cpp)
+  m.def("gdn_step(Tensor mixed, Tensor b, Tensor a, Tensor q_counts, Tensor starts, Tensor read_slots, "
+        "Tensor write_slots, Tensor conv_pool_ptr, Tensor ssm_pool_ptr, Tensor conv_weight, Tensor a_log, "
+        "Tensor dt_bias, int layer, int num_layers, int num_slots, int conv_dim, int conv_kernel, int num_k_heads, "
+        "int num_v_heads, int head_k_dim, int head_v_dim, int dtype) -> Tensor");
   // x [..., K] fp32 @ weight[N, K] bf16 (stored [N, K], read as bf16, fp32 math) + bias fp32 [N] -> fp32 [..., N]
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("cpu_isa(str set='') -> str", &mtp::cpu_isa);

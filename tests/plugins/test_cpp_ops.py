@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import plugins.cpp_ops as cpp_ops
+import plugins.gdn_ops  # noqa: F401
 import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from plugins.kv_pool import DTYPE_CODES, KVPoolGeometry, allocate_pool, pool_address
@@ -31,7 +32,7 @@ from tests.plugins.conftest import HAS_AVX2, HAS_AVX512
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
 OPS = ["kv_write", "paged_attention", "moe_experts", "moe_experts_local", "mla_kv_write", "mla_paged_attention",
-       "linear_bf16"]
+       "linear_bf16", "gdn_step"]
 # "best" is avx512 where the CPU has it, else avx2; an AVX-512 machine runs the AVX2 path too
 ISAS = ["generic", "best"] + (["avx2"] if HAS_AVX512 and HAS_AVX2 else [])
 

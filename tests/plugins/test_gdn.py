@@ -12,6 +12,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import plugins.gdn_ops  # noqa: F401  (torch.ops.mtp.gdn_step)
 from plugins.gdn_pool import GDNPoolGeometry, address
@@ -141,3 +143,58 @@ def test_padded_requests_and_unstored_rows_touch_nothing(impl):
     empty = fn(mixed[:0], b[:0], a[:0], torch.tensor([0, 0], dtype=I32), torch.tensor([0, 0], dtype=I32),
                torch.tensor([0, 1], dtype=I32), torch.tensor([], dtype=I32), conv, ssm, w, a_log, dt, HK, DK, DV)
     assert empty.shape == (0, HV, DV) and ssm[untouched].isnan().all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), counts=st.lists(st.integers(0, 4), min_size=1, max_size=4),
+       dims=st.sampled_from([(HK, DK, HV, DV, K), (1, 32, 2, 24, 3), (2, 16, 2, 16, 4)]),
+       conv_dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())  # fmt: skip
+def test_cpp_kernel_matches_reference_on_random_batches(seed, counts, dims, conv_dtype, data):
+    """The C++ CPU kernel (plugins/csrc/gdn_step.cpp) == gdn_step_ref on random packed batches: padded requests,
+    fresh and continuing ones, unstored rows, a bf16 conv pool, every other slot NaN (never read, never written)."""
+    hk, dk, hv, dv, kk = dims
+    c, n = 2 * hk * dk + hv * dv, sum(counts)
+    g = torch.Generator().manual_seed(seed)
+    slots = len(counts) + n + 1  # request r reads slot r; row t may store into slot len(counts) + t (never a read slot)
+    conv = torch.full((slots, c, kk - 1), float("nan")).to(conv_dtype)
+    ssm = torch.full((slots, hv, dk, dv), float("nan"))
+    starts = [data.draw(st.sampled_from([0, 5])) for _ in counts]
+    for r, s in enumerate(starts):
+        if s:  # a continuing request's slot holds a real state
+            conv[r] = torch.randn(c, kk - 1, generator=g).to(conv_dtype)
+            ssm[r] = 0.1 * torch.randn(hv, dk, dv, generator=g)
+    writes = [len(counts) + t if data.draw(st.booleans()) else -1 for t in range(n)]
+    mixed, b, a = torch.randn(n, c, generator=g), torch.randn(n, hv, generator=g), torch.randn(n, hv, generator=g)
+    w, a_log, dt = 0.3 * torch.randn(c, kk, generator=g), 0.5 * torch.randn(hv, generator=g), torch.randn(hv, generator=g)
+    ints = [torch.tensor(x, dtype=I32) for x in (counts, starts, list(range(len(counts))), writes)]
+    c1, s1, c2, s2 = conv.clone(), ssm.clone(), conv.clone(), ssm.clone()
+    geom = GDNPoolGeometry(1, slots, c, kk, hk, hv, dk, dv, {torch.float32: 0, torch.bfloat16: 2}[conv_dtype])
+    out = torch.ops.mtp.gdn_step(mixed, b, a, *ints, address(c1), address(s1), w, a_log, dt, **geom.attrs(0))
+    ref = gdn_step_ref(mixed, b, a, *ints, c2, s2, w, a_log, dt, hk, dk, dv)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c1, c2, atol=0, rtol=0, equal_nan=True)  # windows are copies: exact, NaN kept
+    torch.testing.assert_close(s1, s2, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def test_bad_input_is_one_line_value_error():
+    conv, ssm = pools()
+    mixed, b, a = rows(2, 4)
+    w, a_log, dt = params()
+    one, two = torch.tensor([1, 1], dtype=I32), torch.tensor([-1, -1], dtype=I32)
+    geom = GDNPoolGeometry(1, conv.shape[0], C, K, HK, HV, DK, DV)
+
+    def call(mixed=mixed, reads=(0, 1), starts=(3, 3), conv_ptr=None, **attrs):
+        return torch.ops.mtp.gdn_step(mixed, b, a, one, torch.tensor(starts, dtype=I32), torch.tensor(reads, dtype=I32),
+                                      two, address(conv) if conv_ptr is None else conv_ptr, address(ssm), w, a_log, dt,
+                                      **{**geom.attrs(0), **attrs})  # fmt: skip
+
+    bad = [(lambda: call(mixed=mixed[:, :5]), "do not match the node's geometry"),
+           (lambda: call(reads=(0, 99)), r"read_slots\[1\] = 99 is outside the pool's 8 slots"),
+           (lambda: call(conv_ptr=torch.zeros(1, dtype=torch.int64)), "state pool address is 0"),
+           (lambda: call(layer=1), "GDN layer 1 is outside the state pool's 1 layers"),
+           (lambda: call(conv_dim=C + 1), "is inconsistent")]  # fmt: skip
+    for fn, message in bad:
+        with pytest.raises(ValueError, match=message) as err:
+            fn()
+        assert "\n" not in str(err.value).strip(), str(err.value)
+    assert call(reads=(0, 99), starts=(3, 0)).shape == (2, HV, DV)  # a fresh request's read slot is never looked at
