@@ -10,22 +10,17 @@
 // same lane-wise FMAs and the same horizontal sum whatever MR / NR is, so a row's result does not depend on the
 // rest of the batch below kTiledRows. The [N, K] layout: one sequential stream per weight row, no panel to pack
 // (a packed [K, N] panel layout was not measured; docs/PERFORMANCE.md "Compiled engine" has what was).
-// Many rows (verify at batch 8, prefill chunks): compute-bound. With AMX-BF16 (checked at run time, with the
-// AVX-512 path) the weight is AMX's A operand straight from memory and each activation is split into three exact
-// bf16 parts (see amx_mm); without it a block of weight rows is converted into a reused fp32 tile and multiplied
-// by at::mm / at::addmm (MKL), so the cost is MKL's plus one conversion of each weight per call.
+// Many rows (prefill chunks): compute-bound; a block of weight rows is converted into a reused fp32 tile and
+// multiplied by at::mm / at::addmm (MKL), so the cost is MKL's plus one conversion of each weight per call.
 //
-// Paths: AVX-512 (16 lanes; + AMX for many rows), AVX2 + FMA (8 lanes; AMD Zen 2/3 has no AVX-512) and the
-// portable C++ body, chosen at run time by active_isa(). No activation is ever rounded to bf16.
+// Paths: AVX-512 (16 lanes), AVX2 + FMA (8 lanes; AMD Zen 2/3 has no AVX-512) and the portable C++ body,
+// chosen at run time by active_isa(). No vdpbf16ps: it would round the activations to bf16.
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
-
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "common.h"
 
@@ -224,121 +219,6 @@ void widen(const uint16_t* src, float* dst, int64_t n) {
   }
 }
 
-// ---- AMX-BF16 (Sapphire Rapids and later): many rows, exact --------------------------------------------------
-// C^T [N, M] = W [N, K] x^T: the weight is AMX's A operand straight from memory (tiles of 16 weight rows x 32 bf16).
-// Each fp32 activation is split into three bf16 parts, hi + mid + lo, that carry its 24-bit mantissa, so every
-// bf16 x bf16 product is exact in the fp32 accumulator: this is fp32 math up to the order of accumulation (no
-// activation is rounded to bf16, which is why the bf16 instructions are not used anywhere else). The parts are
-// packed once per call as AMX's B operand (pairs of k, 16 activation rows per tile); three passes of TDPBF16PS
-// still do far more multiply-adds per cycle than fp32 FMAs (docs/PERFORMANCE.md "Batch 8 on AVX-512").
-
-constexpr int kTile = 16;  // tile rows (weight rows per A tile, k-pairs per B tile) and activation rows per B tile
-constexpr int kChunk = 32;  // bf16 k per tile row (64 bytes)
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// The CPU has AMX-BF16 and AMX-TILE, the OS saves tile state (XCR0 bits 17-18) and Linux granted this process
-// the tile data (arch_prctl ARCH_REQ_XCOMP_PERM). Checked once.
-bool amx_usable() {
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // AMX-BF16, AMX-TILE
-    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
-    if (!((c >> 27) & 1)) return false;  // OSXSAVE: xgetbv is allowed
-    unsigned lo, hi;
-    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG, XTILEDATA
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// bf16 bits of x rounded to nearest even, in the low half of each 32-bit lane (finite x; NaN stays NaN-ish)
-MTP_AVX512_TARGET inline __m512i round_bf16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-}
-
-// parts[p][mb][kp][16][2]: part p of x[mb * 16 + i][2 kp + j] at (kp, i, j); zeros past M and K
-MTP_AVX512_TARGET __attribute__((flatten)) void pack_parts(const Gemv& g, int64_t mblocks, int64_t kpairs,
-                                                          uint16_t* parts) {
-  const int64_t part = mblocks * kpairs * kTile * 2;
-  std::memset(parts, 0, sizeof(uint16_t) * 3 * part);
-  for (int64_t m = 0; m < g.m; ++m) {
-    uint32_t* dst[3];
-    for (int p = 0; p < 3; ++p)
-      dst[p] = reinterpret_cast<uint32_t*>(parts + p * part + (m / kTile) * kpairs * kTile * 2) + m % kTile;
-    const float* x = g.x + m * g.k;
-    for (int64_t k = 0; k < g.k; k += 16) {
-      const __mmask16 t = g.k - k >= 16 ? static_cast<__mmask16>(0xffff) : Avx512::tail(g.k - k);
-      __m512 rest = _mm512_maskz_loadu_ps(t, x + k);
-      alignas(32) uint32_t words[8];
-      for (int p = 0; p < 3; ++p) {
-        const __m512i bits = round_bf16(rest);  // part p, then what it leaves (exact: the subtraction loses nothing)
-        rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(words), _mm512_cvtepi32_epi16(bits));  // 8 pairs of k
-        const int64_t pairs = std::min<int64_t>(8, (g.k - k + 1) / 2);
-        for (int64_t i = 0; i < pairs; ++i) dst[p][(k / 2 + i) * kTile] = words[i];
-      }
-    }
-  }
-}
-
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2,bmi2"))) void amx_mm(
-    const Gemv& g) {
-  const int64_t mblocks = (g.m + kTile - 1) / kTile, kchunks = (g.k + kChunk - 1) / kChunk;
-  const int64_t kpairs = kchunks * kTile, part = mblocks * kpairs * kTile * 2, kpad = kchunks * kChunk;
-  thread_local std::vector<uint16_t> parts, pad;
-  parts.resize(static_cast<size_t>(3 * part));
-  pack_parts(g, mblocks, kpairs, parts.data());
-  TileConfig cfg;
-  for (int t = 0; t < 5; ++t) cfg.rows[t] = kTile, cfg.colsb[t] = 64;  // C0 C1 | A | B B: 16 rows x 64 bytes each
-  _tile_loadconfig(&cfg);
-  alignas(64) float c[2][kTile * kTile];
-  for (int64_t n0 = 0; n0 < g.n; n0 += kTile) {
-    const int64_t nr = std::min<int64_t>(kTile, g.n - n0);
-    const uint16_t* a = g.w + n0 * g.k;
-    int64_t lda = g.k * 2;
-    if (nr < kTile || g.k % kChunk) {  // a partial block: zero-padded copy (a tile row never reads past its row)
-      pad.assign(static_cast<size_t>(kTile * kpad), 0);
-      for (int64_t r = 0; r < nr; ++r) std::memcpy(pad.data() + r * kpad, a + r * g.k, sizeof(uint16_t) * g.k);
-      a = pad.data(), lda = kpad * 2;
-    }
-    for (int64_t mb = 0; mb < mblocks; mb += 2) {
-      const bool two = mb + 1 < mblocks;
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int64_t kc = 0; kc < kchunks; ++kc) {
-        _tile_loadd(2, a + kc * kChunk, lda);
-        for (int p = 0; p < 3; ++p) {
-          const uint16_t* b = parts.data() + p * part + (mb * kpairs + kc * kTile) * kTile * 2;
-          _tile_loadd(3, b, 64);
-          _tile_dpbf16ps(0, 2, 3);
-          if (two) {
-            _tile_loadd(4, b + kpairs * kTile * 2, 64);
-            _tile_dpbf16ps(1, 2, 4);
-          }
-        }
-      }
-      _tile_stored(0, c[0], 64);
-      _tile_stored(1, c[1], 64);
-      for (int h = 0; h < (two ? 2 : 1); ++h)
-        for (int64_t i = 0; i < kTile && (mb + h) * kTile + i < g.m; ++i) {
-          float* y = g.y + ((mb + h) * kTile + i) * g.n + n0;
-          for (int64_t r = 0; r < nr; ++r) y[r] = g.bias ? c[h][r * kTile + i] + g.bias[n0 + r] : c[h][r * kTile + i];
-        }
-    }
-  }
-  _tile_release();
-}
-
 // Many rows: weight rows in blocks converted into one reused fp32 tile, multiplied by MKL
 void tiled_mm(const at::Tensor& x, const uint16_t* w, const c10::optional<at::Tensor>& bias, at::Tensor& y,
               int64_t n, int64_t k) {
@@ -383,12 +263,11 @@ at::Tensor linear_bf16_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
   at::Tensor y2 = y.view({-1, n});
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
-  const Gemv g{xc.data_ptr<float>(), w, bias ? bc.data_ptr<float>() : nullptr, y2.data_ptr<float>(), xc.size(0), n, k};
   if (xc.size(0) >= kTiledRows && k > 0) {
-    if (active_isa() == Isa::avx512 && amx_usable()) amx_mm(g);
-    else tiled_mm(xc, w, bias ? c10::optional<at::Tensor>(bc) : c10::nullopt, y2, n, k);
+    tiled_mm(xc, w, bias ? c10::optional<at::Tensor>(bc) : c10::nullopt, y2, n, k);
     return y;
   }
+  const Gemv g{xc.data_ptr<float>(), w, bias ? bc.data_ptr<float>() : nullptr, y2.data_ptr<float>(), xc.size(0), n, k};
   // 64 output features per task: a multiple of every NR; one thread runs them all inline
   at::parallel_for(0, (n + 63) / 64, 1, [&](int64_t b0, int64_t b1) { rows(g, b0 * 64, std::min(n, b1 * 64)); });
   return y;

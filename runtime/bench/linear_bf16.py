@@ -4,10 +4,7 @@
 
 Each candidate multiplies x [M, K] by `--count` distinct weights of [N, K] in turn (together far larger than the
 last-level cache, so every weight comes from DRAM, as in a decode step of a large model):
-  bf16-op     torch.ops.mtp.linear_bf16 on the bf16 weights (what the compiled engine calls; from 16 rows on an AMX
-              machine: the exact AMX path)
-  bf16-op-avx2  the same op with the kernels' ISA set to AVX2 (`--avx2`; on an AMX machine, the op's path without
-              AMX: from 16 rows, the weight converted per tile and multiplied by MKL)
+  bf16-op     torch.ops.mtp.linear_bf16 on the bf16 weights (what the compiled engine calls)
   fp32        F.linear on fp32 weights stored [N, K]
   fp32-in-out F.linear on fp32 weights stored [K, N] (models/feed_forward.py store_in_out: the eager layout)
   upcast+mm   F.linear(x, w.float()) on the bf16 weights (what the compiled engine generated before the op)
@@ -35,7 +32,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--count", type=int, default=6, help="distinct weights (6 x 4096 x 4096 = 200 MB bf16)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--avx2", action="store_true", help="add the bf16-op-avx2 candidate (a CPU with AVX-512 and AVX2)")
     a = p.parse_args(argv)
     torch.manual_seed(0)
     low = [torch.randn(a.n, a.k).bfloat16() for _ in range(a.count)]
@@ -47,9 +43,6 @@ def main(argv: list[str] | None = None) -> None:
         "fp32-in-out": (in_out, lambda x, w: F.linear(x, w)),
         "upcast+mm": (low, lambda x, w: F.linear(x, w.float())),
     }
-    if a.avx2:
-        cands["bf16-op-avx2"] = (low, lambda x, w: torch.ops.mtp.linear_bf16(x, w, None))
-    isa = {"bf16-op-avx2": "avx2"}  # candidates run with another kernel ISA (set for the candidate's whole pass)
     print(f"N={a.n} K={a.k}, {a.count} weights, isa {plugins.cpp_ops.cpu_isa()}, threads {torch.get_num_threads()}")
     print("| M | " + " | ".join(f"{c} us (GB/s)" for c in cands) + " | bf16-op / fp32 |")
     print("|---:|" + "---:|" * (len(cands) + 1))
@@ -60,7 +53,6 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(a.rounds):
             for c in names[r % len(names):] + names[: r % len(names)]:
                 weights, fn = cands[c]
-                plugins.cpp_ops.cpu_isa(isa.get(c, "best"))
                 per = []
                 for _ in range(a.iters):
                     t0 = time.process_time()
@@ -68,7 +60,6 @@ def main(argv: list[str] | None = None) -> None:
                         fn(x, w)
                     per.append((time.process_time() - t0) / len(weights))
                 times[c].append(statistics.median(per))
-        plugins.cpp_ops.cpu_isa("best")
         med = {c: statistics.median(v) for c, v in times.items()}
         cells = []
         for c, (weights, _) in cands.items():
