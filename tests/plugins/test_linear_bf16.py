@@ -47,6 +47,19 @@ def test_matches_the_upcast_linear(isa: str, seed: int, m: int, n: int, k: int, 
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("m", [1, 15, 16, 40])
+def test_no_path_rounds_an_activation_to_bf16(isa: str, m: int) -> None:
+    """x @ [1, 0, ...]^T is x[:, 0] exactly when each product is exact: an activation rounded to bf16 (vdpbf16ps or
+    AMX on bf16 activations) would lose its low 16 mantissa bits. 16 and 40 rows take the many-row path."""
+    x = torch.randn(m, 70, generator=torch.Generator().manual_seed(m)) * 3.0
+    w = torch.zeros(33, 70, dtype=torch.bfloat16)
+    w[:, 0] = 1.0
+    y = torch.ops.mtp.linear_bf16(x, w, None)
+    assert torch.equal(y, x[:, :1].expand(m, 33))
+    assert not torch.equal(x[:, 0].bfloat16().float(), x[:, 0])  # the test can fail: bf16 would change these
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_a_row_does_not_depend_on_the_batch(isa: str) -> None:
     """Below the tiled path every row runs the same operations whatever the row count: decode == verify rows."""
     x, w, b = _case(1, 15, 37, 133, True)
