@@ -38,18 +38,21 @@ MTP_INLINE float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(
 template <class P>
 void request(const Gdn& g, int64_t row0, int64_t n, bool fresh, int64_t read_slot, const Ints& writes) {
   const int64_t c = g.c, win = g.kk - 1, kd = g.hk * g.dk, rep = g.hv / g.hk, state_size = g.hv * g.dk * g.dv;
-  std::vector<float> window(static_cast<size_t>(c * win), 0.0f), x(static_cast<size_t>(c));
-  std::vector<float> state(static_cast<size_t>(state_size), 0.0f), delta(static_cast<size_t>(g.dv));
-  if (!fresh) {
+  // the per-thread scratch buffers (no allocation per request): conv window, one row's q|k|v, state, delta
+  float *window = scratch(0, c * win), *x = scratch(1, c), *state = scratch(2, state_size), *delta = scratch(3, g.dv);
+  if (fresh) {
+    std::fill(window, window + c * win, 0.0f);
+    std::fill(state, state + state_size, 0.0f);
+  } else {
     const P* src = reinterpret_cast<const P*>(g.conv) + read_slot * c * win;
     for (int64_t i = 0; i < c * win; ++i) window[i] = f32(src[i]);
-    std::memcpy(state.data(), g.ssm + read_slot * state_size, sizeof(float) * state_size);
+    std::memcpy(state, g.ssm + read_slot * state_size, sizeof(float) * state_size);
   }
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(g.dk));
   for (int64_t t = row0; t < row0 + n; ++t) {
     const float* in = g.mixed + t * c;
     for (int64_t ch = 0; ch < c; ++ch) {  // conv over [window, input], then the window slides by one
-      float* wn = window.data() + ch * win;
+      float* wn = window + ch * win;
       const float* wt = g.w + ch * g.kk;
       float s = 0.0f;
       for (int64_t j = 0; j < win; ++j) s += wn[j] * wt[j];
@@ -59,8 +62,8 @@ void request(const Gdn& g, int64_t row0, int64_t n, bool fresh, int64_t read_slo
       wn[win - 1] = in[ch];
     }
     for (int64_t h = 0; h < g.hk; ++h) {  // l2-normalise each q / k head (q also scaled by Dk^-0.5)
-      float* q = x.data() + h * g.dk;
-      float* k = x.data() + kd + h * g.dk;
+      float* q = x + h * g.dk;
+      float* k = x + kd + h * g.dk;
       float sq = 0.0f, sk = 0.0f;
       for (int64_t i = 0; i < g.dk; ++i) {
         sq += q[i] * q[i];
@@ -73,13 +76,13 @@ void request(const Gdn& g, int64_t row0, int64_t n, bool fresh, int64_t read_slo
       }
     }
     for (int64_t h = 0; h < g.hv; ++h) {
-      const float* q = x.data() + (h / rep) * g.dk;
-      const float* k = x.data() + kd + (h / rep) * g.dk;
-      const float* v = x.data() + 2 * kd + h * g.dv;
+      const float* q = x + (h / rep) * g.dk;
+      const float* k = x + kd + (h / rep) * g.dk;
+      const float* v = x + 2 * kd + h * g.dv;
       const float decay = std::exp(-std::exp(g.a_log[h]) * softplus(g.a[t * g.hv + h] + g.dt_bias[h]));
       const float beta = 1.0f / (1.0f + std::exp(-g.b[t * g.hv + h]));
-      float* s = state.data() + h * g.dk * g.dv;  // [Dk, Dv]: two passes over it (decay with S^T k, then the
-      float* __restrict__ d = delta.data();  // update with S^T q); each sum runs over Dk in order
+      float* s = state + h * g.dk * g.dv;  // [Dk, Dv]: two passes over it (decay with S^T k, then the
+      float* __restrict__ d = delta;  // update with S^T q); each sum runs over Dk in order
       for (int64_t e = 0; e < g.dv; ++e) d[e] = 0.0f;
       for (int64_t i = 0; i < g.dk; ++i) {
         float* __restrict__ si = s + i * g.dv;
@@ -104,7 +107,7 @@ void request(const Gdn& g, int64_t row0, int64_t n, bool fresh, int64_t read_slo
     if (slot >= 0) {
       P* dst = reinterpret_cast<P*>(g.conv) + slot * c * win;
       for (int64_t i = 0; i < c * win; ++i) dst[i] = from_f32<P>(window[i]);
-      std::memcpy(g.ssm + slot * state_size, state.data(), sizeof(float) * state_size);
+      std::memcpy(g.ssm + slot * state_size, state, sizeof(float) * state_size);
     }
   }
 }
