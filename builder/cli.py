@@ -12,10 +12,12 @@ import argparse
 import signal
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from builder.compile_check import check_compiled
@@ -37,6 +39,18 @@ class RichReporter:
 
     def done(self, what: str, seconds: float) -> None:
         self.console.print(f"  [green]wrote[/] {what} [dim]({seconds:.1f}s)[/]")
+
+    def track(self, items: Sequence[str], what: str) -> Iterator[str]:
+        """A progress bar over items (one line per item when the output is not a terminal)."""
+        columns = (TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=self.console, transient=True) as bar:
+            task = bar.add_task(what, total=len(items))
+            for item in items:
+                bar.update(task, description=f"{what}: {item}")
+                t0 = time.perf_counter()
+                yield item
+                bar.advance(task)
+                self.console.print(f"  [green]compiled[/] {item} [dim]({time.perf_counter() - t0:.1f}s)[/]")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -60,9 +74,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace an --output engine directory that is incomplete or from another version (never a "
                    "directory mtp-build did not write, never the checkpoint)")  # fmt: skip
-    p.add_argument("--compile", default="none", choices=COMPILES,
+    p.add_argument("--compile", default="auto", choices=COMPILES,
                    help="aoti: also compile each graph into an AOTInductor CPU package (the fastest CPU executor, "
-                   "what `mtp-run --engine` then runs; minutes per graph)")  # fmt: skip
+                   "what `mtp-run --engine` then runs; about a minute per graph); auto (default): aoti wherever "
+                   "it can be built (CPU backend, not a hybrid model); none: ONNX graphs only (a quick build)")  # fmt: skip
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     return p
 
@@ -76,9 +91,13 @@ def _size(n: int) -> str:
 
 
 def summary(cfg: EngineConfig, seconds: float | None) -> Table:
-    title = f"engine {cfg.path} ({cfg.backend}, {cfg.dtype}, world_size={cfg.world_size})"
+    compiled = cfg.build.get("compiled")
+    title = f"engine {cfg.path} ({cfg.backend}{', compiled (aoti)' if compiled else ''}, {cfg.dtype}, " \
+            f"world_size={cfg.world_size})"
     if seconds is not None:
         title += f" built in {seconds:.1f}s"
+        if compiled:  # config.json keeps rank 0's compile record
+            title += f", AOTInductor compile {sum(g.get('seconds', 0) for g in compiled['graphs'].values()):.1f}s (rank 0)"
     table = Table(title=title)
     table.add_column("file")
     table.add_column("size", justify="right")

@@ -19,7 +19,9 @@ from plugins.kv_pool import DTYPE_CODES
 from plugins.mapping import MappingError, check_model, check_parallel, local_kv_heads
 
 BACKENDS = ("onnxruntime", "tensorrt")
-COMPILES = ("none", "aoti")  # --compile: "aoti" adds AOTInductor packages per graph (builder/compile_aoti.py)
+# --compile: "aoti" adds AOTInductor packages per graph (builder/compile_aoti.py), the fastest CPU executor; "auto"
+# (the default) is "aoti" wherever the packages can be built (`resolve_compile`), "none" writes the ONNX graphs only.
+COMPILES = ("auto", "none", "aoti")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -42,7 +44,7 @@ class BuildOptions:
     ep_size: int = 1
     tp_size: int = 1
     force: bool = False
-    compile: str = "none"
+    compile: str = "auto"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -110,7 +112,7 @@ class BuildOptions:
             raise BuildError(f"--max-seq-len {self.max_seq_len} leaves no room for K={self.num_draft_tokens} drafts")
         if self.compile not in COMPILES:
             raise BuildError(f"--compile {self.compile!r} is unknown; choose one of {', '.join(COMPILES)}")
-        if self.compile != "none" and self.backend != "onnxruntime":
+        if self.compile == "aoti" and self.backend != "onnxruntime":
             raise BuildError(f"--compile {self.compile} builds CPU packages (one set per rank): use it with --backend "
                              f"onnxruntime (got --backend {self.backend}), or drop --compile")  # fmt: skip
         if self.backend == "onnxruntime" and self.dtype != "float32":
@@ -125,8 +127,20 @@ class BuildOptions:
         if self.backend == "tensorrt":
             raise BuildError(f"{what}: its GdnStep TensorRT plugin is written and type-checked but has never been built "
                              "or run (no GPU here); build it with --backend onnxruntime")  # fmt: skip
-        if self.compile != "none":
-            raise BuildError(f"{what}: --compile {self.compile} does not support its recurrent-state op; drop --compile")
+        if self.compile == "aoti":
+            raise BuildError(f"{what}: --compile aoti does not support its recurrent-state op; drop --compile")
+
+    def resolve_compile(self, cfg: ModelConfig) -> tuple[str, str]:
+        """What `--compile` means for this model: ("aoti" | "none", why). "auto" compiles wherever the packages
+        can be built: CPU engines (--backend onnxruntime) of every model but the hybrid ones (no compiled
+        recurrent-state op yet). The one rule `mtp-build` and `build_engine` follow."""
+        if self.compile != "auto":
+            return self.compile, f"--compile {self.compile}"
+        if self.backend != "onnxruntime":
+            return "none", f"--backend {self.backend} builds its own plans: no CPU packages"
+        if cfg.is_hybrid:
+            return "none", f"{cfg.model_type} is a hybrid (Gated DeltaNet) model: no compiled engine yet, ONNX Runtime runs it"
+        return "aoti", "the fastest CPU executor; --compile none skips it"
 
     def validate_for_model(self, cfg: ModelConfig) -> None:
         """Checks against the checkpoint's architecture."""

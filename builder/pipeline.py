@@ -19,8 +19,8 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -64,6 +64,10 @@ class Reporter(Protocol):
 
     def done(self, what: str, seconds: float) -> None: ...
 
+    def track(self, items: Sequence[str], what: str) -> Iterable[str]:
+        """items, shown as a progress bar while they are worked on (the compile's graphs: minutes each)."""
+        ...
+
 
 class SilentReporter:
     def step(self, name: str) -> None:
@@ -71,6 +75,9 @@ class SilentReporter:
 
     def done(self, what: str, seconds: float) -> None:
         pass
+
+    def track(self, items: Sequence[str], what: str) -> Iterable[str]:
+        return items
 
 
 @dataclass
@@ -110,9 +117,9 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
         rep.done(f"rank {rank}: {name}.onnx", time.perf_counter() - t0)
     if opts.compile == "aoti":  # while this rank's weights are loaded (builder/compile_aoti.py)
         t0 = time.perf_counter()
-        rep.step(f"rank {rank}: AOTInductor compile {', '.join(graphs)} (minutes)")
+        rep.step(f"rank {rank}: AOTInductor compile {', '.join(graphs)} (seconds to minutes per graph)")
         compiled = compile_aoti.compile_rank(model, layout.geometry(), layout.table_width, rdir, work, graphs,
-                                            compile_aoti.model_weights(model))
+                                            compile_aoti.model_weights(model), rep.track)  # fmt: skip
         (rdir / COMPILED_INFO).write_text(json.dumps(compiled))
         rep.done(f"rank {rank}: {len(graphs)} .pt2 packages", time.perf_counter() - t0)
     del model  # single-rank builds run this in-process; multi-rank ones run each rank in its own child
@@ -280,6 +287,10 @@ def _build(opts: BuildOptions, rep: Reporter) -> BuildResult:
             raise BuildError(f"--backend tensorrt cannot build here: {missing}. Use --backend onnxruntime on CPU")
     check_output(opts)
     ckpt_cfg, ckpt_hash, tokenizer, weight_bytes = _import(opts, rep)
+    compile_kind, why = opts.resolve_compile(ckpt_cfg)
+    if opts.compile == "auto":
+        rep.step(f"--compile auto: {compile_kind} ({why})")
+    opts = replace(opts, compile=compile_kind)  # config.json records what was built
     layout = opts.kv_layout(ckpt_cfg)
     need = validate.memory_estimate(layout.geometry(), weight_bytes, layout.table_width)
     device = "cuda" if opts.backend == "tensorrt" else "cpu"

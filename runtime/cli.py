@@ -46,8 +46,8 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_argument_group("model")
     src.add_argument("--engine", type=Path, help="engine directory built by mtp-build")
     src.add_argument("--checkpoint", type=Path, help="checkpoint directory (torch executor, no build needed)")
-    src.add_argument("--executor", choices=EXECUTORS, default=None,
-                     help="default: auto with --engine (its compiled packages if built, else onnxruntime)")
+    src.add_argument("--executor", choices=EXECUTORS, default="auto",
+                     help="default auto: an engine's compiled packages if built (else onnxruntime); torch for --checkpoint")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     prompts.add_argument("--prompts-file", type=Path, help="one prompt per line ('-': standard input)")
@@ -105,7 +105,7 @@ def _prompt_lines(text: str, source: str) -> list[str]:
 
 
 def run(args, rank: int = 0, world: int = 1) -> int:
-    executor = args.executor or ("auto" if args.engine else "torch")
+    executor = args.executor
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens, stop=tuple(args.stop), acceptance=args.acceptance)  # fmt: skip
     # Checked before the engine loads (seconds): the flags are the same for every prompt, so a bad one is
@@ -160,7 +160,7 @@ def _lead(engine, args, params: SamplingParams, prompts: list[str], world: int) 
     wall = time.perf_counter() - t0
     ranks.stop()  # the followers leave follow() and exit 0
     records = [_record(prompts[i], finals.get(i), errors.get(i)) for i in mine]
-    summary = engine.metrics.summary(wall, len(mine))
+    summary = {"executor": engine.executor_name, **engine.metrics.summary(wall, len(mine))}
     if dp_size > 1:  # one record set per DP group, from its leader
         gathered = ranks.gather_to_first((mine, records, summary, engine.metrics, wall))
         if gathered is None:
@@ -209,7 +209,7 @@ def _print(records: list[dict], summary: dict, as_json: bool) -> None:
     table = Table(title="mtp-run")
     table.add_column("metric")
     table.add_column("value")
-    for key in ("num_requests", "num_generated_tokens", "tokens_per_second", "mean_acceptance_length",
+    for key in ("executor", "num_requests", "num_generated_tokens", "tokens_per_second", "mean_acceptance_length",
                 "acceptance_rate_per_position", "conditional_acceptance_per_position", "step_time_ms",
                 "host_fraction", "prefix_cache_hit_tokens", "kv_blocks_used_peak", "kv_blocks_free"):  # fmt: skip
         table.add_row(key, str(summary.get(key)))

@@ -1,7 +1,9 @@
 """`make demo`: build the shipped 12-layer model's engine (if missing) and run a few prompts with MTP on.
 
-Shows the streamed completions and the acceptance statistics (mean acceptance length, per-position
-acceptance) on the onnxruntime executor.
+The engine is what plain `mtp-build` writes: with the compiled (AOTInductor) packages wherever this machine can
+build them, and `mtp-run` picks the fastest executor the engine has (runtime/factory.py `resolve_executor`). An
+engine left by an older demo without runnable packages (or built by another torch or CPU) is rebuilt. Shows the
+completions, which executor ran, and the acceptance statistics (mean acceptance length, per-position acceptance).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     from builder import cli as build_cli
     from runtime import cli as run_cli
 
-    if not (args.engine / "config.json").is_file():
-        print(f"building {args.engine} from {args.checkpoint} ...")
-        rc = build_cli.main(["--checkpoint", str(args.checkpoint), "--output", str(args.engine),
+    stale = _why_rebuild(args.engine)
+    if stale:
+        print(f"building {args.engine} from {args.checkpoint} ({stale}) ...")
+        rc = build_cli.main(["--checkpoint", str(args.checkpoint), "--output", str(args.engine), "--force",
                              "--num-draft-tokens", str(args.num_draft_tokens), "--kv-block-size", "16"])  # fmt: skip
         if rc:
             return rc
@@ -39,6 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     for prompt in PROMPTS:
         run_args += ["--prompt", prompt]
     return run_cli.main(run_args)
+
+
+def _why_rebuild(engine: Path) -> str | None:
+    """Why the demo engine must be built (again), or None when it can run as it is."""
+    if not (engine / "config.json").is_file():
+        return "not built yet"
+    from models.engine_format import EngineDirError, load_engine_config
+    from models.engine_format.compiled import compiled_problem
+
+    try:
+        problem = compiled_problem(load_engine_config(engine))
+    except EngineDirError as e:
+        return f"unreadable: {e}"
+    return None if problem is None else problem.split(" (")[0].split(";")[0]
 
 
 if __name__ == "__main__":

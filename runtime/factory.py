@@ -57,8 +57,9 @@ def create_engine(
     """Args:
         engine_dir: a directory built by mtp-build (validated before anything runs).
         checkpoint: a Hugging Face checkpoint directory (torch executor only, no build step).
-        executor: auto | compiled | onnxruntime | torch | tensorrt. auto (an engine directory): the engine's
-            compiled packages when it has them and this machine can run them (`fastest_executor`), else onnxruntime.
+        executor: auto | compiled | onnxruntime | torch | tensorrt. auto (`resolve_executor`): an engine
+            directory's compiled packages when it has them and this machine can run them (`fastest_executor`),
+            else onnxruntime; a checkpoint's torch.
         device, cuda_graphs: torch executor only ("cuda" + cuda_graphs=True replays captured graphs).
         threads: onnxruntime intra-op threads (default: what the engine recorded); torch uses torch.set_num_threads.
         seed: engine seed; an unseeded request samples from a generator derived from (seed, request id).
@@ -76,14 +77,13 @@ def create_engine(
     """
     if executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+    ecfg = load_engine_config(engine_dir) if engine_dir is not None else None
+    executor = resolve_executor(executor, ecfg)
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides.get("num_draft_tokens") == "auto":  # K_max = what the engine was built for (or the default)
         del overrides["num_draft_tokens"]
         overrides["auto_draft_tokens"] = True
-    if engine_dir is not None:
-        ecfg = load_engine_config(engine_dir)
-        if executor == "auto":
-            executor = fastest_executor(ecfg)
+    if engine_dir is not None and ecfg is not None:
         if ecfg.world_size != world_size:
             raise ConfigError(f"engine {engine_dir} was built for world_size={ecfg.world_size} but "
                               f"{world_size} rank(s) were launched: use mpirun -np {ecfg.world_size}")  # fmt: skip
@@ -117,8 +117,6 @@ def create_engine(
     else:
         if checkpoint is None:
             raise ConfigError("give --engine DIR (built by mtp-build) or --checkpoint DIR (torch executor)")
-        if executor == "auto":
-            executor = "torch"
         if executor != "torch":
             raise ConfigError(f"executor {executor!r} needs an engine directory; build one with mtp-build "
                               "or use --executor torch with --checkpoint")  # fmt: skip
@@ -137,7 +135,7 @@ def create_engine(
     ranks = rank_strategy(ex, model_cfg, cfg, parallel, collective_timeout, prog or Path(sys.argv[0]).stem or "mtp")
     cpu = executor in ("compiled", "onnxruntime") or (executor == "torch" and device == "cpu")
     return LLMEngine(ex, model_cfg, cfg, tokenizer, seed=seed, ranks=ranks, draft_length=draft_length,
-                     draft_clock=time.process_time if cpu else time.perf_counter)  # fmt: skip
+                     draft_clock=time.process_time if cpu else time.perf_counter, executor_name=executor)  # fmt: skip
 
 
 def _shared_executor(other: LLMEngine, cfg: RuntimeConfig) -> Executor:
@@ -151,6 +149,15 @@ def _shared_executor(other: LLMEngine, cfg: RuntimeConfig) -> Executor:
         raise ConfigError(f"share_executor_of: the shared pool has (num_blocks, block_size) = {theirs}, this "
                           f"engine asks for {mine}; give both engines the same num_blocks and block_size")  # fmt: skip
     return other.executor
+
+
+def resolve_executor(asked: str | None, ecfg: EngineConfig | None) -> str:
+    """The one rule for the executor every entry point (mtp-run, both mtp-serve frontends, the Python API) runs
+    when none is named, or "auto" is: an engine directory's fastest executor on this machine, a checkpoint's
+    torch. A named executor is kept as asked (create_engine says if it cannot run)."""
+    if asked not in (None, "auto"):
+        return asked
+    return "torch" if ecfg is None else fastest_executor(ecfg)
 
 
 def fastest_executor(ecfg: EngineConfig) -> str:

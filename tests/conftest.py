@@ -1,7 +1,12 @@
-"""Shared pytest set-up: deterministic, single-threaded torch (2-core machines), and repo-root imports."""
+"""Shared pytest set-up: deterministic, single-threaded torch (2-core machines), repo-root imports, and the test
+tiers: the one place that marks every test that launches mpirun, a server, an AOTInductor compile or an engine
+build (`make test-quick` deselects them; README "Tests")."""
 
+import inspect
 import os
+import re
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -34,7 +39,7 @@ def tiny_dp2tp2_ep4_engine(tmp_path_factory) -> Path:
     from builder import cli
 
     out = tmp_path_factory.mktemp("tiny_dp2tp2_ep4") / "engine"
-    argv = ["--checkpoint", str(TINY), "--output", str(out), "--world-size", "4", "--tp-size", "2", "--ep-size", "4",
+    argv = ["--checkpoint", str(TINY), "--output", str(out), "--compile", "none", "--world-size", "4", "--tp-size", "2", "--ep-size", "4",
             *TINY_TP_BUILD_FLAGS]  # fmt: skip
     assert cli.main(argv) == 0
     return out
@@ -48,7 +53,79 @@ def tiny_ep2_engine(tmp_path_factory) -> Path:
     from builder import cli
 
     out = tmp_path_factory.mktemp("tiny_ep2") / "engine"
-    argv = ["--checkpoint", str(TINY), "--output", str(out), "--world-size", "2", "--ep-size", "2",
+    argv = ["--checkpoint", str(TINY), "--output", str(out), "--compile", "none", "--world-size", "2", "--ep-size", "2",
             "--num-draft-tokens", "2", "--max-seq-len", "128", "--max-batch", "4"]  # fmt: skip
     assert cli.main(argv) == 0
     return out
+
+
+# What makes a test heavy, found in its own source, the fixtures it uses (transitively) and the module-level
+# helpers either calls (two levels deep): so a new test is marked without anyone remembering to.
+TIERS = {
+    "mpi": re.compile(r'"mpirun"|MPIRUN|mpi_launch|mpirun_path\('),
+    "server": re.compile(r'"runtime\.serving\.triton_server"|"tritonserver"|TritonServer\(|"--frontend"|uvicorn\.|'
+                         r"TestClient\("),
+    # an mtp-build without "--compile", "none" compiles (its default is auto): the fixtures that do are named
+    "compile": re.compile(r'"aoti"|compile_graph\(|compile_rank\(|aoti_compile|compiled_build'),
+    "build": re.compile(r"\bcli\.main\(\[?argv|build_cli\.main|_main\(\[\"--checkpoint|\bbuild\(tiny_opts|"
+                        r'"builder\.cli"|build_main\('),
+}
+MARKERS = {
+    "slow": "long-running tests (still run by make test)",
+    "gpu": "needs a CUDA device (skipped on CPU)",
+    "mpi": "launches mpirun (assigned in tests/conftest.py)",
+    "server": "starts tritonserver or the OpenAI HTTP server (assigned in tests/conftest.py)",
+    "compile": "builds AOTInductor packages (assigned in tests/conftest.py)",
+    "build": "builds an engine with mtp-build (assigned in tests/conftest.py)",
+}
+
+
+def pytest_configure(config):
+    for name, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names a function's code (and the code nested in it) refers to."""
+    return set(code.co_names).union(*(_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+
+
+def _reached_source(func, depth: int = 3) -> str:
+    """func's source and that of the test-suite functions and classes it names, `depth` references deep (the
+    helpers under tests/ that launch things; library code is not followed: its messages mention mpirun too)."""
+    seen, todo, parts = set(), [(func, 0)], []
+    while todo:
+        f, d = todo.pop()
+        f = inspect.unwrap(f) if callable(f) else f
+        if not isinstance(f, types.FunctionType | type) or f in seen or not f.__module__.startswith("tests"):
+            continue
+        seen.add(f)
+        parts.append(_source(f))
+        if d >= depth:
+            continue
+        funcs = [f] if isinstance(f, types.FunctionType) else [v for v in vars(f).values() if isinstance(v, types.FunctionType)]
+        for g in funcs:
+            todo += [(g.__globals__[n], d + 1) for n in _names(g.__code__) if n in g.__globals__]
+    return "\n".join(parts)
+
+
+def tiers_of(item) -> set[str]:
+    """The heavy tiers test `item` belongs to (see TIERS)."""
+    text = [_reached_source(item.function)] if hasattr(item, "function") else []
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        text += [_reached_source(d.func) for d in defs if d.baseid is not None]
+    source = "\n".join(text)
+    return {tier for tier, pattern in TIERS.items() if pattern.search(source)}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for tier in sorted(tiers_of(item) - {m.name for m in item.iter_markers()}):
+            item.add_marker(tier)

@@ -114,7 +114,7 @@ def ensure_engine_dir(args, max_k: int, max_batch: int, console) -> None:
         rc = build_main(["--checkpoint", str(args.checkpoint), "--output", str(engine_dir), "--num-draft-tokens",
                          str(max_k), "--max-batch", str(max_batch), "--max-num-tokens",
                          str(token_budget(max_batch, max_k)), "--force",
-                         *(["--compile", "aoti"] if "compiled" in args.executors else [])])  # fmt: skip
+                         "--compile", "aoti" if "compiled" in args.executors else "none"])  # fmt: skip
         if rc != 0:
             raise ConfigError(f"mtp-build failed for {engine_dir} (exit {rc})")
 

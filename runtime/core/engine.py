@@ -57,12 +57,14 @@ __all__ = ["LLMEngine", "RequestError", "RequestOutput"]
 class LLMEngine:
     def __init__(self, executor: Executor, model_cfg: ModelConfig, cfg: RuntimeConfig, tokenizer=None,
                  seed: int = 0, ranks: RankStrategy = SINGLE_RANK,
-                 draft_length: DraftLengthController | None = None, draft_clock=time.perf_counter) -> None:  # fmt: skip
+                 draft_length: DraftLengthController | None = None, draft_clock=time.perf_counter,
+                 executor_name: str = "") -> None:  # fmt: skip
         """seed: engine seed; an unseeded request samples from a generator derived from (seed, request id).
         ranks: this rank's part in an mpirun job (runtime/core/ranks.py); the default is a rank alone.
         draft_length: the controller of `auto` (default: DraftLengthController(K) when cfg asks for auto).
         draft_clock: auto's clock; wall time (the objective) by default, time.process_time for CPU executors,
-            whose wall time on shared cores mostly measures the other jobs (create_engine picks)."""
+            whose wall time on shared cores mostly measures the other jobs (create_engine picks).
+        executor_name: which executor runs (compiled, onnxruntime, torch, tensorrt), for the summaries."""
         if cfg.num_draft_tokens > 0 and model_cfg.num_mtp_modules == 0:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
         # Hybrid models: K+2 recurrent-state slots per running request beside the KV pool; no prefix caching (a
@@ -72,6 +74,7 @@ class LLMEngine:
         self.model_cfg, self.cfg, self.tokenizer = model_cfg, cfg, tokenizer
         self.ranks = ranks
         self.executor = ranks.executor(executor)
+        self.executor_name = executor_name
         self.k = cfg.num_draft_tokens
         self.seed = seed
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,

@@ -54,7 +54,7 @@ def write_model_repo(out: Path, *, engine: Path | None = None, checkpoint: Path 
     for label, path in (("--engine", engine), ("--checkpoint", checkpoint)):
         if path is not None and not Path(path).is_dir():
             raise ServeError(f"{label} {path} is not a directory")
-    executor = executor or ("onnxruntime" if engine is not None else "torch")
+    executor = executor or "auto"  # the engine picks: runtime/factory.py resolve_executor
     if executor not in EXECUTORS:
         raise ServeError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     if max_prompt_bytes is not None and max_prompt_bytes < 1:
@@ -85,7 +85,8 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--engine", type=Path, help="engine directory built by mtp-build")
     src.add_argument("--checkpoint", type=Path, help="checkpoint directory (torch executor, no build needed)")
-    p.add_argument("--executor", choices=EXECUTORS, default=None, help="default: onnxruntime with --engine, else torch")
+    p.add_argument("--executor", choices=EXECUTORS, default=None,
+                   help="default auto: an engine's compiled packages if built (else onnxruntime); torch for --checkpoint")
     p.add_argument("--num-draft-tokens", type=parse_num_draft_tokens, default=None,
                    help="K draft depths; 0 disables MTP; auto picks 0..K per step")
     p.add_argument("--max-batch", type=int, default=None)

@@ -27,7 +27,7 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def tiny_opts(ckpt: Path, out: Path, **kw) -> BuildOptions:
-    return BuildOptions(checkpoint=ckpt, output=out, **{**LIMITS, **kw})
+    return BuildOptions(checkpoint=ckpt, output=out, **{**LIMITS, "compile": "none", **kw})
 
 
 @pytest.fixture(scope="package")
@@ -42,7 +42,7 @@ def checkpoint(tmp_path_factory) -> Path:
 def engine(checkpoint, tmp_path_factory) -> Path:
     """Built through the CLI entry point (`mtp-build`), so its argument handling and rich output run too."""
     out = tmp_path_factory.mktemp("eng") / "engine"
-    argv = ["--checkpoint", str(checkpoint), "--output", str(out)]
+    argv = ["--checkpoint", str(checkpoint), "--output", str(out), "--compile", "none"]
     for k, v in LIMITS.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     assert cli.main(argv) == 0
@@ -55,7 +55,7 @@ def tp2_build(checkpoint, tmp_path_factory) -> tuple[Path, str]:
     serves the TP tests (test_tp_build.py, which need EP2 = the default) and the default's own test
     (test_build_defaults.py, which checks the message and the recorded mapping)."""
     out = tmp_path_factory.mktemp("tp2") / "engine"
-    argv = ["--checkpoint", str(checkpoint), "--output", str(out), "--world-size", "2", "--tp-size", "2"]
+    argv = ["--checkpoint", str(checkpoint), "--output", str(out), "--compile", "none", "--world-size", "2", "--tp-size", "2"]
     for k, v in LIMITS.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     printed = io.StringIO()

@@ -23,7 +23,7 @@ ST = "model.safetensors"
 
 
 def _argv(ckpt: Path, out: Path, *extra: str, **kw) -> list[str]:
-    argv = ["--checkpoint", str(ckpt), "--output", str(out), *extra]
+    argv = ["--checkpoint", str(ckpt), "--output", str(out), "--compile", "none", *extra]
     for k, v in {**LIMITS, **kw}.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return argv

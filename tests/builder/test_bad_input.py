@@ -15,7 +15,7 @@ from tests.builder.conftest import LIMITS, tiny_opts
 
 def _args(ckpt, out, **kw) -> list[str]:
     flags = {**LIMITS, **kw}
-    argv = ["--checkpoint", str(ckpt), "--output", str(out)]
+    argv = ["--checkpoint", str(ckpt), "--output", str(out), "--compile", "none"]
     for k, v in flags.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return argv

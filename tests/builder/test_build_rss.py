@@ -40,7 +40,7 @@ print(json.dumps({"rc": proc.returncode, "peak": peak, "err": proc.stderr[-2000:
 
 def _peak_of_build(ckpt: Path, out: Path, *flags: str) -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "builder.cli", "--checkpoint", str(ckpt), "--output", str(out), "--max-batch", "2",
+    cmd = [sys.executable, "-m", "builder.cli", "--checkpoint", str(ckpt), "--output", str(out), "--compile", "none", "--max-batch", "2",
            "--max-seq-len", "256", "--num-draft-tokens", "2", *flags]  # fmt: skip
     res = subprocess.run([sys.executable, "-c", PROBE, *cmd], env=env, capture_output=True, text=True, timeout=900)
     rec = json.loads(res.stdout.strip().splitlines()[-1])

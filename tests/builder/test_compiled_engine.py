@@ -1,11 +1,16 @@
-"""`mtp-build --compile aoti`: the AOTInductor packages reproduce the torch executor (outputs and every KV plane),
-greedy decoding through them is lossless, `--check` verifies them, and `auto` runs them.
+"""`mtp-build` (its default `--compile auto` is `aoti` here): the AOTInductor packages reproduce the torch executor
+(outputs and every KV plane), greedy decoding through them is lossless, `--check` verifies them, and `auto` runs them.
 
-One compiled build of the package's tiny checkpoint (minutes on a loaded 2-core machine) serves every test.
+One compiled build of the package's tiny checkpoint (minutes on a loaded 2-core machine) serves every test; it is
+built with no --compile flag, so it is also what a user who follows the README gets.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
+import json
 import shutil
 
 import numpy as np
@@ -29,13 +34,49 @@ PARAMS = SamplingParams(max_tokens=24)
 
 
 @pytest.fixture(scope="module")
-def compiled(checkpoint, tmp_path_factory):
+def compiled_build(checkpoint, tmp_path_factory):
+    """(engine dir, what mtp-build printed): the default build, no --compile flag."""
     out = tmp_path_factory.mktemp("compiled") / "engine"
-    argv = ["--checkpoint", str(checkpoint), "--output", str(out), "--compile", "aoti"]
+    argv = ["--checkpoint", str(checkpoint), "--output", str(out)]
     for k, v in {**LIMITS, "num_draft_tokens": K}.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
-    assert cli.main(argv) == 0
-    return out
+    capture = io.StringIO()
+    with contextlib.redirect_stdout(capture):
+        assert cli.main(argv) == 0
+    return out, capture.getvalue()
+
+
+@pytest.fixture(scope="module")
+def compiled(compiled_build):
+    return compiled_build[0]
+
+
+def test_default_build_compiles_and_says_so(compiled_build):
+    out, printed = compiled_build
+    printed = " ".join(printed.split())
+    assert "--compile auto: aoti" in printed
+    assert "compiled main" in printed and "compiled mtp_commit" in printed  # one line per graph, with its time
+    assert "AOTInductor compile" in printed and "(rank 0)" in printed  # the summary's compile time
+    graphs = load_engine_config(out).build["compiled"]["graphs"]
+    assert set(graphs) == {"main", "mtp_draft", "mtp_commit"} and all(g["seconds"] > 0 for g in graphs.values())
+
+
+def test_run_and_serve_default_to_the_packages(compiled, capsys):
+    """mtp-run with no --executor runs the packages and says so; the same rule picks onnxruntime for an engine
+    without them and torch for a checkpoint (runtime/factory.py resolve_executor)."""
+    from runtime import cli as run_cli
+    from runtime.factory import resolve_executor
+    from runtime.serving.triton_server import parser as serve_parser
+
+    assert run_cli.main(["--engine", str(compiled), "--prompt", "x", "--max-tokens", "2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["summary"]
+    assert summary["executor"] == "compiled"
+    ecfg = load_engine_config(compiled)
+    assert resolve_executor("auto", ecfg) == resolve_executor(None, ecfg) == "compiled"
+    assert resolve_executor("auto", None) == "torch" and resolve_executor("onnxruntime", ecfg) == "onnxruntime"
+    no_packages = dataclasses.replace(ecfg, build={k: v for k, v in ecfg.build.items() if k != "compiled"})
+    assert resolve_executor(None, no_packages) == "onnxruntime"
+    assert serve_parser().parse_args(["--engine", str(compiled)]).executor in (None, "auto")  # -> resolve_executor
 
 
 def test_config_records_the_packages(compiled):

@@ -23,7 +23,7 @@ from tests.runtime.engine_utils import random_prompts
 
 
 def _argv(ckpt, out) -> list[str]:
-    argv = ["--checkpoint", str(ckpt), "--output", str(out)]
+    argv = ["--checkpoint", str(ckpt), "--output", str(out), "--compile", "none"]
     for k, v in LIMITS.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return argv

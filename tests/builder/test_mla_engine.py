@@ -29,7 +29,7 @@ VARIANTS = ("dsv3_yarn", "glm_lite")  # q_lora + YaRN + grouped routing; no q_lo
 
 
 def _build(ckpt, out, *extra: str) -> None:
-    argv = ["--checkpoint", str(ckpt), "--output", str(out), *extra]
+    argv = ["--checkpoint", str(ckpt), "--output", str(out), "--compile", "none", *extra]
     for k, v in LIMITS.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     assert cli.main(argv) == 0

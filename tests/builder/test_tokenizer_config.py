@@ -36,7 +36,7 @@ def test_build_refuses_a_broken_tokenizer_config(checkpoint, tmp_path, capsys, c
     shutil.copytree(checkpoint, ckpt)
     (ckpt / "tokenizer_config.json").write_text(content)
     out = tmp_path / "out"
-    argv = ["--checkpoint", str(ckpt), "--output", str(out)]
+    argv = ["--checkpoint", str(ckpt), "--output", str(out), "--compile", "none"]
     for k, v in LIMITS.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     assert cli.main(argv) == 2

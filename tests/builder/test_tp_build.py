@@ -23,7 +23,7 @@ needs_mpi = pytest.mark.skipif(mpirun_path() is None, reason="mpirun not found")
 
 
 def _argv(ckpt: Path, out: Path, **kw) -> list[str]:
-    argv = ["--checkpoint", str(ckpt), "--output", str(out)]
+    argv = ["--checkpoint", str(ckpt), "--output", str(out), "--compile", "none"]
     for k, v in {**LIMITS, **kw}.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return argv

@@ -101,7 +101,7 @@ def ort_engine_dir(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("ckpt")
     save_hf_checkpoint(model, to_hf_config(cfg), ckpt)
     out = tmp_path_factory.mktemp("engine") / "tiny"
-    argv = ["--checkpoint", str(ckpt), "--output", str(out), "--max-batch", "4", "--max-num-tokens", "64",
+    argv = ["--checkpoint", str(ckpt), "--output", str(out), "--compile", "none", "--max-batch", "4", "--max-num-tokens", "64",
             "--max-seq-len", "128", "--kv-block-size", "4", "--num-draft-tokens", "3"]  # fmt: skip
     assert cli.main(argv) == 0
     return out

@@ -46,7 +46,7 @@ def hybrid_engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3_next_ep2")
     make_hybrid_checkpoint(root / "ckpt", "qwen3_next", seed=2, vocab_size=6, num_hidden_layers=2,
                            layer_types=["linear_attention", "full_attention"])  # fmt: skip
-    assert cli.main(["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"), "--world-size", "2",
+    assert cli.main(["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"), "--compile", "none", "--world-size", "2",
                      "--ep-size", "2", "--max-batch", "4", "--max-num-tokens", "64", "--max-seq-len", "128",
                      "--kv-block-size", "4", "--num-draft-tokens", "2"]) == 0  # fmt: skip
     return root / "ckpt", root / "engine"

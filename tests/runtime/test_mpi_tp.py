@@ -72,7 +72,7 @@ def reference(checkpoint):
 def build(out: Path, world: int, tp: int, ep: int, *extra: str) -> Path:
     from builder import cli as build_cli
 
-    assert build_cli.main(["--checkpoint", str(TINY), "--output", str(out), "--world-size", str(world), "--tp-size",
+    assert build_cli.main(["--checkpoint", str(TINY), "--output", str(out), "--compile", "none", "--world-size", str(world), "--tp-size",
                            str(tp), "--ep-size", str(ep), *TINY_TP_BUILD_FLAGS, *extra]) == 0  # fmt: skip
     return out
 

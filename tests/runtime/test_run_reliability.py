@@ -167,7 +167,7 @@ def k3_engine(tmp_path_factory) -> Path:
     from builder import cli as build_cli
 
     out = tmp_path_factory.mktemp("k3") / "engine"
-    argv = ["--checkpoint", str(TINY), "--output", str(out), "--max-batch", "2", "--max-num-tokens", "64",
+    argv = ["--checkpoint", str(TINY), "--output", str(out), "--compile", "none", "--max-batch", "2", "--max-num-tokens", "64",
             "--max-seq-len", "128", "--num-draft-tokens", "3"]  # fmt: skip
     assert build_cli.main(argv) == 0
     return out

@@ -41,7 +41,7 @@ def create_serving_engine(args: Any):
         torch.set_num_threads(args.torch_threads)
     _, rank, world = mpi_world()
     engine = create_engine(engine_dir=args.engine, checkpoint=args.checkpoint,
-                           executor=args.executor or ("onnxruntime" if args.engine else "torch"),
+                           executor=args.executor or "auto",
                            num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
                            num_blocks=args.num_blocks, rank=rank, world_size=world,
                            collective_timeout=getattr(args, "collective_timeout", 60.0),
@@ -133,8 +133,8 @@ def _serve(args: Any, st: ServeState) -> int:
     # instead of dying of SIGTERM. SIGHUP (a closed terminal) and SIGUSR1 drain the same way.
     old = {s: signal.signal(s, server.handle_exit) for s in DRAIN_SIGNALS}
     k = st.num_draft_tokens
-    print(f"mtp-serve: OpenAI frontend on http://{args.host}:{args.port}/v1 (model {st.model_name!r}, K={k}, "
-          f"max_queue={st.loop.max_queue})", flush=True)  # fmt: skip
+    print(f"mtp-serve: OpenAI frontend on http://{args.host}:{args.port}/v1 (model {st.model_name!r}, executor "
+          f"{st.loop.core.engine.executor_name}, K={k}, max_queue={st.loop.max_queue})", flush=True)  # fmt: skip
     try:
         server.run()
     finally:

@@ -204,7 +204,7 @@ class TritonPythonModel:
         engine = create_engine(
             engine_dir=opt.get("engine_dir"),
             checkpoint=opt.get("checkpoint"),
-            executor=opt.get("executor") or "onnxruntime",
+            executor=opt.get("executor") or "auto",
             num_draft_tokens="auto" if opt.get("num_draft_tokens") == "auto" else as_int("num_draft_tokens"),
             max_batch=as_int("max_batch"),
             num_blocks=as_int("num_blocks"),
@@ -226,7 +226,7 @@ class TritonPythonModel:
         self._watch.start()
         import runtime
 
-        _log("info", f"engine ready: runtime={os.path.dirname(runtime.__file__)} executor={opt.get('executor')} "
+        _log("info", f"engine ready: runtime={os.path.dirname(runtime.__file__)} executor={engine.executor_name} "
                      f"num_draft_tokens={self.k} "
                      f"source={opt.get('engine_dir') or opt.get('checkpoint')} metrics={self._exporter.ok} "
                      f"max_prompt_bytes={self._max_prompt_bytes} max_queue={max_queue} "
