@@ -67,8 +67,8 @@ TIERS = {
                          r"TestClient\("),
     # an mtp-build without "--compile", "none" compiles (its default is auto): the fixtures that do are named
     "compile": re.compile(r'"aoti"|compile_graph\(|compile_rank\(|aoti_compile|compiled_build'),
-    "build": re.compile(r"\bcli\.main\(\[?argv|build_cli\.main|_main\(\[\"--checkpoint|\bbuild\(tiny_opts|"
-                        r'"builder\.cli"|build_main\('),
+    # mtp-build's required flag (with --checkpoint), the Python builder, the test helpers that call it
+    "build": re.compile(r'"--output", str\(|build_engine\(|\bbuild\(tiny_opts|build_main\(|"builder\.cli"'),
 }
 MARKERS = {
     "slow": "long-running tests (still run by make test)",
@@ -129,3 +129,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for tier in sorted(tiers_of(item) - {m.name for m in item.iter_markers()}):
             item.add_marker(tier)
+    for item, group in xdist_groups(items).items():
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def xdist_groups(items) -> dict:
+    """item -> the pytest-xdist worker group it runs in (`make test` runs `-n 2 --dist loadgroup`): a file's tests
+    stay together (its module fixtures are built once), files that share an expensive session fixture (an engine
+    build) join one group (built once, not once per worker), and every mpirun test is in one group: two
+    `mpirun -np 4` jobs at once on 2 cores would only slow each other and crowd the collective watchdogs."""
+    parent = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    def union(a, b):
+        parent[find(a)] = find(b)
+
+    for item in items:
+        file = item.nodeid.split("::")[0]
+        find(file)
+        if item.get_closest_marker("mpi"):
+            union(file, "mpi")
+        for name, defs in item._fixtureinfo.name2fixturedefs.items():
+            if any(d.scope == "session" and TIERS["build"].search(_reached_source(d.func)) for d in defs):
+                union(file, f"fixture:{name}")
+    return {item: find(item.nodeid.split("::")[0]) for item in items}
