@@ -1,4 +1,8 @@
-"""Loads the C++ CPU kernels of the plugin ops (plugins/csrc/, built by `make install`) into torch, once.
+"""Loads the C++ CPU kernels of the plugin ops (plugins/csrc/) into torch, once.
+
+The package build compiles them (CMakeLists.txt, run by scikit-build-core: `make install`, `pip install`, wheels)
+into lib/libmtp_ops.so beside this file: in place in a source tree (the editable install `make install` does),
+inside the installed package otherwise, so this one path serves both.
 
 The library defines every `mtp::` plugin op's schema and registers its CPU kernel with the dispatcher, so
 eager torch, torch.compile, AOTInductor and the ONNX Runtime ops (which call the torch ops) all run the same
@@ -12,12 +16,15 @@ from pathlib import Path
 
 import torch
 
-LIBRARY = Path(__file__).resolve().parent / "lib" / "libmtp_ops.so"  # built by `make install`; shipped in wheels
+LIBRARY = Path(__file__).resolve().parent / "lib" / "libmtp_ops.so"  # built by the package build; shipped in wheels
 _loaded = False
 
 
 def load() -> None:
-    """Load the library into this process (idempotent); a one-line error if it was never built."""
+    """Load the library into this process (idempotent); a one-line error if it was never built.
+
+    Only a source tree can lack it (a wheel always has it: its build fails without it), and there `make install`
+    builds it (or `pip install --no-build-isolation -e .`, which is what `make install` runs)."""
     global _loaded
     if _loaded:
         return
