@@ -49,7 +49,7 @@ lint: $(STAMP)
 	$(PY) .ci/patch_trt_stubs.py build/trt-stubs
 	MYPYPATH=build/trt-stubs .venv/bin/mypy builder plugins runtime models
 
-demo: $(STAMP)
+demo: install
 	$(PY) -m runtime.demo --checkpoint $(DEEP) --engine $(ENGINE)
 
 # The bench checkpoint: the 12-layer shipped model (make bench BENCH_CKPT=models/tiny for the 3-layer one).
