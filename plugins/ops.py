@@ -51,6 +51,13 @@ def _(q, q_counts, kv_lens, block_tables, pool_ptr, after, plane, num_planes, nu
     return paged_attention_triton(q, q_counts, kv_lens, block_tables, int(pool_ptr[0]), plane, geom, scale)
 
 
+@torch.library.register_fake("mtp::linear_fp8")
+def _(x, weight, scale_inv, bias):
+    """fp32 [..., N] (plugins/reference.py linear_fp8_ref). Not an OpSpec: no graph node (ONNX, TensorRT) takes an
+    FP8 weight; only the compiled (AOTInductor) packages call it, like linear_bf16."""
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
 @torch.library.register_fake("mtp::moe_experts_local")
 def _(x, topk_ids, topk_weights, w_gate_up, w_down, expert_offset):
     return torch.empty_like(x)

@@ -235,3 +235,29 @@ def gdn_step_ref(
                 ssm_pool[slot] = state
         row0 += n
     return out
+
+
+FP8_BLOCK = 128  # the FP8 releases' weight_block_size, both dims (DeepSeek-V3, GLM-4.5-FP8)
+
+
+def dequantize_fp8_ref(
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn, or its uint8 bits
+    scale_inv: torch.Tensor,  # [ceil(N/128), ceil(K/128)] float32, one per 128 x 128 block (edge blocks partial)
+) -> torch.Tensor:
+    """fp32(weight[n, k]) * scale_inv[n // 128, k // 128], one fp32 rounding per element (DeepSeek-V3's
+    `weight_dequant`, transformers' finegrained_fp8). e4m3fn has no infinities; 0x7f / 0xff are NaN."""
+    q = weight.view(torch.float8_e4m3fn) if weight.dtype == torch.uint8 else weight
+    n, k = q.shape
+    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    return q.float() * s
+
+
+def linear_fp8_ref(
+    x: torch.Tensor,  # [..., K] float32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn (or uint8 bits)
+    scale_inv: torch.Tensor,  # [ceil(N/128), ceil(K/128)] float32
+    bias: torch.Tensor | None = None,  # [N] float32
+) -> torch.Tensor:
+    """x @ dequantize_fp8_ref(weight, scale_inv)^T + bias in fp32 (mtp::linear_fp8's semantics)."""
+    y = x.float() @ dequantize_fp8_ref(weight, scale_inv).T
+    return y if bias is None else y + bias.float()

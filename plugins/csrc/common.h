@@ -23,6 +23,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -571,6 +572,109 @@ MTP_INLINE void rows_dot(int nx, const float* const* a, const T* b, int64_t ld, 
     if (isa == ::mtp::Isa::avx2) return NAME##_avx2<Ts...>(args...);                          \
     return BODY<::mtp::Generic, Ts...>(args...);                                              \
   }
+
+// ---- float8_e4m3fn weights (FP8 releases: DeepSeek-V3, GLM-4.5-FP8; linear_fp8.cpp, moe_experts.cpp) ----------
+// e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, 0x7f / 0xff are NaN, exponent 0 is
+// subnormal (m * 2^-9). A block-quantized weight is q * s with one fp32 scale s per 128 x 128 block; the reference
+// (plugins/reference.py) rounds that product once in fp32, and so does every path here.
+//
+// Vector paths go through fp16, whose 5-bit exponent holds e4m3's range with its subnormals: the byte, sign-extended
+// to 16 bits and shifted left 7, masked to sign | exponent | mantissa (0xbf80), is the fp16 of q * 2^-8 (normal and
+// subnormal alike); F16C's vcvtph2ps widens it exactly (it handles fp16 subnormals, and q * 2^-8 is never an fp32
+// subnormal). Multiplying by s * 256 (exact: a power of two) then rounds q * s once, like the reference.
+// NaN: the `_nan` conversions turn 0x7f / 0xff into fp16 0xffff (NaN) lane by lane (3 more integer ops per 16
+// weights); the plain ones give a finite value for them, for callers that scan each weight row once with
+// e4m3_has_nan_* (2 byte ops per 64 / 32 weights) and make that row's outputs NaN, which is what the reference gives:
+// a NaN weight makes its dot product NaN whatever the activation. Measured against a 256-entry LUT gather and fp32
+// bit arithmetic (denormal fp32 intermediates), with and without the per-lane NaN fix: docs/PERFORMANCE.md "FP8
+// weights". s * 256 overflows only for |s| >= 2^120; kernels check `fp8_scales_vector_safe` once per call and take
+// the portable path (q from the table, times s) otherwise.
+constexpr float e4m3_value(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80) << 24;
+  const uint32_t e = (b >> 3) & 15, m = b & 7;
+  if ((b & 0x7f) == 0x7f) return std::bit_cast<float>(0x7fc00000u | sign);
+  if (e == 0) {  // subnormal: m * 2^-9 (exact in fp32)
+    const float v = static_cast<float>(m) * (1.0f / 512.0f);
+    return sign ? -v : v;
+  }
+  return std::bit_cast<float>(sign | ((e + 120) << 23) | (m << 20));
+}
+struct E4m3Table {
+  float v[256];
+  constexpr E4m3Table() : v() {
+    for (int i = 0; i < 256; ++i) v[i] = e4m3_value(static_cast<uint8_t>(i));
+  }
+};
+inline constexpr E4m3Table kE4m3{};  // kE4m3.v[byte]: the fp32 value of an e4m3fn byte (NaN for 0x7f / 0xff)
+
+// Whether every scale s is safe for the vector paths (s * 256 finite unless s is not finite itself).
+inline bool fp8_scales_vector_safe(const float* s, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (std::isfinite(s[i]) && std::fabs(s[i]) >= 0x1p120f) return false;
+  return true;
+}
+
+// Whether any of n e4m3 bytes is a NaN (0x7f / 0xff): the largest of 2 * byte (mod 256) is 0xfe exactly then.
+inline bool e4m3_has_nan_generic(const uint8_t* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if ((p[i] & 0x7f) == 0x7f) return true;
+  return false;
+}
+MTP_AVX512_TARGET inline bool e4m3_has_nan_avx512(const uint8_t* p, int64_t n) {
+  __m512i most = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i b = _mm512_loadu_si512(p + i);
+    most = _mm512_max_epu8(most, _mm512_add_epi8(b, b));
+  }
+  if (i < n) {
+    const __m512i b = _mm512_maskz_loadu_epi8(static_cast<__mmask64>(~0ull >> (64 - (n - i))), p + i);
+    most = _mm512_max_epu8(most, _mm512_add_epi8(b, b));
+  }
+  return _mm512_cmpeq_epi8_mask(most, _mm512_set1_epi8(static_cast<char>(0xfe))) != 0;
+}
+MTP_AVX2_TARGET inline bool e4m3_has_nan_avx2(const uint8_t* p, int64_t n) {
+  __m256i most = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+    most = _mm256_max_epu8(most, _mm256_add_epi8(b, b));
+  }
+  return _mm256_movemask_epi8(_mm256_cmpeq_epi8(most, _mm256_set1_epi8(static_cast<char>(0xfe)))) != 0 ||
+         e4m3_has_nan_generic(p + i, n - i);
+}
+
+// 16 e4m3 bytes (the first n, zeros after) -> 16 fp32 of q * 2^-8 (a NaN byte: finite, see above / NaN with _nan);
+// multiply by s * 256 with a maskz_mul (a masked-off lane must stay 0, not 0 * s).
+MTP_AVX512_TARGET inline __m256i e4m3x16_fp16_avx512(const uint8_t* p, __mmask16 m) {
+  const __m256i h = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, p));
+  return _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+}
+MTP_AVX512_TARGET inline __m512 e4m3x16_avx512(const uint8_t* p, __mmask16 m) {
+  return _mm512_cvtph_ps(e4m3x16_fp16_avx512(p, m));
+}
+MTP_AVX512_TARGET inline __m512 e4m3x16_nan_avx512(const uint8_t* p, __mmask16 m) {
+  const __m256i h = e4m3x16_fp16_avx512(p, m);
+  const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)),
+                                                _mm256_set1_epi16(0x3f80));
+  return _mm512_cvtph_ps(_mm256_mask_set1_epi16(h, nan, -1));
+}
+// 16 e4m3 bytes -> two 8-lane fp32 vectors of q * 2^-8 (AVX2 + F16C; a NaN byte gives a finite value)
+MTP_AVX2_TARGET inline void e4m3x16_avx2(const uint8_t* p, __m256& lo, __m256& hi) {
+  __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+// 8 e4m3 bytes -> 8 fp32 of q * 2^-8 (AVX2 + F16C); NaN bytes give NaN with `nan`
+template <bool nan = false>
+MTP_AVX2_TARGET inline __m256 e4m3x8_avx2(const uint8_t* p) {
+  __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<short>(0xbf80)));
+  if constexpr (nan)
+    h = _mm_or_si128(h, _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x3f80)));
+  return _mm256_cvtph_ps(h);
+}
 
 // A per-thread scratch buffer of at least n floats (kernels run often with small sizes: no allocation).
 float* scratch(int slot, int64_t n);

@@ -54,5 +54,8 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
         "int num_v_heads, int head_k_dim, int head_v_dim, int dtype) -> Tensor");
   // x [..., K] fp32 @ weight[N, K] bf16 (stored [N, K], read as bf16, fp32 math) + bias fp32 [N] -> fp32 [..., N]
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // x [..., K] fp32 @ dequant(weight)^T + bias: weight [N, K] float8_e4m3fn (or its uint8 bits), scale_inv fp32
+  // [ceil(N/128), ceil(K/128)] (the FP8 releases' 128 x 128 block scales), read as bytes, fp32 math -> fp32 [..., N]
+  m.def("linear_fp8(Tensor x, Tensor weight, Tensor scale_inv, Tensor? bias) -> Tensor");
   m.def("cpu_isa(str set='') -> str", &mtp::cpu_isa);
 }

@@ -1,0 +1,359 @@
+// mtp::linear_fp8 on CPU: y = x @ dequant(W)^T + b for fp32 activations x [..., K] and a block-quantized FP8
+// weight as the FP8 releases ship it (DeepSeek-V3/R1, GLM-4.5-FP8): W [N, K] float8_e4m3fn (or its uint8 bits),
+// scale_inv [ceil(N/128), ceil(K/128)] fp32, dequant(W)[n, k] = fp32(W[n, k]) * scale_inv[n / 128, k / 128]. The
+// weight is read as its bytes (1 per weight) and converted in registers; every dequantized weight is rounded once,
+// as plugins/reference.py linear_fp8_ref rounds it, and the math is fp32: exact up to summation order.
+//
+// Few rows (M < kTiledRows: decode, verify, draft): linear_bf16's dot-product kernel over the weight's rows, a
+// tile of NR weight rows x MR activation rows in registers, every m-tile of a weight-row block back to back (each
+// weight byte comes from DRAM once whatever M is), the scale block changing every 128 columns. A row's result is
+// computed by the same operations whatever the rest of the batch is (lane i % width of one accumulator per
+// (row, output), one reduction tree), so a decode row equals the same row inside a verify.
+// Many rows (prefill chunks): a block of weight rows is dequantized into a reused fp32 tile (the same fp32 values)
+// and multiplied by at::mm / at::addmm (MKL).
+//
+// Paths: AVX-512, AVX2 + FMA + F16C (the e4m3 -> fp16 -> fp32 conversion of common.h), portable C++ (a 256-entry
+// table), chosen at run time by active_isa(); a scale too large for the vector conversion's exact rescaling
+// (|s| >= 2^120, never in a release) sends the call to the portable path. at::parallel_for over blocks of 64
+// output features.
+#include <torch/library.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+
+#include "common.h"
+
+#include <limits>
+
+namespace mtp {
+namespace {
+
+constexpr int64_t kTiledRows = 16;  // from this many rows on, the dequantized-tile at::mm path (compute-bound)
+constexpr int64_t kBlock = 128;     // the releases' weight_block_size, both dims
+// Software prefetch distance along each weight row (bytes = elements): 2 KB ahead, as linear_bf16.
+constexpr int64_t kPrefetch = 2048;
+
+struct Gemv {
+  const float* x;      // [M, K] fp32, contiguous
+  const uint8_t* w;    // [N, K] e4m3 bytes, contiguous
+  const float* s;      // [ceil(N/128), kb] fp32 scale_inv, contiguous
+  const float* bias;   // [N] or nullptr
+  float* y;            // [M, N] fp32
+  int64_t m, n, k, kb;
+};
+
+MTP_INLINE float deq(uint8_t q, float s) { return kE4m3.v[q] * s; }
+
+// ---- portable body: 8 partial sums per dot (linear_bf16's order) ------------------------------------------
+void rows_generic(const Gemv& g, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = g.w + n * g.k;
+    const float* srow = g.s + (n / kBlock) * g.kb;
+    for (int64_t m = 0; m < g.m; ++m) {
+      const float* x = g.x + m * g.k;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 8 <= g.k; i += 8) {
+        const float s = srow[i / kBlock];  // 8 columns never straddle a 128-column block
+        for (int l = 0; l < 8; ++l) acc[l] += x[i + l] * deq(w[i + l], s);
+      }
+      float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+      for (; i < g.k; ++i) sum += x[i] * deq(w[i], srow[i / kBlock]);
+      g.y[m * g.n + n] = g.bias ? sum + g.bias[n] : sum;
+    }
+  }
+}
+
+// ---- AVX2 + FMA + F16C -------------------------------------------------------------------------------------
+
+MTP_AVX2_TARGET inline float hsum8(__m256 v) {  // ((0+4)+(2+6)) + ((1+5)+(3+7)): fixed order
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[r * NR + j] = x[r] . dequant(w[j]) for MR activation rows and NR weight rows (w rows k apart, all in the
+// scale row `srow`). Accumulator lane l sums the columns i with i % 8 == l, in column order.
+template <int MR, int NR>
+MTP_AVX2_TARGET inline void tile_avx2(const float* const* x, const uint8_t* w, const float* srow, int64_t k,
+                                      float* out) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (int64_t c0 = 0; c0 < k; c0 += kBlock) {
+    const __m256 sv = _mm256_set1_ps(srow[c0 / kBlock] * 256.0f);  // q * 2^-8 from the conversion
+    const int64_t end = std::min(k, c0 + kBlock);
+    for (i = c0; i + 16 <= end; i += 16) {
+      if (i % 64 == 0)
+        for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kPrefetch), _MM_HINT_T0);
+      for (int j = 0; j < NR; ++j) {
+        __m256 lo, hi;
+        e4m3x16_avx2(w + j * k + i, lo, hi);
+        lo = _mm256_mul_ps(lo, sv);
+        hi = _mm256_mul_ps(hi, sv);
+        for (int r = 0; r < MR; ++r) {
+          acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), lo, acc[r][j]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i + 8), hi, acc[r][j]);
+        }
+      }
+    }
+    if (i + 8 <= end) {
+      for (int j = 0; j < NR; ++j) {
+        const __m256 wv = _mm256_mul_ps(e4m3x8_avx2(w + j * k + i), sv);
+        for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), wv, acc[r][j]);
+      }
+      i += 8;
+    }
+  }
+  // i < k only after the last (partial) block: fewer than 8 columns, scalar, in column order
+  const float slast = k > 0 ? srow[(k - 1) / kBlock] : 0.0f;
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      float s = hsum8(acc[r][j]);
+      for (int64_t t = i; t < k; ++t) s += x[r][t] * deq(w[j * k + t], slast);
+      out[r * NR + j] = s;
+    }
+}
+
+// ---- AVX-512 -----------------------------------------------------------------------------------------------
+template <int MR, int NR>
+MTP_AVX512_TARGET inline void tile_avx512(const float* const* x, const uint8_t* w, const float* srow, int64_t k,
+                                          float* out) {
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  // one 16-column step: masked (the last partial chunk) or not; masked-off lanes are 0, not 0 * s (NaN for an
+  // infinite scale)
+  auto step = [&](int64_t i, __m512 sv, __mmask16 m, auto masked) MTP_AVX512_TARGET {
+    __m512 wv[NR];
+    if constexpr (masked) {
+      for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_mul_ps(m, e4m3x16_avx512(w + j * k + i, m), sv);
+    } else {
+      for (int j = 0; j < NR; ++j) {
+        const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + i)));
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+        wv[j] = _mm512_mul_ps(_mm512_cvtph_ps(h), sv);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = masked ? _mm512_maskz_loadu_ps(m, x[r] + i) : _mm512_loadu_ps(x[r] + i);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  };
+  for (int64_t c0 = 0; c0 < k; c0 += kBlock) {
+    const __m512 sv = _mm512_set1_ps(srow[c0 / kBlock] * 256.0f);
+    const int64_t end = std::min(k, c0 + kBlock);
+    int64_t i = c0;
+    for (; i + 16 <= end; i += 16) {
+      if (i % 64 == 0)
+        for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kPrefetch), _MM_HINT_T0);
+      step(i, sv, 0, std::false_type{});
+    }
+    if (i < end) step(i, sv, Avx512::tail(end - i), std::true_type{});
+  }
+  for (int r = 0; r < MR; ++r) {
+    float sums[4];
+    static_assert(NR == 1 || NR == 4, "reduce4 takes 4 accumulators");
+    const __m512 z = _mm512_setzero_ps();
+    if constexpr (NR == 4) Avx512::reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
+    else Avx512::reduce4(acc[r][0], z, z, z, sums);
+    for (int q = 0; q < NR; ++q) out[r * NR + q] = sums[q];
+  }
+}
+
+// The tiles convert without the per-lane NaN fix: block() scans each weight row for NaN bytes once and makes the
+// row's outputs NaN (the reference's result: a NaN weight makes the dot product NaN whatever x is).
+struct Avx2Tile {
+  template <int MR, int NR>
+  static MTP_INLINE void run(const float* const* x, const uint8_t* w, const float* s, int64_t k, float* out) {
+    tile_avx2<MR, NR>(x, w, s, k, out);
+  }
+  static MTP_INLINE bool has_nan(const uint8_t* w, int64_t k) { return e4m3_has_nan_avx2(w, k); }
+};
+struct Avx512Tile {
+  template <int MR, int NR>
+  static MTP_INLINE void run(const float* const* x, const uint8_t* w, const float* s, int64_t k, float* out) {
+    tile_avx512<MR, NR>(x, w, s, k, out);
+  }
+  static MTP_INLINE bool has_nan(const uint8_t* w, int64_t k) { return e4m3_has_nan_avx512(w, k); }
+};
+
+// One block of NR weight rows at feature n (never straddling a 128-row scale block) against all activation rows.
+template <class Tile, int MR, int NR>
+MTP_INLINE void block(const Gemv& g, int64_t n) {
+  float out[MR * NR];
+  const float* xs[MR];
+  const uint8_t* w = g.w + n * g.k;
+  const float* srow = g.s + (n / kBlock) * g.kb;
+  bool nan[NR];
+  for (int j = 0; j < NR; ++j) nan[j] = Tile::has_nan(w + j * g.k, g.k);
+  for (int64_t m = 0; m < g.m; m += MR) {
+    const int mr = static_cast<int>(std::min<int64_t>(MR, g.m - m));
+    for (int r = 0; r < mr; ++r) xs[r] = g.x + (m + r) * g.k;
+    switch (mr) {
+      case 4: if constexpr (MR >= 4) Tile::template run<4, NR>(xs, w, srow, g.k, out); break;
+      case 3: if constexpr (MR >= 3) Tile::template run<3, NR>(xs, w, srow, g.k, out); break;
+      case 2: if constexpr (MR >= 2) Tile::template run<2, NR>(xs, w, srow, g.k, out); break;
+      default: Tile::template run<1, NR>(xs, w, srow, g.k, out); break;
+    }
+    for (int r = 0; r < mr; ++r)
+      for (int j = 0; j < NR; ++j) {
+        const float v = nan[j] ? std::numeric_limits<float>::quiet_NaN() : out[r * NR + j];
+        g.y[(m + r) * g.n + n + j] = g.bias ? v + g.bias[n + j] : v;
+      }
+  }
+}
+
+// Weight rows [n0, n1) (n0 a multiple of 64): blocks of NR rows, then single rows.
+template <class Tile, int MR, int NR>
+MTP_INLINE void rows_tiled(const Gemv& g, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) block<Tile, MR, NR>(g, n);
+  for (; n < n1; ++n) block<Tile, MR, 1>(g, n);
+}
+
+MTP_AVX2_TARGET __attribute__((flatten)) void rows_avx2(const Gemv& g, int64_t n0, int64_t n1) {
+  // 16 ymm registers: accumulators MR x NR (8) + the two halves of one converted weight chunk + one x
+  if (g.m <= 2) rows_tiled<Avx2Tile, 2, 4>(g, n0, n1);
+  else rows_tiled<Avx2Tile, 4, 2>(g, n0, n1);
+}
+
+MTP_AVX512_TARGET __attribute__((flatten)) void rows_avx512(const Gemv& g, int64_t n0, int64_t n1) {
+  rows_tiled<Avx512Tile, 4, 4>(g, n0, n1);  // 32 zmm registers: 16 accumulators + 4 weights + one x
+}
+
+// ---- dequantize rows [n0, n1) of W into dst (row-major, k wide): the fp32 values the reference computes --------
+void dequant_generic(const Gemv& g, int64_t n0, int64_t n1, float* dst) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = g.w + n * g.k;
+    const float* srow = g.s + (n / kBlock) * g.kb;
+    float* d = dst + (n - n0) * g.k;
+    for (int64_t i = 0; i < g.k; ++i) d[i] = deq(w[i], srow[i / kBlock]);
+  }
+}
+
+MTP_AVX512_TARGET __attribute__((flatten)) void dequant_avx512(const Gemv& g, int64_t n0, int64_t n1, float* dst) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = g.w + n * g.k;
+    const float* srow = g.s + (n / kBlock) * g.kb;
+    float* d = dst + (n - n0) * g.k;
+    for (int64_t c0 = 0; c0 < g.k; c0 += kBlock) {
+      const __m512 sv = _mm512_set1_ps(srow[c0 / kBlock] * 256.0f);
+      const int64_t end = std::min(g.k, c0 + kBlock);
+      for (int64_t i = c0; i < end; i += 16) {
+        const __mmask16 m = end - i >= 16 ? static_cast<__mmask16>(0xffff) : Avx512::tail(end - i);
+        _mm512_mask_storeu_ps(d + i, m, _mm512_mul_ps(e4m3x16_nan_avx512(w + i, m), sv));
+      }
+    }
+  }
+}
+
+MTP_AVX2_TARGET __attribute__((flatten)) void dequant_avx2(const Gemv& g, int64_t n0, int64_t n1, float* dst) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = g.w + n * g.k;
+    const float* srow = g.s + (n / kBlock) * g.kb;
+    float* d = dst + (n - n0) * g.k;
+    for (int64_t c0 = 0; c0 < g.k; c0 += kBlock) {
+      const float s = srow[c0 / kBlock];
+      const __m256 sv = _mm256_set1_ps(s * 256.0f);
+      const int64_t end = std::min(g.k, c0 + kBlock);
+      int64_t i = c0;
+      for (; i + 8 <= end; i += 8) _mm256_storeu_ps(d + i, _mm256_mul_ps(e4m3x8_avx2<true>(w + i), sv));
+      for (; i < end; ++i) d[i] = deq(w[i], s);
+    }
+  }
+}
+
+void rows(Isa isa, const Gemv& g, int64_t n0, int64_t n1) {
+  switch (isa) {
+    case Isa::avx512: rows_avx512(g, n0, n1); break;
+    case Isa::avx2: rows_avx2(g, n0, n1); break;
+    default: rows_generic(g, n0, n1); break;
+  }
+}
+
+void dequant(Isa isa, const Gemv& g, int64_t n0, int64_t n1, float* dst) {
+  switch (isa) {
+    case Isa::avx512: dequant_avx512(g, n0, n1, dst); break;
+    case Isa::avx2: dequant_avx2(g, n0, n1, dst); break;
+    default: dequant_generic(g, n0, n1, dst); break;
+  }
+}
+
+// Many rows: blocks of weight rows dequantized into one reused fp32 tile (in parallel), multiplied by MKL
+void tiled_mm(Isa isa, const Gemv& g, const at::Tensor& x, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+  const int64_t n = g.n, k = g.k;
+  // about 1 MiB of fp32 tile, a multiple of 16 rows (MKL's blocking works on it from L2, warm from the dequant)
+  const int64_t rows = std::min<int64_t>(n, std::max<int64_t>(64, ((1 << 18) / std::max<int64_t>(k, 1)) / 16 * 16));
+  at::Tensor tile = at::empty({rows, k}, x.options());
+  float* t = tile.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < n; n0 += rows) {
+    const int64_t nb = std::min(rows, n - n0);
+    at::parallel_for(0, nb, 16, [&](int64_t r0, int64_t r1) { dequant(isa, g, n0 + r0, n0 + r1, t + r0 * k); });
+    const at::Tensor wt = tile.narrow(0, 0, nb).t();
+    const at::Tensor part = bias ? at::addmm(bias->narrow(0, n0, nb), x, wt) : at::mm(x, wt);
+    y.narrow(1, n0, nb).copy_(part);
+  }
+}
+
+at::Tensor linear_fp8_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale_inv,
+                          const c10::optional<at::Tensor>& bias) {
+  constexpr const char* op = "mtp::linear_fp8";
+  TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu() && scale_inv.device().is_cpu(), op,
+                    ": x, weight and scale_inv must be CPU tensors");
+  TORCH_CHECK_VALUE(x.scalar_type() == c10::ScalarType::Float, op, ": x must be fp32, got ", x.scalar_type(),
+                    " (cast the activations with .float())");
+  const auto wt = weight.scalar_type();
+  TORCH_CHECK_VALUE((wt == c10::ScalarType::Float8_e4m3fn || wt == c10::ScalarType::Byte) && weight.dim() == 2, op,
+                    ": weight must be a 2-D float8_e4m3fn tensor [N, K] (or its uint8 bits), got ", wt, " ",
+                    py_shape(weight));
+  TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": weight must be contiguous [N, K] (stored row-major; call "
+                    ".contiguous() once when building, not per call)");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t nb = (n + kBlock - 1) / kBlock, kb = (k + kBlock - 1) / kBlock;
+  TORCH_CHECK_VALUE(scale_inv.scalar_type() == c10::ScalarType::Float && scale_inv.dim() == 2 &&
+                        scale_inv.size(0) == nb && scale_inv.size(1) == kb,
+                    op, ": scale_inv must be fp32 [", nb, ", ", kb, "] (one per 128 x 128 block of weight ",
+                    py_shape(weight), "), got ", scale_inv.scalar_type(), " ", py_shape(scale_inv));
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == k, op, ": x must be [..., ", k, "] for weight ", py_shape(weight),
+                    ", got ", py_shape(x));
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == c10::ScalarType::Float && bias->dim() == 1 &&
+                          bias->size(0) == n,
+                      op, ": bias must be an fp32 CPU tensor [", n, "], got ", bias->scalar_type(), " ",
+                      py_shape(*bias));
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, x.options());
+  if (y.numel() == 0) return y;
+  if (k == 0) {  // an empty sum: the bias (or 0)
+    y.zero_();
+    return bias ? y.add_(*bias) : y;
+  }
+  // an activation copy (M * K floats) when x is a strided view; the weight is never copied
+  const at::Tensor xc = x.contiguous().view({-1, k});
+  const at::Tensor sc = scale_inv.contiguous();
+  const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
+  at::Tensor y2 = y.view({-1, n});
+  const float* s = sc.data_ptr<float>();
+  const Isa isa = fp8_scales_vector_safe(s, sc.numel()) ? active_isa() : Isa::generic;
+  const Gemv g{xc.data_ptr<float>(), static_cast<const uint8_t*>(weight.data_ptr()), s,
+               bias ? bc.data_ptr<float>() : nullptr, y2.data_ptr<float>(), xc.size(0), n, k, kb};
+  if (g.m >= kTiledRows) {
+    tiled_mm(isa, g, xc, bias ? c10::optional<at::Tensor>(bc) : c10::nullopt, y2);
+    return y;
+  }
+  // 64 output features per task: a multiple of every NR, dividing the 128-row scale blocks
+  at::parallel_for(0, (n + 63) / 64, 1, [&](int64_t b0, int64_t b1) { rows(isa, g, b0 * 64, std::min(n, b1 * 64)); });
+  return y;
+}
+
+}  // namespace
+}  // namespace mtp
+
+TORCH_LIBRARY_IMPL(mtp, CPU, m) { m.impl("linear_fp8", &mtp::linear_fp8_cpu); }
