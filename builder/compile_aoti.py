@@ -13,6 +13,10 @@ experts `mtp::moe_experts`, which read bf16 and compute in fp32, so the math sta
 is copied per step. "float32" stores fp32 weights. `choose_weights` falls back to fp32 for a graph only if the
 weights it would still upcast per step (uses no bf16-reading op serves) overflow the last-level cache
 (docs/PERFORMANCE.md "Compiled engine" and "Realistic size": an upcast from DRAM is ruinous).
+
+FP8 checkpoints (DeepSeek-V3, GLM-4.5-FP8): the dense linears whose release weight is FP8 keep it, e4m3 bytes plus
+the 128 x 128 block scales (`fp8_weights`, given the raw weights models.checkpoint.load_fp8_weights read), and call
+`mtp::linear_fp8`, which converts in registers with fp32 math: exact up to summation order, 1 byte per weight.
 """
 
 from __future__ import annotations
@@ -22,18 +26,22 @@ import io
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch._guards import detect_fake_mode
+from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
 from builder.export import dynamic_shapes
 from builder.graphs import SPECS, WRAPPERS, example_inputs
 from builder.options import BuildError
-from models.engine_format.compiled import AOTI_KIND, host_isa
+from models.checkpoint import Fp8Weight
+from models.engine_format.compiled import AOTI_KIND, FP8_FORMAT, host_isa
 from models.glm4_moe import Glm4MoeMTPModel
 from plugins.kv_pool import KVPoolGeometry
+from plugins.reference import dequantize_fp8_ref
 
 # Inductor settings of every package (recorded in config.json). Freezing folds weights into constants and
 # prepacks the fp32 GEMMs for MKL; it would fold a bf16->fp32 upcast into fp32 constants, so bf16 weights
@@ -138,6 +146,81 @@ def bf16_weights(program: torch.export.ExportedProgram) -> dict[str, int]:
             "upcast_bytes": upcast}  # fmt: skip
 
 
+def fp8_weights(program: torch.export.ExportedProgram, fp8: Mapping[str, Fp8Weight],
+                prefix: str = "model.") -> dict[str, int]:  # fmt: skip
+    """Store the weights an FP8 release ships as FP8 (e4m3 [N, K] + a new fp32 constant `<weight>_scale_inv`) and
+    rewrite their linears into `mtp::linear_fp8`. A parameter qualifies when its name (less the wrapper's `prefix`)
+    is in `fp8`, its fp32 value is exactly the dequantized FP8 (checked: the model was loaded from the same
+    checkpoint) and every use is an fp32 linear's weight; anything else keeps its float weight. Run it before
+    `bf16_weights` (an FP8 weight is half the bytes of its bf16 form). Returns {"fp8_weights": weights stored FP8,
+    "fp8_linears": linears rewritten}."""
+    sig, graph = program.graph_signature, program.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    first_user = next((i for i, spec in enumerate(sig.input_specs) if spec.kind == InputKind.USER_INPUT),
+                      len(placeholders))  # fmt: skip
+    anchor = placeholders[first_user] if first_user < len(placeholders) else None
+    fake = detect_fake_mode(tuple(n.meta["val"] for n in placeholders))
+    stored = linears = 0
+    for node in placeholders:
+        key = sig.inputs_to_parameters.get(node.name)
+        raw = fp8.get(key.removeprefix(prefix)) if key else None
+        value = program.state_dict.get(key) if key else None
+        if raw is None or value is None or value.dtype != torch.float32 or value.shape != raw.weight.shape:
+            continue
+        uses = [u for u in node.users if u.target is not torch.ops.aten._assert_tensor_metadata.default]
+        if not uses or not all(_fp32_linear(u, node) for u in uses):
+            continue
+        if not torch.equal(dequantize_fp8_ref(raw.weight, raw.scale_inv), value.detach()):
+            continue  # not the checkpoint's FP8 values (a transformed weight): keep it as it is
+        program.state_dict[key] = torch.nn.Parameter(raw.weight, requires_grad=False)
+        node.meta["val"] = fake.from_tensor(raw.weight, static_shapes=True) if fake else raw.weight
+        with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after(placeholders[-1]):
+            scale = graph.placeholder(f"{node.name}_scale_inv")
+        scale.target = scale.name
+        scale.meta["val"] = fake.from_tensor(raw.scale_inv, static_shapes=True) if fake else raw.scale_inv
+        target = f"{key}_scale_inv"
+        sig.input_specs.insert(first_user, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(scale.name), target))
+        first_user += 1
+        program.constants[target] = raw.scale_inv
+        for user in list(node.users):
+            if user not in uses:
+                graph.erase_node(user)  # export's check that the weight is fp32: no longer true, by design
+                continue
+            bias = user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
+            with graph.inserting_before(user):
+                op = graph.call_function(torch.ops.mtp.linear_fp8.default, (user.args[0], node, scale, bias))
+            op.meta["val"] = user.meta["val"]
+            user.replace_all_uses_with(op)
+            graph.erase_node(user)
+            linears += 1
+        stored += 1
+    graph.lint()
+    program.graph_module.recompile()
+    return {"fp8_weights": stored, "fp8_linears": linears}
+
+
+def _fp32_linear(node: torch.fx.Node, weight: torch.fx.Node) -> bool:
+    """node is aten.linear(x, weight, bias?) with fp32 x (and bias): what mtp::linear_fp8 computes."""
+    if node.target is not _LINEAR or len(node.args) < 2 or node.args[1] is not weight or node.args[0] is weight:
+        return False
+    x, bias = node.args[0], node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    if not isinstance(x, torch.fx.Node) or x.meta["val"].dtype != torch.float32:
+        return False
+    return bias is None or isinstance(bias, torch.fx.Node) and bias is not weight and bias.meta["val"].dtype == torch.float32
+
+
+def weight_bytes(program: torch.export.ExportedProgram) -> int:
+    """Bytes of the weights the package stores: the parameters, buffers and constants the graph uses (the program
+    lists every parameter of the model; AOTInductor keeps only the used ones)."""
+    sig, total = program.graph_signature, 0
+    names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    for node in program.graph_module.graph.nodes:
+        if node.op == "placeholder" and node.users and node.name in names:
+            t = program.state_dict.get(names[node.name], program.constants.get(names[node.name]))
+            total += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    return total
+
+
 def choose_weights(upcast_bytes_bf16: int, cache_bytes: int) -> str:
     """"checkpoint" (bf16-exact weights stored bf16) unless the weights a graph would still upcast per step (those
     no bf16-reading op serves: `bf16_weights`' upcast_bytes) overflow the last-level cache: then "float32".
@@ -170,14 +253,21 @@ def model_weights(model: Glm4MoeMTPModel) -> str:
 
 
 def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, path: Path,
-                  weights: str) -> dict[str, Any]:  # fmt: skip
-    """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json)."""
+                  weights: str, fp8: Mapping[str, Fp8Weight] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json).
+    fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them."""
+
+    def convert(program: torch.export.ExportedProgram, bf16: bool) -> dict[str, Any]:
+        stats: dict[str, Any] = fp8_weights(program, fp8) if fp8 else {"fp8_weights": 0, "fp8_linears": 0}
+        return {**stats, **(bf16_weights(program) if bf16 else {"bf16_weights": 0})}
+
     try:
         program = export_program(name, model, geom, max_blocks)
-        stats = bf16_weights(program) if weights == "checkpoint" else {"bf16_weights": 0}
+        stats = convert(program, weights == "checkpoint")
         if stats["bf16_weights"] and choose_weights(stats["upcast_bytes"], last_level_cache_bytes()) == "float32":
             program = export_program(name, model, geom, max_blocks)  # the per-step upcasts would cost more than fp32
-            stats = {"bf16_weights": 0, "upcast_bytes_refused": stats["upcast_bytes"]}
+            stats = {**convert(program, False), "upcast_bytes_refused": stats["upcast_bytes"]}
+        stats["weight_bytes"] = weight_bytes(program)
         options = INDUCTOR_BF16 if stats["bf16_weights"] else INDUCTOR_FLOAT32
         quiet = io.StringIO()
         logging.getLogger("torch._inductor").setLevel(logging.ERROR)
@@ -194,14 +284,17 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
 
 def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, rdir: Path, work: Path,
                  graphs: dict[str, dict[str, str]], weights: str,
-                 track: Callable[[Sequence[str], str], Iterable[str]] = lambda items, what: items) -> dict[str, Any]:  # fmt: skip
+                 track: Callable[[Sequence[str], str], Iterable[str]] = lambda items, what: items,
+                 fp8: Mapping[str, Fp8Weight] | None = None) -> dict[str, Any]:  # fmt: skip
     """Compile every graph of this rank next to its ONNX files; adds `aoti` paths to `graphs`. `track` shows the
-    graphs as a progress bar (the builder's reporter); each graph's compile time goes into its record."""
+    graphs as a progress bar (the builder's reporter); each graph's compile time goes into its record. fp8: the
+    rank's FP8 weights as released; when some graph stores them, the record's `fp8` says how (FP8_FORMAT)."""
     info: dict[str, Any] = {}
     for name in track(list(graphs), "AOTInductor compile"):
         path = rdir / f"{name}.{AOTI_KIND}.pt2"
         t0 = time.perf_counter()
-        info[name] = compile_graph(name, model, geom, max_blocks, path, weights)
+        info[name] = compile_graph(name, model, geom, max_blocks, path, weights, fp8)
         info[name]["seconds"] = round(time.perf_counter() - t0, 1)
         graphs[name][AOTI_KIND] = str(path.relative_to(work))
-    return {"graphs": info, "isa": host_isa(), "torch_version": torch.__version__, "weights": weights}
+    record = {"graphs": info, "isa": host_isa(), "torch_version": torch.__version__, "weights": weights}
+    return {**record, "fp8": FP8_FORMAT} if any(g["fp8_weights"] for g in info.values()) else record

@@ -36,6 +36,7 @@ from models.checkpoint import (
     check_weights,
     checkpoint_hash,
     index_checkpoint,
+    load_fp8_weights,
     load_model,
     plan_weights,
     rank_weight_bytes,
@@ -118,8 +119,11 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
     if opts.compile == "aoti":  # while this rank's weights are loaded (builder/compile_aoti.py)
         t0 = time.perf_counter()
         rep.step(f"rank {rank}: AOTInductor compile {', '.join(graphs)} (seconds to minutes per graph)")
+        # an FP8 release's dense weights as released (bytes + block scales): the packages keep them FP8
+        fp8 = load_fp8_weights(opts.checkpoint, mapping) if opts.torch_dtype == torch.float32 else {}
         compiled = compile_aoti.compile_rank(model, layout.geometry(), layout.table_width, rdir, work, graphs,
-                                            compile_aoti.model_weights(model), rep.track)  # fmt: skip
+                                            compile_aoti.model_weights(model), rep.track, fp8)  # fmt: skip
+        del fp8
         (rdir / COMPILED_INFO).write_text(json.dumps(compiled))
         rep.done(f"rank {rank}: {len(graphs)} .pt2 packages", time.perf_counter() - t0)
     del model  # single-rank builds run this in-process; multi-rank ones run each rank in its own child

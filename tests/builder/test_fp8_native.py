@@ -1,0 +1,137 @@
+"""FP8 releases run as FP8: `mtp-build --compile aoti` of an FP8 checkpoint (float8_e4m3fn + 128x128 block scales, as
+DeepSeek-V3 / GLM-4.5-FP8 ship them) keeps those weights FP8 inside the AOTInductor packages, read by mtp::linear_fp8
+(fp32 math in registers), and decodes exactly what the fp32-dequantized model decodes.
+
+One compiled build of a tiny FP8 checkpoint whose dims cross 128-blocks (hidden 160, dense MLP 272, experts 136,
+4 heads x 40: full and partial blocks in both dims) serves every test; the reference is the torch executor on the
+same checkpoint, which dequantizes at load (models/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from builder import cli
+from models.engine_format import load_engine_config
+from models.engine_format.compiled import FP8_FORMAT, compiled_problem
+from models.testing import make_checkpoint, quantize_checkpoint_fp8, tiny_config
+from runtime.core.sampling import SamplingParams
+from runtime.executors.compiled_executor import CompiledExecutor
+from runtime.factory import create_engine
+from tests.builder.conftest import LIMITS, write_tokenizer
+from tests.runtime.engine_utils import random_prompts
+
+CFG = tiny_config(hidden_size=160, intermediate_size=272, moe_intermediate_size=136, head_dim=40)
+PROMPTS = random_prompts((5, 13, 9, 22, 3), seed=1)
+PARAMS = SamplingParams(max_tokens=20)
+GRAPHS = ("main", "mtp_draft", "mtp_commit")
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fp8native")
+    make_checkpoint(root / "float", CFG, seed=7)
+    quantize_checkpoint_fp8(root / "float", root / "fp8")
+    write_tokenizer(root / "fp8" / "tokenizer.json", CFG.vocab_size)
+    return root / "fp8"
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(fp8_checkpoint, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fp8native_engine") / "engine"
+    argv = ["--checkpoint", str(fp8_checkpoint), "--output", str(out), "--compile", "aoti"]
+    for k, v in LIMITS.items():  # num_draft_tokens 2
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    assert cli.main(argv) == 0
+    return out
+
+
+def _checkpoint_bytes(ckpt: Path) -> dict[str, int]:
+    """Stored bytes of every checkpoint tensor (an FP8 weight's include its scale's)."""
+    out: dict[str, int] = {}
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118  (safe_open has keys(), not iteration)
+            t = f.get_slice(name)
+            n = 1
+            for d in t.get_shape():
+                n *= d
+            size = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4}[t.get_dtype()]
+            base = name.removesuffix("_scale_inv")
+            out[base] = out.get(base, 0) + n * size
+    return out
+
+
+def test_dense_fp8_weights_stay_fp8(fp8_engine):
+    """Every dense linear whose release weight is FP8 reads it as FP8 (attention q/k/v/o, the dense MLP, the shared
+    experts, eh_proj), and config.json records the format and the op the packages need."""
+    compiled = load_engine_config(fp8_engine).build["compiled"]
+    assert compiled["fp8"] == FP8_FORMAT
+    graphs = compiled["graphs"]
+    # main: 2 layers x (q, k, v, o) + dense MLP (3) + shared expert (3); draft: eh_proj + 4 + 3; commit: eh_proj + k + v
+    assert [graphs[g]["fp8_linears"] for g in GRAPHS] == [14, 8, 3]
+    assert [graphs[g]["fp8_weights"] for g in GRAPHS] == [14, 8, 3]
+    assert compiled_problem(load_engine_config(fp8_engine)) is None
+
+
+def test_check_probes_the_fp8_packages(fp8_engine, capsys):
+    """`mtp-build --check` runs the packages against the fp32-dequantized torch model on its probe batch."""
+    assert cli.main(["--check", str(fp8_engine)]) == 0
+    assert "compiled packages match the torch model on a probe batch" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.fixture(scope="module")
+def reference(fp8_checkpoint):
+    """Greedy tokens of the fp32-dequantized model (torch executor on the FP8 checkpoint, K=0)."""
+    engine = create_engine(checkpoint=fp8_checkpoint, executor="torch", num_draft_tokens=0, block_size=4)
+    return [o.output_ids for o in engine.generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_greedy_output_equals_the_dequantized_model(fp8_engine, reference, k):
+    engine = create_engine(fp8_engine, num_draft_tokens=k, max_prefill_chunk=6)
+    assert isinstance(engine.executor, CompiledExecutor)
+    outs = engine.generate(PROMPTS, PARAMS)
+    engine.kv.assert_no_leaks()
+    assert [o.output_ids for o in outs] == reference
+    if k:
+        assert engine.metrics.mean_acceptance_length > 1.0  # drafts were really proposed and verified
+
+
+def test_weight_bytes_against_the_checkpoint(fp8_engine, fp8_checkpoint):
+    """Each package's stored weights against the checkpoint bytes of the tensors it holds (the main graph: all but
+    the MTP layer; the draft graph: the MTP layer, the embedding and the LM head). The routed experts are still
+    dequantized to fp32 in the packages (4 bytes per weight; mtp::moe_experts reads float weights), so the ratio
+    is above 1; printed for the record (pytest -s)."""
+    ckpt = _checkpoint_bytes(fp8_checkpoint)
+    mtp = f"model.layers.{CFG.num_hidden_layers}."
+    shared = ("model.embed_tokens.weight", "lm_head.weight")
+    main_ckpt = sum(v for k, v in ckpt.items() if not k.startswith(mtp))
+    draft_ckpt = sum(v for k, v in ckpt.items() if k.startswith(mtp) or k in shared)
+    graphs = load_engine_config(fp8_engine).build["compiled"]["graphs"]
+    ratios = {"main": graphs["main"]["weight_bytes"] / main_ckpt,
+              "mtp_draft": graphs["mtp_draft"]["weight_bytes"] / draft_ckpt}  # fmt: skip
+    files = {g: (fp8_engine / "rank0" / f"{g}.aoti.pt2").stat().st_size for g in GRAPHS}
+    print(json.dumps({"checkpoint_bytes": sum(ckpt.values()), "ratios": ratios, "package_file_bytes": files,
+                      "weight_bytes": {g: graphs[g]["weight_bytes"] for g in GRAPHS}}))  # fmt: skip
+    main_experts = sum(v for k, v in ckpt.items() if ".mlp.experts." in k and not k.startswith(mtp))
+    # the dense FP8 weights at 1 byte each: only the routed experts' 3 more bytes per weight separate the two
+    assert main_ckpt < graphs["main"]["weight_bytes"] <= main_ckpt + 3 * main_experts
+    assert all(r > 1.0 for r in ratios.values())  # until the experts stay FP8 too
+
+
+def test_a_missing_op_is_refused_in_one_line(fp8_engine, tmp_path):
+    """An installation without the FP8 op cannot run these packages: compiled_problem names it (auto then falls
+    back to onnxruntime, --executor compiled refuses)."""
+    import dataclasses
+
+    cfg = load_engine_config(fp8_engine)
+    build = json.loads(json.dumps(cfg.build))
+    build["compiled"]["fp8"]["ops"] = ["linear_fp8_v9"]
+    problem = compiled_problem(dataclasses.replace(cfg, build=build))
+    assert problem is not None and "mtp::linear_fp8_v9" in problem and len(problem.splitlines()) == 1
+    assert hasattr(torch.ops.mtp, "linear_fp8")
