@@ -250,7 +250,12 @@ def _import(opts: BuildOptions, rep: Reporter) -> tuple[ModelConfig, str, str, i
         idx = index_checkpoint(opts.checkpoint)
         plan = plan_weights(idx)
         check_weights(plan.config, plan.shapes(), opts.checkpoint)
-        opts.validate_for_model(idx.config)
+        if opts.num_draft_tokens and idx.config.num_mtp_modules and not plan.config.num_mtp_modules:
+            raise BuildError(f"config.json says num_nextn_predict_layers={idx.config.num_mtp_modules} but the checkpoint "
+                             f"has no MTP weights (model.layers.{idx.config.num_hidden_layers}.*; some quantization "
+                             "tools drop them): build with --num-draft-tokens 0 for plain decoding, or use the "
+                             "release that ships its MTP layers")  # fmt: skip
+        opts.validate_for_model(plan.config)  # the weights' config: without MTP weights the engine has no MTP graphs
         weight_bytes = rank_weight_bytes(plan, opts.torch_dtype, _mapping(0, opts, plan.config))  # equal shards
         ckpt_hash = checkpoint_hash(opts.checkpoint)
     except CheckpointError as e:
@@ -261,7 +266,7 @@ def _import(opts: BuildOptions, rep: Reporter) -> tuple[ModelConfig, str, str, i
     if tokenizer == validate.IDS_ONLY:
         rep.step("no tokenizer.json in the checkpoint: the engine is ids-only (requests must be token ids; "
                  "text prompts will be refused)")  # fmt: skip
-    return idx.config, ckpt_hash, tokenizer, weight_bytes
+    return plan.config, ckpt_hash, tokenizer, weight_bytes
 
 
 def _make_work_dir(output: Path) -> Path:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from builder.options import BuildError
@@ -36,6 +37,14 @@ class _PipeReporter:
 
     def done(self, what: str, seconds: float) -> None:
         self.conn.send(("done", what, seconds))
+
+    def track(self, items: Sequence[str], what: str) -> Iterator[str]:
+        """A rank's progress in lines (a bar per child would interleave): each item as it starts and ends."""
+        for i, item in enumerate(items, 1):
+            self.step(f"{what} {i}/{len(items)}: {item}")
+            t0 = time.perf_counter()
+            yield item
+            self.done(f"{what} of {item}", time.perf_counter() - t0)
 
 
 def _child(conn, fn: Callable[..., Any], args: tuple) -> None:

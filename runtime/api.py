@@ -172,7 +172,8 @@ class LLM:
             for rid in ids:
                 engine.abort(rid)
             raise
-        self.last_summary = engine.metrics.summary(time.perf_counter() - t0, len(ids))
+        self.last_summary = {"executor": engine.executor_name,
+                             **engine.metrics.summary(time.perf_counter() - t0, len(ids))}  # fmt: skip
         return [_output(prompt, p, final[rid]) for prompt, p, rid in zip(items, per_prompt, ids, strict=True)]
 
 

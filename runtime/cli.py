@@ -170,7 +170,8 @@ def _lead(engine, args, params: SamplingParams, prompts: list[str], world: int) 
         merged = gathered[0][3]
         for g in gathered[1:]:
             merged.merge(g[3])
-        summary = {**merged.summary(max(g[4] for g in gathered), len(records)), "per_rank": [g[2] for g in gathered]}
+        summary = {"executor": engine.executor_name, **merged.summary(max(g[4] for g in gathered), len(records)),
+                   "per_rank": [g[2] for g in gathered]}  # fmt: skip
     if stream_live:
         print()
     _print(records, summary, args.json)

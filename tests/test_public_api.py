@@ -149,6 +149,7 @@ def test_greedy_is_lossless_and_equals_the_engine_loop(llm2, llm0):
     assert sum(sum(o.accepted_per_step) for o in k2) > 0  # the drafts were used, not just verified
     assert all(o.num_proposed == 0 and o.mean_acceptance_length == 1.0 and o.acceptance_rate == 0.0 for o in k0)
     assert llm2.last_summary is not None and llm2.last_summary["num_requests"] == len(PROMPTS)
+    assert llm2.last_summary["executor"] == "torch"
 
 
 def test_logprobs_when_asked_and_params_per_prompt(llm2):

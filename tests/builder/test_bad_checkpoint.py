@@ -190,3 +190,23 @@ def test_nan_in_another_ranks_expert_fails_the_multi_rank_build_in_one_line(ckpt
     _edit_tensors(ckpt, lambda t: t[name].view(-1)[:2].fill_(float("nan")))
     refused(capsys, ckpt, tmp_path / "out", rf"tensor {re.escape(name)} in model\.safetensors has 2 NaN/Inf",
             "--world-size", "2", "--ep-size", "2")  # fmt: skip
+
+
+def test_checkpoint_without_its_mtp_weights(ckpt, tmp_path, capsys):
+    """config.json promises an MTP module whose weights are gone (quantization tools drop them): drafting is refused
+    in one line naming --num-draft-tokens 0, which then builds a plain-decoding engine (it used to fail at the end,
+    naming the temporary build directory)."""
+    from models.engine_format import load_engine_config
+    from runtime.core.sampling import SamplingParams
+    from runtime.factory import create_engine
+
+    num_layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    _edit_tensors(ckpt, lambda t: [t.pop(k) for k in list(t) if k.startswith(f"model.layers.{num_layers}.")])
+    refused(capsys, ckpt, tmp_path / "engine", r"no MTP weights .*--num-draft-tokens 0")
+    out = tmp_path / "plain"
+    assert cli.main(_argv(ckpt, out, num_draft_tokens=0)) == 0
+    cfg = load_engine_config(out)
+    assert cfg.model.num_mtp_modules == 0 and set(cfg.graphs[0]) == {"main"}
+    params, prompt = SamplingParams(max_tokens=6), [[5, 6, 7, 8]]
+    ids = create_engine(out, executor="onnxruntime").generate(prompt, params)[0].output_ids
+    assert ids == create_engine(checkpoint=ckpt, executor="torch").generate(prompt, params)[0].output_ids and ids
