@@ -14,11 +14,15 @@ $(STAMP): requirements.lock pyproject.toml
 	# torch==2.13.0 (CPU build) comes from local disk on the dev/CI machines; everything else is pinned, the
 	# build backend (scikit-build-core, ninja) included. --no-compile: byte-compiling every module of every package
 	# was 2/3 of this step's time (45 of 67 CPU-s here); Python compiles the modules it imports, once, on first use.
-	$(PIP) install --quiet --no-compile -r requirements.lock
-	$(PIP) install --quiet --no-deps tensorrt-stubs==10.13.0.35.1
-	# --no-deps: the extras' packages are pinned in requirements.lock above; this only registers them.
-	# The editable build compiles the C++ kernels in place (plugins/lib/), in parallel, against the torch above.
-	$(EDITABLE)
+	# What the C++ build needs comes first (torch and the build backend, at the lock's versions), so that the
+	# editable install, which compiles the kernels in place (plugins/lib/) on both cores against that torch, runs
+	# while the rest of the lock installs: two pip processes writing disjoint packages; the editable one (--no-deps)
+	# neither resolves nor checks dependencies. Its exit status is checked too (wait).
+	$(PIP) install --quiet --no-compile -c requirements.lock torch scikit-build-core ninja
+	$(EDITABLE) & build=$$!; \
+	$(PIP) install --quiet --no-compile -r requirements.lock && \
+	$(PIP) install --quiet --no-deps tensorrt-stubs==10.13.0.35.1; rest=$$?; \
+	wait $$build && exit $$rest
 	touch $(STAMP)
 
 # The C++ CPU kernels of the plugin ops (plugins/csrc/*.cpp): one shared library the torch dispatcher loads
@@ -27,7 +31,8 @@ $(STAMP): requirements.lock pyproject.toml
 # compiles in place into $(OPS_LIB) and keeps its Ninja build in $(OPS_BUILD). $(OPS_LIB) re-runs that build when
 # a source, a header or CMakeLists.txt changed (or a source was added or removed: the folder's own time); Ninja
 # recompiles only what changed (it tracks the headers each source includes).
-# --no-build-isolation: build against the torch installed in .venv (pip would otherwise fetch one).
+# --no-build-isolation: build against the torch installed in .venv (pip would otherwise fetch one). --no-deps: the
+# extras' packages are pinned in requirements.lock; this only registers them.
 EDITABLE  := $(PIP) install --quiet --no-deps --no-build-isolation -e ".[serve,bench,test]"
 OPS_LIB   := plugins/lib/libmtp_ops.so
 OPS_BUILD := build/mtp_ops/editable
