@@ -6,7 +6,7 @@ TINY    := models/tiny
 DEEP    := models/deep
 ENGINE  := engines/deep
 
-.PHONY: install ops test lint demo bench bench-auto bench-realsize bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
+.PHONY: install ops test test-quick lint demo bench bench-auto bench-realsize bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	python3 -m venv .venv
@@ -46,8 +46,19 @@ ops: $(OPS_LIB)
 
 install: $(STAMP) $(OPS_LIB)
 
+# Which tests to run when (README "Tests"): `make test-quick` in the inner loop (unit and property tests: no mpirun,
+# no server, no engine build or compile; the tiers are assigned in tests/conftest.py), `make test` before a commit
+# and in CI: everything, on 2 pytest-xdist workers (TEST_WORKERS=0 runs it in one process). A file's tests, the files
+# sharing an engine build and all mpirun tests each stay on one worker (tests/conftest.py xdist_groups).
+TEST_WORKERS ?= 2
+QUICK        := not (mpi or server or compile or build or slow or gpu)
+PYTEST       := $(PY) -m pytest -q -p no:cacheprovider
+
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
+	$(PYTEST) --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) tests
+
+test-quick: install
+	$(PYTEST) --durations=10 -m "$(QUICK)" tests
 
 lint: $(STAMP)
 	.venv/bin/ruff check builder plugins runtime models tests
