@@ -37,11 +37,11 @@ from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 from builder.export import dynamic_shapes
 from builder.graphs import SPECS, WRAPPERS, example_inputs
 from builder.options import BuildError
-from models.checkpoint import Fp8Weight
 from models.engine_format.compiled import AOTI_KIND, FP8_FORMAT, host_isa
+from models.fp8 import Fp8Weight
 from models.glm4_moe import Glm4MoeMTPModel
 from plugins.kv_pool import KVPoolGeometry
-from plugins.reference import dequantize_fp8_ref
+from plugins.reference import dequantize_fp8_experts_ref, dequantize_fp8_ref
 
 # Inductor settings of every package (recorded in config.json). Freezing folds weights into constants and
 # prepacks the fp32 GEMMs for MKL; it would fold a bf16->fp32 upcast into fp32 constants, so bf16 weights
@@ -148,55 +148,78 @@ def bf16_weights(program: torch.export.ExportedProgram) -> dict[str, int]:
 
 def fp8_weights(program: torch.export.ExportedProgram, fp8: Mapping[str, Fp8Weight],
                 prefix: str = "model.") -> dict[str, int]:  # fmt: skip
-    """Store the weights an FP8 release ships as FP8 (e4m3 [N, K] + a new fp32 constant `<weight>_scale_inv`) and
-    rewrite their linears into `mtp::linear_fp8`. A parameter qualifies when its name (less the wrapper's `prefix`)
-    is in `fp8`, its fp32 value is exactly the dequantized FP8 (checked: the model was loaded from the same
-    checkpoint) and every use is an fp32 linear's weight; anything else keeps its float weight. Run it before
+    """Store the weights an FP8 release ships as FP8 (e4m3 + a new fp32 constant `<weight>_scale_inv`) and rewrite
+    their uses: fp32 linears into `mtp::linear_fp8`, single-rank `mtp::moe_experts` (ep_size 1, tp_size 1) into
+    `mtp::moe_experts_fp8`. A parameter qualifies when its name (less the wrapper's `prefix`) is in `fp8`, its fp32
+    value is exactly the dequantized FP8 (checked: the model was loaded from the same checkpoint) and every use can
+    be rewritten (an experts node needs both its weights); anything else keeps its float weight. Run it before
     `bf16_weights` (an FP8 weight is half the bytes of its bf16 form). Returns {"fp8_weights": weights stored FP8,
-    "fp8_linears": linears rewritten}."""
+    "fp8_linears": linears rewritten, "fp8_experts": experts nodes rewritten}."""
     sig, graph = program.graph_signature, program.graph_module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     first_user = next((i for i, spec in enumerate(sig.input_specs) if spec.kind == InputKind.USER_INPUT),
                       len(placeholders))  # fmt: skip
     anchor = placeholders[first_user] if first_user < len(placeholders) else None
     fake = detect_fake_mode(tuple(n.meta["val"] for n in placeholders))
-    stored = linears = 0
+
+    def uses(node: torch.fx.Node) -> list[torch.fx.Node]:
+        return [u for u in node.users if u.target is not torch.ops.aten._assert_tensor_metadata.default]
+
+    chosen: dict[torch.fx.Node, tuple[str, Fp8Weight]] = {}
     for node in placeholders:
         key = sig.inputs_to_parameters.get(node.name)
         raw = fp8.get(key.removeprefix(prefix)) if key else None
         value = program.state_dict.get(key) if key else None
         if raw is None or value is None or value.dtype != torch.float32 or value.shape != raw.weight.shape:
             continue
-        uses = [u for u in node.users if u.target is not torch.ops.aten._assert_tensor_metadata.default]
-        if not uses or not all(_fp32_linear(u, node) for u in uses):
-            continue
-        if not torch.equal(dequantize_fp8_ref(raw.weight, raw.scale_inv), value.detach()):
-            continue  # not the checkpoint's FP8 values (a transformed weight): keep it as it is
+        deq = (dequantize_fp8_ref(raw.weight, raw.scale_inv) if raw.weight.dim() == 2
+               else dequantize_fp8_experts_ref(raw.weight, raw.scale_inv, raw.parts))  # fmt: skip
+        if uses(node) and torch.equal(deq, value.detach()):  # else not the checkpoint's FP8 values: keep it
+            chosen[node] = (key, raw)
+    while drop := [n for n in chosen if not all(_fp32_linear(u, n) or _fp8_experts(u, n, chosen) for u in uses(n))]:
+        for n in drop:  # an experts node whose other weight is not FP8 keeps both float
+            del chosen[n]
+    scales: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node, (key, raw) in chosen.items():
         program.state_dict[key] = torch.nn.Parameter(raw.weight, requires_grad=False)
         node.meta["val"] = fake.from_tensor(raw.weight, static_shapes=True) if fake else raw.weight
         with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after(placeholders[-1]):
-            scale = graph.placeholder(f"{node.name}_scale_inv")
+            scale = scales[node] = graph.placeholder(f"{node.name}_scale_inv")
         scale.target = scale.name
         scale.meta["val"] = fake.from_tensor(raw.scale_inv, static_shapes=True) if fake else raw.scale_inv
         target = f"{key}_scale_inv"
         sig.input_specs.insert(first_user, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(scale.name), target))
         first_user += 1
         program.constants[target] = raw.scale_inv
-        for user in list(node.users):
-            if user not in uses:
-                graph.erase_node(user)  # export's check that the weight is fp32: no longer true, by design
-                continue
-            bias = user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
-            with graph.inserting_before(user):
-                op = graph.call_function(torch.ops.mtp.linear_fp8.default, (user.args[0], node, scale, bias))
-            op.meta["val"] = user.meta["val"]
-            user.replace_all_uses_with(op)
-            graph.erase_node(user)
+        for user in [u for u in node.users if u not in uses(node)]:
+            graph.erase_node(user)  # export's check that the weight is fp32: no longer true, by design
+    linears = experts = 0
+    for node in list(graph.nodes):
+        args: tuple[Any, ...]
+        if node.target is _LINEAR and node.args[1] in scales:
+            w = node.args[1]
+            assert isinstance(w, torch.fx.Node)
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            args, op = (node.args[0], w, scales[w], bias), torch.ops.mtp.linear_fp8.default
             linears += 1
-        stored += 1
+        elif node.target is _EXPERTS and node.args[3] in scales:
+            x, ids, tw, gu, dn = node.args[:5]
+            assert isinstance(gu, torch.fx.Node) and isinstance(dn, torch.fx.Node)
+            args, op = (x, ids, tw, gu, scales[gu], dn, scales[dn], 0), torch.ops.mtp.moe_experts_fp8.default
+            experts += 1
+        else:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(op, args)
+        new.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
     graph.lint()
     program.graph_module.recompile()
-    return {"fp8_weights": stored, "fp8_linears": linears}
+    return {"fp8_weights": len(chosen), "fp8_linears": linears, "fp8_experts": experts}
+
+
+_EXPERTS = torch.ops.mtp.moe_experts.default
 
 
 def _fp32_linear(node: torch.fx.Node, weight: torch.fx.Node) -> bool:
@@ -207,6 +230,17 @@ def _fp32_linear(node: torch.fx.Node, weight: torch.fx.Node) -> bool:
     if not isinstance(x, torch.fx.Node) or x.meta["val"].dtype != torch.float32:
         return False
     return bias is None or isinstance(bias, torch.fx.Node) and bias is not weight and bias.meta["val"].dtype == torch.float32
+
+
+def _fp8_experts(node: torch.fx.Node, weight: torch.fx.Node, chosen: Mapping[torch.fx.Node, Any]) -> bool:
+    """node is a single-rank mtp::moe_experts over fp32 x whose w_gate_up and w_down (weight among them) are both
+    FP8: what mtp::moe_experts_fp8 computes (the EP / TP exchange reads float weights)."""
+    if node.target is not _EXPERTS or len(node.args) < 7 or node.kwargs:
+        return False
+    x, _, _, gu, dn, _, ep_size, *tp = node.args
+    if ep_size != 1 or (tp and tp[0] != 1) or gu not in chosen or dn not in chosen or weight not in (gu, dn):
+        return False
+    return isinstance(x, torch.fx.Node) and x is not weight and x.meta["val"].dtype == torch.float32
 
 
 def weight_bytes(program: torch.export.ExportedProgram) -> int:
@@ -258,7 +292,8 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
     fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them."""
 
     def convert(program: torch.export.ExportedProgram, bf16: bool) -> dict[str, Any]:
-        stats: dict[str, Any] = fp8_weights(program, fp8) if fp8 else {"fp8_weights": 0, "fp8_linears": 0}
+        stats: dict[str, Any] = (fp8_weights(program, fp8) if fp8
+                                 else {"fp8_weights": 0, "fp8_linears": 0, "fp8_experts": 0})  # fmt: skip
         return {**stats, **(bf16_weights(program) if bf16 else {"bf16_weights": 0})}
 
     try:
@@ -297,4 +332,6 @@ def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, 
         info[name]["seconds"] = round(time.perf_counter() - t0, 1)
         graphs[name][AOTI_KIND] = str(path.relative_to(work))
     record = {"graphs": info, "isa": host_isa(), "torch_version": torch.__version__, "weights": weights}
-    return {**record, "fp8": FP8_FORMAT} if any(g["fp8_weights"] for g in info.values()) else record
+    ops = [op for op, n in (("linear_fp8", "fp8_linears"), ("moe_experts_fp8", "fp8_experts"))
+           if any(g[n] for g in info.values())]  # fmt: skip
+    return {**record, "fp8": {**FP8_FORMAT, "ops": ops}} if ops else record

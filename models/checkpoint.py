@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from models.checkpoint_files import (
     CanonicalTensor,
@@ -42,6 +41,7 @@ from models.checkpoint_files import (
 from models.checkpoint_files import read_model_config as read_model_config  # re-exported: callers import it here
 from models.checkpoint_hybrid import HYBRID_LAYOUTS, LAYOUT_NOTES, model_class
 from models.config import ModelConfig
+from models.fp8 import Fp8Weight, release_window
 from models.glm4_moe import Glm4MoeMTPModel
 from models.sharding import shard_slice
 from plugins.mapping import Parallel, RankMapping, rank_mapping
@@ -315,41 +315,23 @@ def rank_weight_bytes(plan: WeightPlan, dtype: torch.dtype, mapping: RankMapping
     return total
 
 
-@dataclass(frozen=True, slots=True)
-class Fp8Weight:
-    """One rank's window of an FP8 weight as released: float8_e4m3fn [N, K] and fp32 scale_inv [ceil(N/128), ceil(K/128)]."""
-
-    weight: torch.Tensor
-    scale_inv: torch.Tensor
-
-
 def load_fp8_weights(path: str | Path, mapping: RankMapping | None = None) -> dict[str, Fp8Weight]:
-    """The canonical 2-D weights a rank keeps that are one FP8 checkpoint tensor, as released (not dequantized): the
-    compiled engine's FP8 linears (builder/compile_aoti.py). Empty for a float checkpoint. Left out (so kept
-    dequantized): a window starting inside a 128-block (a TP slice) and a rope row permutation that moves a row
-    to another block (load_model's values are the reference: the compile step checks they agree)."""
+    """The canonical weights a rank keeps that are FP8 in the checkpoint, as released (not dequantized): dense 2-D
+    weights and stacks of routed experts, for the compiled engine (builder/compile_aoti.py). Empty for a float
+    checkpoint. Windows that split a scale block are left out (models/fp8.py release_window), so stay dequantized;
+    load_model's values are the reference, and the compile step checks the two agree."""
     idx = index_checkpoint(path)
     if idx.fp8 is None:
         return {}
     plan = plan_weights(idx)
-    cfg, (bm, bn), out = plan.config, idx.fp8.block, {}
+    cfg, out = plan.config, {}
     mapping = mapping or default_mapping(cfg)
     for name, ct in plan.tensors.items():
-        src = idx.tensors[ct.pieces[0].source]
-        if len(ct.shape) != 2 or len(ct.pieces) != 1 or not src.scale:
-            continue
-        (r0, r1), (c0, c1) = bounds_of(_rank_slice(cfg, name, ct.shape, mapping), ct.shape)
-        same = torch.arange(r0, r1)
-        rows = deinterleave_rope_tensor(cfg, name, same[:, None])[:, 0]  # the identity unless MLA rope_interleave
-        if r0 % bm or c0 % bn or not torch.equal(rows // bm, same // bm):
-            continue
-        with safe_open(str(src.file), framework="pt") as f:
-            q = f.get_slice(ct.pieces[0].source)[r0:r1, c0:c1].contiguous()
-        with safe_open(str(idx.scales[src.scale].file), framework="pt") as f:
-            s = f.get_slice(src.scale)[r0 // bm : -(-r1 // bm), c0 // bn : -(-c1 // bn)].float().contiguous()
-        if not torch.equal(rows, same):
-            q = q.view(torch.uint8).index_select(0, rows - r0).view(torch.float8_e4m3fn)
-        out[name] = Fp8Weight(q, s)
+        bounds = bounds_of(_rank_slice(cfg, name, ct.shape, mapping), ct.shape)
+        rows = deinterleave_rope_tensor(cfg, name, torch.arange(ct.shape[0])[:, None])[:, 0] if len(ct.shape) == 2 else None
+        got = release_window(idx, ct, bounds, rows)
+        if got is not None:
+            out[name] = got
     return out
 
 

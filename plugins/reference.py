@@ -261,3 +261,34 @@ def linear_fp8_ref(
     """x @ dequantize_fp8_ref(weight, scale_inv)^T + bias in fp32 (mtp::linear_fp8's semantics)."""
     y = x.float() @ dequantize_fp8_ref(weight, scale_inv).T
     return y if bias is None else y + bias.float()
+
+
+def dequantize_fp8_experts_ref(
+    weight: torch.Tensor,  # [E, parts * R, C] float8_e4m3fn (or uint8 bits): parts stacked along the rows
+    scale_inv: torch.Tensor,  # [E, parts * ceil(R/128), ceil(C/128)] float32
+    parts: int = 1,  # 2 for w_gate_up: gate rows then up rows, each blocked on its own (as released, per expert)
+) -> torch.Tensor:
+    """float32 [E, parts * R, C]: every part of every expert dequantized with its own 128 x 128 block scales."""
+    rows = weight.shape[1] // parts
+    blocks = -(-rows // FP8_BLOCK)
+    return torch.stack([
+        torch.cat([dequantize_fp8_ref(weight[e, p * rows:(p + 1) * rows], scale_inv[e, p * blocks:(p + 1) * blocks])
+                   for p in range(parts)])
+        for e in range(weight.shape[0])
+    ])  # fmt: skip
+
+
+def moe_experts_fp8_ref(
+    x: torch.Tensor,  # [T, H] float32
+    topk_ids: torch.Tensor,  # [T, K] global expert ids
+    topk_weights: torch.Tensor,  # [T, K]
+    w_gate_up: torch.Tensor,  # [E, 2*I, H] float8_e4m3fn: gate rows, then up rows
+    w_gate_up_scale: torch.Tensor,  # [E, 2*ceil(I/128), ceil(H/128)]: gate's block rows, then up's
+    w_down: torch.Tensor,  # [E, H, I] float8_e4m3fn
+    w_down_scale: torch.Tensor,  # [E, ceil(H/128), ceil(I/128)]
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """moe_experts_ref over the dequantized experts (mtp::moe_experts_fp8's semantics)."""
+    gate_up = dequantize_fp8_experts_ref(w_gate_up, w_gate_up_scale, parts=2)
+    down = dequantize_fp8_experts_ref(w_down, w_down_scale)
+    return moe_experts_ref(x, topk_ids, topk_weights, gate_up, down, expert_offset)

@@ -14,9 +14,9 @@ from typing import Any
 from models.engine_format.config import EngineConfig
 
 AOTI_KIND = "aoti"  # graph kind in config.json's `graphs`, and the package name suffix (main.aoti.pt2)
-# `build.compiled.fp8` of an engine whose packages store FP8 release weights as released (absent otherwise): the
-# format, and the mtp ops those packages call for it, which the installation that runs them must have.
-FP8_FORMAT: dict[str, Any] = {"fmt": "e4m3", "weight_block_size": [128, 128], "ops": ["linear_fp8"]}
+# `build.compiled.fp8` of an engine whose packages store FP8 release weights as released (absent otherwise): this
+# format, plus `ops`, the mtp ops those packages call for it, which the installation that runs them must have.
+FP8_FORMAT: dict[str, Any] = {"fmt": "e4m3", "weight_block_size": [128, 128]}
 
 
 def host_isa() -> str:

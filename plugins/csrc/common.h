@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -674,6 +675,184 @@ MTP_AVX2_TARGET inline __m256 e4m3x8_avx2(const uint8_t* p) {
   if constexpr (nan)
     h = _mm_or_si128(h, _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x3f80)));
   return _mm256_cvtph_ps(h);
+}
+
+// ---- FP8 weight-row tiles: dot products of e4m3 weight rows with fp32 activation rows (linear_fp8, moe_experts) ----
+// A tile is NR weight rows (k apart, all in one scale row `srow`: one fp32 scale per 128 columns) against MR
+// activation rows: out[r * NR + j] = x[r] . (q[j] * s), each weight rounded once. Accumulator lane l of (r, j) sums
+// the columns i with i % width == l in column order, then one fixed reduction: a (row, output) value does not
+// depend on MR, NR or the rest of the batch. The vector tiles convert without the per-lane NaN fix: fp8_rows scans
+// each weight row once (has_nan) and makes its outputs NaN; the portable tile reads NaN from the table.
+constexpr int64_t kFp8Block = 128;     // the releases' weight_block_size, both dims
+constexpr int64_t kFp8Prefetch = 2048;  // software prefetch distance along each weight row (bytes), 2 KB ahead
+MTP_INLINE float e4m3_times(uint8_t q, float s) { return kE4m3.v[q] * s; }
+
+// portable: 8 partial sums per dot, (0+1)+(2+3) + (4+5)+(6+7), then the tail (linear_bf16's order)
+template <int MR, int NR>
+inline void fp8_tile_generic(const float* const* x, const uint8_t* w, const float* srow, int64_t k, float* out) {
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* wj = w + j * k;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 8 <= k; i += 8) {
+        const float s = srow[i / kFp8Block];  // 8 columns never straddle a 128-column block
+        for (int l = 0; l < 8; ++l) acc[l] += x[r][i + l] * e4m3_times(wj[i + l], s);
+      }
+      float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+      for (; i < k; ++i) sum += x[r][i] * e4m3_times(wj[i], srow[i / kFp8Block]);
+      out[r * NR + j] = sum;
+    }
+}
+
+MTP_AVX2_TARGET inline float fp8_hsum8(__m256 v) {  // ((0+4)+(2+6)) + ((1+5)+(3+7)): fixed order
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[r * NR + j] = x[r] . dequant(w[j]) for MR activation rows and NR weight rows (w rows k apart, all in the
+// scale row `srow`). Accumulator lane l sums the columns i with i % 8 == l, in column order.
+template <int MR, int NR>
+MTP_AVX2_TARGET inline void fp8_tile_avx2(const float* const* x, const uint8_t* w, const float* srow, int64_t k,
+                                      float* out) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (int64_t c0 = 0; c0 < k; c0 += kFp8Block) {
+    const __m256 sv = _mm256_set1_ps(srow[c0 / kFp8Block] * 256.0f);  // q * 2^-8 from the conversion
+    const int64_t end = std::min(k, c0 + kFp8Block);
+    for (i = c0; i + 16 <= end; i += 16) {
+      if (i % 64 == 0)
+        for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kFp8Prefetch), _MM_HINT_T0);
+      for (int j = 0; j < NR; ++j) {
+        __m256 lo, hi;
+        e4m3x16_avx2(w + j * k + i, lo, hi);
+        lo = _mm256_mul_ps(lo, sv);
+        hi = _mm256_mul_ps(hi, sv);
+        for (int r = 0; r < MR; ++r) {
+          acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), lo, acc[r][j]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i + 8), hi, acc[r][j]);
+        }
+      }
+    }
+    if (i + 8 <= end) {
+      for (int j = 0; j < NR; ++j) {
+        const __m256 wv = _mm256_mul_ps(e4m3x8_avx2(w + j * k + i), sv);
+        for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), wv, acc[r][j]);
+      }
+      i += 8;
+    }
+  }
+  // i < k only after the last (partial) block: fewer than 8 columns, scalar, in column order
+  const float slast = k > 0 ? srow[(k - 1) / kFp8Block] : 0.0f;
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      float s = fp8_hsum8(acc[r][j]);
+      for (int64_t t = i; t < k; ++t) s += x[r][t] * e4m3_times(w[j * k + t], slast);
+      out[r * NR + j] = s;
+    }
+}
+
+template <int MR, int NR>
+MTP_AVX512_TARGET inline void fp8_tile_avx512(const float* const* x, const uint8_t* w, const float* srow, int64_t k,
+                                          float* out) {
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  // one 16-column step: masked (the last partial chunk) or not; masked-off lanes are 0, not 0 * s (NaN for an
+  // infinite scale)
+  auto step = [&](int64_t i, __m512 sv, __mmask16 m, auto masked) MTP_AVX512_TARGET {
+    __m512 wv[NR];
+    if constexpr (masked) {
+      for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_mul_ps(m, e4m3x16_avx512(w + j * k + i, m), sv);
+    } else {
+      for (int j = 0; j < NR; ++j) {
+        const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + i)));
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+        wv[j] = _mm512_mul_ps(_mm512_cvtph_ps(h), sv);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = masked ? _mm512_maskz_loadu_ps(m, x[r] + i) : _mm512_loadu_ps(x[r] + i);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  };
+  for (int64_t c0 = 0; c0 < k; c0 += kFp8Block) {
+    const __m512 sv = _mm512_set1_ps(srow[c0 / kFp8Block] * 256.0f);
+    const int64_t end = std::min(k, c0 + kFp8Block);
+    int64_t i = c0;
+    for (; i + 16 <= end; i += 16) {
+      if (i % 64 == 0)
+        for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kFp8Prefetch), _MM_HINT_T0);
+      step(i, sv, 0, std::false_type{});
+    }
+    if (i < end) step(i, sv, Avx512::tail(end - i), std::true_type{});
+  }
+  for (int r = 0; r < MR; ++r) {
+    float sums[4];
+    static_assert(NR == 1 || NR == 4, "reduce4 takes 4 accumulators");
+    const __m512 z = _mm512_setzero_ps();
+    if constexpr (NR == 4) Avx512::reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
+    else Avx512::reduce4(acc[r][0], z, z, z, sums);
+    for (int q = 0; q < NR; ++q) out[r * NR + q] = sums[q];
+  }
+}
+
+struct Fp8GenericTile {
+  template <int MR, int NR>
+  static MTP_INLINE void run(const float* const* x, const uint8_t* w, const float* s, int64_t k, float* out) {
+    fp8_tile_generic<MR, NR>(x, w, s, k, out);
+  }
+  static MTP_INLINE bool has_nan(const uint8_t*, int64_t) { return false; }  // the table gives NaN itself
+};
+struct Fp8Avx2Tile {
+  template <int MR, int NR>
+  static MTP_INLINE void run(const float* const* x, const uint8_t* w, const float* s, int64_t k, float* out) {
+    fp8_tile_avx2<MR, NR>(x, w, s, k, out);
+  }
+  static MTP_INLINE bool has_nan(const uint8_t* w, int64_t k) { return e4m3_has_nan_avx2(w, k); }
+};
+struct Fp8Avx512Tile {
+  template <int MR, int NR>
+  static MTP_INLINE void run(const float* const* x, const uint8_t* w, const float* s, int64_t k, float* out) {
+    fp8_tile_avx512<MR, NR>(x, w, s, k, out);
+  }
+  static MTP_INLINE bool has_nan(const uint8_t* w, int64_t k) { return e4m3_has_nan_avx512(w, k); }
+};
+
+// NR weight rows at w (rows o .. o + NR - 1 of the caller's block) against m activation rows, MR at a time:
+// out[r][o + j] = x[r] . dequant(w[j]), NaN for a weight row holding a NaN byte.
+template <class Tile, int MR, int NR>
+MTP_INLINE void fp8_block(int64_t m, const float* const* x, const uint8_t* w, const float* srow, int64_t k,
+                          float* const* out, int64_t o) {
+  float res[MR * NR];
+  bool nan[NR];
+  for (int j = 0; j < NR; ++j) nan[j] = Tile::has_nan(w + j * k, k);
+  for (int64_t m0 = 0; m0 < m; m0 += MR) {
+    const int mr = static_cast<int>(std::min<int64_t>(MR, m - m0));
+    const float* const* xs = x + m0;
+    switch (mr) {
+      case 4: if constexpr (MR >= 4) Tile::template run<4, NR>(xs, w, srow, k, res); break;
+      case 3: if constexpr (MR >= 3) Tile::template run<3, NR>(xs, w, srow, k, res); break;
+      case 2: if constexpr (MR >= 2) Tile::template run<2, NR>(xs, w, srow, k, res); break;
+      default: Tile::template run<1, NR>(xs, w, srow, k, res); break;
+    }
+    for (int r = 0; r < mr; ++r)
+      for (int j = 0; j < NR; ++j) out[m0 + r][o + j] = nan[j] ? std::numeric_limits<float>::quiet_NaN() : res[r * NR + j];
+  }
+}
+
+// out[r][o] = x[r] . dequant(w[o]) for r < m activation rows and o < rows weight rows (k bytes apart) that all use
+// the scale row srow: blocks of NR weight rows, then single rows.
+template <class Tile, int MR, int NR>
+MTP_INLINE void fp8_rows(int64_t m, const float* const* x, const uint8_t* w, const float* srow, int64_t rows,
+                         int64_t k, float* const* out) {
+  int64_t o = 0;
+  for (; o + NR <= rows; o += NR) fp8_block<Tile, MR, NR>(m, x, w + o * k, srow, k, out, o);
+  for (; o < rows; ++o) fp8_block<Tile, MR, 1>(m, x, w + o * k, srow, k, out, o);
 }
 
 // A per-thread scratch buffer of at least n floats (kernels run often with small sizes: no allocation).

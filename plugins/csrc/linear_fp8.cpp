@@ -25,15 +25,11 @@
 
 #include "common.h"
 
-#include <limits>
-
 namespace mtp {
 namespace {
 
 constexpr int64_t kTiledRows = 16;  // from this many rows on, the dequantized-tile at::mm path (compute-bound)
-constexpr int64_t kBlock = 128;     // the releases' weight_block_size, both dims
-// Software prefetch distance along each weight row (bytes = elements): 2 KB ahead, as linear_bf16.
-constexpr int64_t kPrefetch = 2048;
+constexpr int64_t kBlock = kFp8Block;
 
 struct Gemv {
   const float* x;      // [M, K] fp32, contiguous
@@ -44,186 +40,34 @@ struct Gemv {
   int64_t m, n, k, kb;
 };
 
-MTP_INLINE float deq(uint8_t q, float s) { return kE4m3.v[q] * s; }
+MTP_INLINE float deq(uint8_t q, float s) { return e4m3_times(q, s); }
 
-// ---- portable body: 8 partial sums per dot (linear_bf16's order) ------------------------------------------
-void rows_generic(const Gemv& g, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = g.w + n * g.k;
-    const float* srow = g.s + (n / kBlock) * g.kb;
-    for (int64_t m = 0; m < g.m; ++m) {
-      const float* x = g.x + m * g.k;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t i = 0;
-      for (; i + 8 <= g.k; i += 8) {
-        const float s = srow[i / kBlock];  // 8 columns never straddle a 128-column block
-        for (int l = 0; l < 8; ++l) acc[l] += x[i + l] * deq(w[i + l], s);
-      }
-      float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      for (; i < g.k; ++i) sum += x[i] * deq(w[i], srow[i / kBlock]);
-      g.y[m * g.n + n] = g.bias ? sum + g.bias[n] : sum;
-    }
-  }
-}
-
-// ---- AVX2 + FMA + F16C -------------------------------------------------------------------------------------
-
-MTP_AVX2_TARGET inline float hsum8(__m256 v) {  // ((0+4)+(2+6)) + ((1+5)+(3+7)): fixed order
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// out[r * NR + j] = x[r] . dequant(w[j]) for MR activation rows and NR weight rows (w rows k apart, all in the
-// scale row `srow`). Accumulator lane l sums the columns i with i % 8 == l, in column order.
-template <int MR, int NR>
-MTP_AVX2_TARGET inline void tile_avx2(const float* const* x, const uint8_t* w, const float* srow, int64_t k,
-                                      float* out) {
-  __m256 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (int64_t c0 = 0; c0 < k; c0 += kBlock) {
-    const __m256 sv = _mm256_set1_ps(srow[c0 / kBlock] * 256.0f);  // q * 2^-8 from the conversion
-    const int64_t end = std::min(k, c0 + kBlock);
-    for (i = c0; i + 16 <= end; i += 16) {
-      if (i % 64 == 0)
-        for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kPrefetch), _MM_HINT_T0);
-      for (int j = 0; j < NR; ++j) {
-        __m256 lo, hi;
-        e4m3x16_avx2(w + j * k + i, lo, hi);
-        lo = _mm256_mul_ps(lo, sv);
-        hi = _mm256_mul_ps(hi, sv);
-        for (int r = 0; r < MR; ++r) {
-          acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), lo, acc[r][j]);
-          acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i + 8), hi, acc[r][j]);
-        }
-      }
-    }
-    if (i + 8 <= end) {
-      for (int j = 0; j < NR; ++j) {
-        const __m256 wv = _mm256_mul_ps(e4m3x8_avx2(w + j * k + i), sv);
-        for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), wv, acc[r][j]);
-      }
-      i += 8;
-    }
-  }
-  // i < k only after the last (partial) block: fewer than 8 columns, scalar, in column order
-  const float slast = k > 0 ? srow[(k - 1) / kBlock] : 0.0f;
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) {
-      float s = hsum8(acc[r][j]);
-      for (int64_t t = i; t < k; ++t) s += x[r][t] * deq(w[j * k + t], slast);
-      out[r * NR + j] = s;
-    }
-}
-
-// ---- AVX-512 -----------------------------------------------------------------------------------------------
-template <int MR, int NR>
-MTP_AVX512_TARGET inline void tile_avx512(const float* const* x, const uint8_t* w, const float* srow, int64_t k,
-                                          float* out) {
-  __m512 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
-  // one 16-column step: masked (the last partial chunk) or not; masked-off lanes are 0, not 0 * s (NaN for an
-  // infinite scale)
-  auto step = [&](int64_t i, __m512 sv, __mmask16 m, auto masked) MTP_AVX512_TARGET {
-    __m512 wv[NR];
-    if constexpr (masked) {
-      for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_mul_ps(m, e4m3x16_avx512(w + j * k + i, m), sv);
-    } else {
-      for (int j = 0; j < NR; ++j) {
-        const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + i)));
-        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
-        wv[j] = _mm512_mul_ps(_mm512_cvtph_ps(h), sv);
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m512 xv = masked ? _mm512_maskz_loadu_ps(m, x[r] + i) : _mm512_loadu_ps(x[r] + i);
-      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
-    }
-  };
-  for (int64_t c0 = 0; c0 < k; c0 += kBlock) {
-    const __m512 sv = _mm512_set1_ps(srow[c0 / kBlock] * 256.0f);
-    const int64_t end = std::min(k, c0 + kBlock);
-    int64_t i = c0;
-    for (; i + 16 <= end; i += 16) {
-      if (i % 64 == 0)
-        for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kPrefetch), _MM_HINT_T0);
-      step(i, sv, 0, std::false_type{});
-    }
-    if (i < end) step(i, sv, Avx512::tail(end - i), std::true_type{});
-  }
-  for (int r = 0; r < MR; ++r) {
-    float sums[4];
-    static_assert(NR == 1 || NR == 4, "reduce4 takes 4 accumulators");
-    const __m512 z = _mm512_setzero_ps();
-    if constexpr (NR == 4) Avx512::reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
-    else Avx512::reduce4(acc[r][0], z, z, z, sums);
-    for (int q = 0; q < NR; ++q) out[r * NR + q] = sums[q];
-  }
-}
-
-// The tiles convert without the per-lane NaN fix: block() scans each weight row for NaN bytes once and makes the
-// row's outputs NaN (the reference's result: a NaN weight makes the dot product NaN whatever x is).
-struct Avx2Tile {
-  template <int MR, int NR>
-  static MTP_INLINE void run(const float* const* x, const uint8_t* w, const float* s, int64_t k, float* out) {
-    tile_avx2<MR, NR>(x, w, s, k, out);
-  }
-  static MTP_INLINE bool has_nan(const uint8_t* w, int64_t k) { return e4m3_has_nan_avx2(w, k); }
-};
-struct Avx512Tile {
-  template <int MR, int NR>
-  static MTP_INLINE void run(const float* const* x, const uint8_t* w, const float* s, int64_t k, float* out) {
-    tile_avx512<MR, NR>(x, w, s, k, out);
-  }
-  static MTP_INLINE bool has_nan(const uint8_t* w, int64_t k) { return e4m3_has_nan_avx512(w, k); }
-};
-
-// One block of NR weight rows at feature n (never straddling a 128-row scale block) against all activation rows.
+// Weight rows [n0, n1), inside one 128-row scale block, against the M (< kTiledRows) activation rows: common.h's
+// FP8 tiles (NR weight rows x MR activation rows in registers, every m-tile of a weight-row block back to back).
 template <class Tile, int MR, int NR>
-MTP_INLINE void block(const Gemv& g, int64_t n) {
-  float out[MR * NR];
-  const float* xs[MR];
-  const uint8_t* w = g.w + n * g.k;
-  const float* srow = g.s + (n / kBlock) * g.kb;
-  bool nan[NR];
-  for (int j = 0; j < NR; ++j) nan[j] = Tile::has_nan(w + j * g.k, g.k);
-  for (int64_t m = 0; m < g.m; m += MR) {
-    const int mr = static_cast<int>(std::min<int64_t>(MR, g.m - m));
-    for (int r = 0; r < mr; ++r) xs[r] = g.x + (m + r) * g.k;
-    switch (mr) {
-      case 4: if constexpr (MR >= 4) Tile::template run<4, NR>(xs, w, srow, g.k, out); break;
-      case 3: if constexpr (MR >= 3) Tile::template run<3, NR>(xs, w, srow, g.k, out); break;
-      case 2: if constexpr (MR >= 2) Tile::template run<2, NR>(xs, w, srow, g.k, out); break;
-      default: Tile::template run<1, NR>(xs, w, srow, g.k, out); break;
-    }
-    for (int r = 0; r < mr; ++r)
-      for (int j = 0; j < NR; ++j) {
-        const float v = nan[j] ? std::numeric_limits<float>::quiet_NaN() : out[r * NR + j];
-        g.y[(m + r) * g.n + n + j] = g.bias ? v + g.bias[n + j] : v;
-      }
+MTP_INLINE void rows_with(const Gemv& g, int64_t n0, int64_t n1) {
+  const float* xs[kTiledRows];
+  float* ys[kTiledRows];
+  for (int64_t r = 0; r < g.m; ++r) {
+    xs[r] = g.x + r * g.k;
+    ys[r] = g.y + r * g.n + n0;
   }
+  fp8_rows<Tile, MR, NR>(g.m, xs, g.w + n0 * g.k, g.s + (n0 / kBlock) * g.kb, n1 - n0, g.k, ys);
+  if (g.bias)
+    for (int64_t r = 0; r < g.m; ++r)
+      for (int64_t n = n0; n < n1; ++n) g.y[r * g.n + n] += g.bias[n];
 }
 
-// Weight rows [n0, n1) (n0 a multiple of 64): blocks of NR rows, then single rows.
-template <class Tile, int MR, int NR>
-MTP_INLINE void rows_tiled(const Gemv& g, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) block<Tile, MR, NR>(g, n);
-  for (; n < n1; ++n) block<Tile, MR, 1>(g, n);
-}
+void rows_generic(const Gemv& g, int64_t n0, int64_t n1) { rows_with<Fp8GenericTile, 4, 1>(g, n0, n1); }
 
 MTP_AVX2_TARGET __attribute__((flatten)) void rows_avx2(const Gemv& g, int64_t n0, int64_t n1) {
   // 16 ymm registers: accumulators MR x NR (8) + the two halves of one converted weight chunk + one x
-  if (g.m <= 2) rows_tiled<Avx2Tile, 2, 4>(g, n0, n1);
-  else rows_tiled<Avx2Tile, 4, 2>(g, n0, n1);
+  if (g.m <= 2) rows_with<Fp8Avx2Tile, 2, 4>(g, n0, n1);
+  else rows_with<Fp8Avx2Tile, 4, 2>(g, n0, n1);
 }
 
 MTP_AVX512_TARGET __attribute__((flatten)) void rows_avx512(const Gemv& g, int64_t n0, int64_t n1) {
-  rows_tiled<Avx512Tile, 4, 4>(g, n0, n1);  // 32 zmm registers: 16 accumulators + 4 weights + one x
+  rows_with<Fp8Avx512Tile, 4, 4>(g, n0, n1);  // 32 zmm registers: 16 accumulators + 4 weights + one x
 }
 
 // ---- dequantize rows [n0, n1) of W into dst (row-major, k wide): the fp32 values the reference computes --------
@@ -268,11 +112,15 @@ MTP_AVX2_TARGET __attribute__((flatten)) void dequant_avx2(const Gemv& g, int64_
   }
 }
 
+// Weight rows [n0, n1), one 128-row scale block at a time
 void rows(Isa isa, const Gemv& g, int64_t n0, int64_t n1) {
-  switch (isa) {
-    case Isa::avx512: rows_avx512(g, n0, n1); break;
-    case Isa::avx2: rows_avx2(g, n0, n1); break;
-    default: rows_generic(g, n0, n1); break;
+  for (int64_t a = n0, b; a < n1; a = b) {
+    b = std::min(n1, (a / kBlock + 1) * kBlock);
+    switch (isa) {
+      case Isa::avx512: rows_avx512(g, a, b); break;
+      case Isa::avx2: rows_avx2(g, a, b); break;
+      default: rows_generic(g, a, b); break;
+    }
   }
 }
 

@@ -7,6 +7,12 @@
 // plugins/reference.py moe_experts_ref (experts outside [offset, offset + E_local) contribute 0).
 // ep_size > 1 or tp_size > 1: moe_experts calls mtp::moe_experts_exchange (Python, mpi4py; plugins/moe_ep.py),
 // whose per-rank compute is moe_experts_local again. No per-forward plan: grouping the pairs is one pass.
+//
+// mtp::moe_experts_fp8 is moe_experts_local over the FP8 releases' expert weights as released: e4m3 bytes with
+// one fp32 scale per 128 x 128 block (gate and up each blocked on their own, as the per-expert tensors ship), read
+// by common.h's FP8 tiles (converted in registers, each weight rounded once, fp32 math: exact up to summation
+// order against plugins/reference.py moe_experts_fp8_ref). fp32 activations; the compiled engine's single-rank
+// MoE (builder/compile_aoti.py).
 #include <torch/library.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -25,13 +31,45 @@ struct MoeArgs {
   const void* w_down;     // [E, H, I]
   float* out;             // [T, H] fp32
   int64_t tokens, top_k, hidden, inter, num_local;
+  const float* s_gate_up = nullptr;  // FP8: [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's)
+  const float* s_down = nullptr;     // FP8: [E, ceil(H/128), ceil(I/128)]
 };
+
+struct Fp8 {};  // the weight type of moe_experts_fp8: e4m3 bytes + block scales
+
+template <class V> struct Fp8TileOf { using T = Fp8GenericTile; };
+template <> struct Fp8TileOf<Avx2> { using T = Fp8Avx2Tile; };
+template <> struct Fp8TileOf<Avx512> { using T = Fp8Avx512Tile; };
+
+MTP_INLINE int64_t blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+
+// out[i][o] = x[i] . dequant(w[o]) for nx <= 4 tokens and the rows of one expert matrix [parts * part_rows, k]
+// whose parts (gate, up) are blocked on their own: part p's block row j uses scale row s[p * blocks(part_rows) + j].
+template <class V>
+MTP_INLINE void fp8_expert_dot(int nx, const float* const* x, const uint8_t* w, const float* s, int64_t part_rows,
+                               int parts, int64_t k, float* const* out) {
+  using Tile = typename Fp8TileOf<V>::T;
+  float* shifted[4];
+  for (int p = 0; p < parts; ++p)
+    for (int64_t j = 0; j < blocks(part_rows); ++j) {
+      const int64_t r0 = p * part_rows + j * kFp8Block, n = std::min(kFp8Block, part_rows - j * kFp8Block);
+      const float* srow = s + (p * blocks(part_rows) + j) * blocks(k);
+      for (int i = 0; i < nx; ++i) shifted[i] = out[i] + r0;
+      if constexpr (std::is_same_v<V, Avx512>) fp8_rows<Tile, 4, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
+      else if constexpr (std::is_same_v<V, Avx2>) {
+        if (nx <= 2) fp8_rows<Tile, 2, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
+        else fp8_rows<Tile, 4, 2>(nx, x, w + r0 * k, srow, n, k, shifted);
+      } else fp8_rows<Tile, 4, 1>(nx, x, w + r0 * k, srow, n, k, shifted);
+    }
+}
 
 template <class V, class W>
 void experts(const MoeArgs& a) {
+  constexpr bool fp8 = std::is_same_v<W, Fp8>;
+  using Elem = std::conditional_t<fp8, uint8_t, W>;
   const int64_t pairs = a.tokens * a.top_k, two_i = 2 * a.inter;
-  const W* w_gu = static_cast<const W*>(a.w_gate_up);
-  const W* w_dn = static_cast<const W*>(a.w_down);
+  const Elem* w_gu = static_cast<const Elem*>(a.w_gate_up);
+  const Elem* w_dn = static_cast<const Elem*>(a.w_down);
   // pairs grouped by expert (counting sort; token order kept within one expert)
   thread_local std::vector<int64_t> start, order;
   start.assign(static_cast<size_t>(a.num_local + 1), 0);
@@ -49,8 +87,8 @@ void experts(const MoeArgs& a) {
   float* gu = scratch(1, 4 * two_i);          // gate|up of up to 4 pairs
   float* h = scratch(2, 4 * a.inter);         // silu(gate) * up
   for (int64_t e = 0; e < a.num_local; ++e) {
-    const W* wg = w_gu + e * two_i * a.hidden;
-    const W* wd = w_dn + e * a.hidden * a.inter;
+    const Elem* wg = w_gu + e * two_i * a.hidden;
+    const Elem* wd = w_dn + e * a.hidden * a.inter;
     for (int64_t c = start[e]; c < start[e + 1]; c += 4) {
       const int nx = static_cast<int>(std::min<int64_t>(4, start[e + 1] - c));
       const float* xs[4];
@@ -63,9 +101,18 @@ void experts(const MoeArgs& a) {
         gus[i] = gu + i * two_i;
         ys[i] = y + order[c + i] * a.hidden;
       }
-      rows_dot<V>(nx, xs, wg, a.hidden, two_i, a.hidden, gus);
+      if constexpr (fp8) {
+        const float* sg = a.s_gate_up + e * 2 * blocks(a.inter) * blocks(a.hidden);
+        fp8_expert_dot<V>(nx, xs, wg, sg, a.inter, 2, a.hidden, gus);
+      } else {
+        rows_dot<V>(nx, xs, wg, a.hidden, two_i, a.hidden, gus);
+      }
       for (int i = 0; i < nx; ++i) V::silu_mul(gu + i * two_i, gu + i * two_i + a.inter, h + i * a.inter, a.inter);
-      rows_dot<V>(nx, hs, wd, a.inter, a.hidden, a.inter, ys);
+      if constexpr (fp8) {
+        fp8_expert_dot<V>(nx, hs, wd, a.s_down + e * blocks(a.hidden) * blocks(a.inter), a.hidden, 1, a.inter, ys);
+      } else {
+        rows_dot<V>(nx, hs, wd, a.inter, a.hidden, a.inter, ys);
+      }
     }
   }
   for (int64_t t = 0; t < a.tokens; ++t) {
@@ -131,6 +178,58 @@ at::Tensor moe_experts_local_cpu(const at::Tensor& x, const at::Tensor& topk_ids
   return out;
 }
 
+at::Tensor moe_experts_fp8_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                               const at::Tensor& w_gate_up, const at::Tensor& w_gate_up_scale, const at::Tensor& w_down,
+                               const at::Tensor& w_down_scale, int64_t expert_offset) {
+  constexpr const char* op = "mtp::moe_experts_fp8";
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == c10::ScalarType::Float && x.dim() == 2, op,
+                    ": x must be an fp32 CPU tensor [T, H], got ", x.scalar_type(), " ", py_shape(x));
+  check_float(topk_weights, op, "topk_weights");
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  TORCH_CHECK_VALUE(topk_ids.dim() == 2 && topk_ids.size(0) == tokens && topk_weights.sizes() == topk_ids.sizes(), op,
+                    ": topk_ids and topk_weights must be [", tokens, ", K], got ", py_shape(topk_ids), " and ",
+                    py_shape(topk_weights));
+  const auto dt = w_gate_up.scalar_type();
+  TORCH_CHECK_VALUE((dt == c10::ScalarType::Float8_e4m3fn || dt == c10::ScalarType::Byte) && w_down.scalar_type() == dt,
+                    op, ": w_gate_up and w_down must both be float8_e4m3fn (or uint8 bits), got ", dt, " and ",
+                    w_down.scalar_type());
+  TORCH_CHECK_VALUE(w_gate_up.dim() == 3 && w_gate_up.size(2) == hidden && w_gate_up.size(1) % 2 == 0 &&
+                        w_gate_up.is_contiguous(),
+                    op, ": w_gate_up must be contiguous [E, 2*I, ", hidden, "], got ", py_shape(w_gate_up));
+  const int64_t num_local = w_gate_up.size(0), inter = w_gate_up.size(1) / 2, top_k = topk_ids.size(1);
+  TORCH_CHECK_VALUE(w_down.dim() == 3 && w_down.size(0) == num_local && w_down.size(1) == hidden &&
+                        w_down.size(2) == inter && w_down.is_contiguous(),
+                    op, ": w_down must be contiguous [", num_local, ", ", hidden, ", ", inter, "], got ", py_shape(w_down));
+  const std::vector<int64_t> sgu{num_local, 2 * blocks(inter), blocks(hidden)}, sdn{num_local, blocks(hidden), blocks(inter)};
+  TORCH_CHECK_VALUE(w_gate_up_scale.scalar_type() == c10::ScalarType::Float && w_gate_up_scale.sizes() == sgu, op,
+                    ": w_gate_up_scale must be fp32 [", sgu[0], ", ", sgu[1], ", ", sgu[2], "] (gate's 128-row blocks, "
+                    "then up's, per expert), got ", w_gate_up_scale.scalar_type(), " ", py_shape(w_gate_up_scale));
+  TORCH_CHECK_VALUE(w_down_scale.scalar_type() == c10::ScalarType::Float && w_down_scale.sizes() == sdn, op,
+                    ": w_down_scale must be fp32 [", sdn[0], ", ", sdn[1], ", ", sdn[2], "], got ",
+                    w_down_scale.scalar_type(), " ", py_shape(w_down_scale));
+  const Ints ids = ints(topk_ids, op, "topk_ids");
+  const int64_t pairs = tokens * top_k;
+  std::vector<int64_t> local(static_cast<size_t>(pairs));
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t e = ids[p] - expert_offset;
+    local[p] = 0 <= e && e < num_local ? e : -1;
+  }
+  std::vector<float> wf(static_cast<size_t>(pairs));
+  const at::Tensor xc = x.contiguous(), twc = topk_weights.contiguous();
+  dispatch_float(topk_weights.scalar_type(), [&](auto t) { copy_to_f32<decltype(t)>(twc, wf.data()); });
+  const at::Tensor sg = w_gate_up_scale.contiguous(), sd = w_down_scale.contiguous();
+  at::Tensor out = at::empty({tokens, hidden}, x.options());
+  MoeArgs args{xc.data_ptr<float>(), wf.data(), local.data(), w_gate_up.data_ptr(), w_down.data_ptr(),
+               out.data_ptr<float>(), tokens, top_k, hidden, inter, num_local};
+  args.s_gate_up = sg.data_ptr<float>();
+  args.s_down = sd.data_ptr<float>();
+  if (fp8_scales_vector_safe(args.s_gate_up, sg.numel()) && fp8_scales_vector_safe(args.s_down, sd.numel()))
+    run_experts<Fp8>(args);
+  else
+    experts<Generic, Fp8>(args);  // a scale >= 2^120: the portable table path (see common.h)
+  return out;
+}
+
 at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                            const at::Tensor& w_gate_up, const at::Tensor& w_down, int64_t num_experts, int64_t ep_size,
                            int64_t tp_size, int64_t tp_rank) {
@@ -153,4 +252,5 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, cons
 TORCH_LIBRARY_IMPL(mtp, CPU, m) {
   m.impl("moe_experts", &mtp::moe_experts_cpu);
   m.impl("moe_experts_local", &mtp::moe_experts_local_cpu);
+  m.impl("moe_experts_fp8", &mtp::moe_experts_fp8_cpu);
 }

@@ -43,6 +43,11 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
   // single-rank moe_experts and the per-rank compute of the exchange both run this kernel.
   m.def("moe_experts_local(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
         "int expert_offset) -> Tensor");
+  // moe_experts_local over FP8 expert weights as released: e4m3 [E, 2I, H] / [E, H, I] (or uint8 bits) with fp32
+  // block scales [E, 2*ceil(I/128), ceil(H/128)] (gate's block rows, then up's) / [E, ceil(H/128), ceil(I/128)];
+  // fp32 x, fp32 out (moe_experts.cpp)
+  m.def("moe_experts_fp8(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_gate_up_scale, "
+        "Tensor w_down, Tensor w_down_scale, int expert_offset) -> Tensor");
   // ep_size > 1 or tp_size > 1: implemented in Python (plugins/moe_ep.py, mpi4py); moe_experts' CPU kernel
   // calls it through the dispatcher.
   m.def("moe_experts_exchange(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "

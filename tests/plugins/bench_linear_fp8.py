@@ -12,6 +12,10 @@ for every shape, row count and thread count asked. Rounds rotate the order; a ca
 time per matrix (wall, or process CPU with --clock cpu) over `--iters` passes over its weights. Prints microseconds per matrix, the weight read rate
 (GB/s of the bytes each candidate stores) and the ratios to fp32 and to bf16.
 
+`--moe` times the routed experts instead, GLM-4.5-Air-like (hidden 4096, expert width 1408, `--experts` local
+experts, top-`--top-k` per token): mtp::moe_experts_fp8 on e4m3 experts + scales against mtp::moe_experts_local on
+bf16 and on fp32 experts, `--layers` distinct expert sets in turn (cold), same routing for all.
+
 `--conversions` compiles and runs a standalone C++ microbenchmark (g++, the library's flags) of three ways to turn
 e4m3 bytes into scaled fp32 inside a one-row dot product, on AVX-512 and AVX2 (each only if the CPU has it):
   fp16      the byte as the fp16 of q * 2^-8 (shift + mask), F16C vcvtph2ps, times s * 256 (what the kernels use)
@@ -91,6 +95,53 @@ def bench_ops(a: argparse.Namespace) -> None:
                 cells = [f"{med[c] * 1e6:.0f} ({size * n * k / med[c] / 1e9:.1f})" for c, (size, _, _) in cands.items()]
                 print(f"| {n} x {k} | {threads} | {m} | " + " | ".join(cells) +
                       f" | {med['fp8-op'] / med['fp32']:.2f} | {med['fp8-op'] / med['bf16-op']:.2f} |", flush=True)  # fmt: skip
+
+
+def _quantize_experts(w: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's parts (gate, up) quantized on their own, as the releases ship them."""
+    per = [[_quantize(p) for p in e.chunk(parts)] for e in w]
+    return (torch.stack([torch.cat([q for q, _ in e]) for e in per]),
+            torch.stack([torch.cat([s for _, s in e]) for e in per]))  # fmt: skip
+
+
+def bench_moe(a: argparse.Namespace) -> None:
+    from plugins.reference import dequantize_fp8_experts_ref
+
+    torch.manual_seed(0)
+    h, inter, e = 4096, 1408, a.experts
+    print(f"isa {plugins.cpp_ops.cpu_isa()}, {a.clock} time, load average {os.getloadavg()[0]:.1f}; hidden {h}, "
+          f"expert width {inter}, {e} experts, top-{a.top_k}, {a.layers} expert sets")  # fmt: skip
+    sets = []
+    for _ in range(a.layers):
+        gu, sgu = _quantize_experts(torch.randn(e, 2 * inter, h) * 0.02, 2)
+        dn, sdn = _quantize_experts(torch.randn(e, h, inter) * 0.02, 1)
+        full = (dequantize_fp8_experts_ref(gu, sgu, 2), dequantize_fp8_experts_ref(dn, sdn))
+        sets.append({"fp8": (gu, sgu, dn, sdn), "bf16": tuple(t.bfloat16() for t in full), "fp32": full})
+    clock = time.perf_counter if a.clock == "wall" else time.process_time
+    calls = {
+        "fp8": lambda x, ids, tw, w: torch.ops.mtp.moe_experts_fp8(x, ids, tw, *w, 0),
+        "bf16": lambda x, ids, tw, w: torch.ops.mtp.moe_experts_local(x, ids, tw, *w, 0),
+        "fp32": lambda x, ids, tw, w: torch.ops.mtp.moe_experts_local(x, ids, tw, *w, 0),
+    }
+    print("| tokens | fp8 us | bf16 us | fp32 us | fp8 / bf16 | fp8 / fp32 |\n|---:|---:|---:|---:|---:|---:|")
+    for t in a.rows:
+        x = torch.randn(t, h)
+        ids = torch.stack([torch.randperm(e)[: a.top_k] for _ in range(t)])
+        tw = torch.rand(t, a.top_k)
+        times: dict[str, list[float]] = {c: [] for c in calls}
+        names = list(calls)
+        for r in range(a.rounds):
+            for c in names[r % 3:] + names[: r % 3]:
+                per = []
+                for _ in range(a.iters):
+                    t0 = clock()
+                    for s in sets:
+                        calls[c](x, ids, tw, s[c])
+                    per.append((clock() - t0) / len(sets))
+                times[c].append(statistics.median(per))
+        med = {c: statistics.median(v) * 1e6 for c, v in times.items()}
+        print(f"| {t} | {med['fp8']:.0f} | {med['bf16']:.0f} | {med['fp32']:.0f} | {med['fp8'] / med['bf16']:.2f} | "
+              f"{med['fp8'] / med['fp32']:.2f} |", flush=True)  # fmt: skip
 
 
 CONVERSIONS_CPP = r"""
@@ -295,9 +346,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall time (what threads buy) or process CPU time (steadier on a loaded machine, 1 thread)")
     p.add_argument("--conversions", action="store_true", help="the e4m3 -> fp32 conversion microbenchmark (C++)")
+    p.add_argument("--moe", action="store_true", help="the routed experts (rows = tokens) instead of the linears")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2, help="--moe: distinct expert sets (2 x 8 experts: 277 MB fp8)")
     a = p.parse_args(argv)
     if a.conversions:
         bench_conversions()
+    elif a.moe:
+        bench_moe(a)
     else:
         bench_ops(a)
 
