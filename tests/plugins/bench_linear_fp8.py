@@ -18,7 +18,8 @@ bf16 and on fp32 experts, `--layers` distinct expert sets in turn (cold), same r
 
 `--conversions` compiles and runs a standalone C++ microbenchmark (g++, the library's flags) of three ways to turn
 e4m3 bytes into scaled fp32 inside a one-row dot product, on AVX-512 and AVX2 (each only if the CPU has it):
-  fp16      the byte as the fp16 of q * 2^-8 (shift + mask), F16C vcvtph2ps, times s * 256 (what the kernels use)
+  fp16      the byte as the fp16 of q * 2^-8 (shift + mask), F16C vcvtph2ps, times s * 256, NaN bytes fixed lane by
+            lane; "+ row NaN scan": without that fix, the row scanned for NaN bytes first (what the kernels do)
   fp32bits  the byte as the fp32 bits of q * 2^-120 (shift + mask; subnormal q become fp32 denormals), times s * 2^120
   gather    a 256-entry fp32 table read with a gather instruction, times s
   scalar    the portable table loop
@@ -269,6 +270,47 @@ T2 float d2_gather(const float* x, const uint8_t* w, const float* s, int64_t k) 
   }
   return hs(_mm256_add_ps(a0, a1));
 }
+// fp16 without the per-lane NaN fix, one scan of the row for NaN bytes first (what the kernels do)
+T512 float d512_fp16_scan(const float* x, const uint8_t* w, const float* s, int64_t k) {
+  __m512i most = _mm512_setzero_si512();
+  for (int64_t i = 0; i < k; i += 64) {
+    const __m512i b = _mm512_loadu_si512(w + i);
+    most = _mm512_max_epu8(most, _mm512_add_epi8(b, b));
+  }
+  if (_mm512_cmpeq_epi8_mask(most, _mm512_set1_epi8((char)0xfe))) return NAN;
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k; b += 128) {
+    const __m512 sv = _mm512_set1_ps(s[b / 128] * 256.0f);
+    for (int64_t i = b; i < b + 128; i += 32) {
+      __m256i h0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + i)));
+      __m256i h1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + i + 16)));
+      h0 = _mm256_and_si256(_mm256_slli_epi16(h0, 7), _mm256_set1_epi16((short)0xbf80));
+      h1 = _mm256_and_si256(_mm256_slli_epi16(h1, 7), _mm256_set1_epi16((short)0xbf80));
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_mul_ps(_mm512_cvtph_ps(h0), sv), a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_mul_ps(_mm512_cvtph_ps(h1), sv), a1);
+    }
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+T2 float d2_fp16_scan(const float* x, const uint8_t* w, const float* s, int64_t k) {
+  __m256i most = _mm256_setzero_si256();
+  for (int64_t i = 0; i < k; i += 32) {
+    const __m256i b = _mm256_loadu_si256((const __m256i*)(w + i));
+    most = _mm256_max_epu8(most, _mm256_add_epi8(b, b));
+  }
+  if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(most, _mm256_set1_epi8((char)0xfe)))) return NAN;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k; b += 128) {
+    const __m256 sv = _mm256_set1_ps(s[b / 128] * 256.0f);
+    for (int64_t i = b; i < b + 128; i += 16) {
+      __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + i)));
+      h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xbf80));
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), sv), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), sv), a1);
+    }
+  }
+  return hs(_mm256_add_ps(a0, a1));
+}
 float d_scalar(const float* x, const uint8_t* w, const float* s, int64_t k) {
   float a = 0;
   for (int64_t i = 0; i < k; i++) a += x[i] * (LUT[w[i]] * s[i / 128]);
@@ -282,8 +324,10 @@ int main() {
                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   const bool a2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   struct C { const char* name; F f; bool ok; } cs[] = {
-    {"avx512 fp16", d512_fp16, a512}, {"avx512 fp32bits", d512_fp32bits, a512}, {"avx512 gather", d512_gather, a512},
-    {"avx2 fp16", d2_fp16, a2}, {"avx2 fp32bits", d2_fp32bits, a2}, {"avx2 gather", d2_gather, a2},
+    {"avx512 fp16", d512_fp16, a512}, {"avx512 fp16 + row NaN scan", d512_fp16_scan, a512},
+    {"avx512 fp32bits", d512_fp32bits, a512}, {"avx512 gather", d512_gather, a512},
+    {"avx2 fp16", d2_fp16, a2}, {"avx2 fp16 + row NaN scan", d2_fp16_scan, a2}, {"avx2 fp32bits", d2_fp32bits, a2},
+    {"avx2 gather", d2_gather, a2},
     {"scalar table", d_scalar, true}};
   const int64_t K = 4096, N = 4096, NW = 6;
   std::mt19937 rng(1);
