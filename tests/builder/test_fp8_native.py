@@ -20,7 +20,7 @@ from safetensors import safe_open
 from builder import cli
 from models.engine_format import load_engine_config
 from models.engine_format.compiled import FP8_FORMAT, compiled_problem
-from models.testing import make_checkpoint, quantize_checkpoint_fp8, tiny_config
+from models.testing import make_checkpoint, quantize_checkpoint_fp8, tiny_config, tiny_mla_config
 from runtime.core.sampling import SamplingParams
 from runtime.executors.compiled_executor import CompiledExecutor
 from runtime.factory import create_engine
@@ -121,6 +121,36 @@ def test_weight_bytes_within_10_percent_of_the_checkpoint(fp8_engine, fp8_checkp
                       "weight_bytes": {g: graphs[g]["weight_bytes"] for g in GRAPHS}}))  # fmt: skip
     assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
     assert graphs["mtp_commit"]["weight_bytes"] < graphs["mtp_draft"]["weight_bytes"]
+
+
+# DeepSeek-V3's layout (MLA, q_lora, interleaved rope) with full and partial blocks; head 5's rope rows (124..131 of
+# q_b_proj: 8 heads x (14 nope + 8 rope)) straddle a 128-row block, so de-interleaving them at import moves rows
+# between blocks and q_b_proj must stay float (DeepSeek-V3's 128 + 64 heads never straddle); kv_b_proj feeds the
+# absorbed attention, not a linear, and stays float too.
+MLA = tiny_mla_config(hidden_size=160, intermediate_size=272, moe_intermediate_size=136, q_lora_rank=136,
+                      kv_lora_rank=144, qk_nope_head_dim=14, qk_rope_head_dim=8, v_head_dim=12, num_attention_heads=8,
+                      num_key_value_heads=8)  # fmt: skip
+
+
+def test_mla_fp8_engine_decodes_like_the_dequantized_model(tmp_path):
+    make_checkpoint(tmp_path / "float", MLA, seed=7)
+    quantize_checkpoint_fp8(tmp_path / "float", tmp_path / "fp8")
+    write_tokenizer(tmp_path / "fp8" / "tokenizer.json", MLA.vocab_size)
+    out = tmp_path / "engine"
+    argv = ["--checkpoint", str(tmp_path / "fp8"), "--output", str(out), "--compile", "aoti"]
+    for k, v in LIMITS.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    assert cli.main(argv) == 0
+    graphs = load_engine_config(out).build["compiled"]["graphs"]
+    # per layer q_a_proj, kv_a_proj_with_mqa, o_proj + 3 MLP / shared-expert linears (q_b_proj, kv_b_proj float)
+    assert [graphs[g]["fp8_linears"] for g in GRAPHS] == [12, 7, 2]
+    assert [graphs[g]["fp8_experts"] for g in GRAPHS] == [1, 1, 0]
+    engine = create_engine(checkpoint=tmp_path / "fp8", executor="torch", num_draft_tokens=0, block_size=4)
+    want = [o.output_ids for o in engine.generate(PROMPTS, PARAMS)]
+    for k in (0, 2):
+        engine = create_engine(out, num_draft_tokens=k, max_prefill_chunk=6)
+        assert isinstance(engine.executor, CompiledExecutor)
+        assert [o.output_ids for o in engine.generate(PROMPTS, PARAMS)] == want, f"K={k}"
 
 
 def test_a_missing_op_is_refused_in_one_line(fp8_engine, tmp_path):
