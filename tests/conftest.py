@@ -5,7 +5,10 @@ build (`make test-quick` deselects them; README "Tests")."""
 import inspect
 import os
 import re
+import shutil
+import subprocess
 import sys
+import sysconfig
 import types
 from pathlib import Path
 
@@ -43,6 +46,43 @@ def tiny_dp2tp2_ep4_engine(tmp_path_factory) -> Path:
             *TINY_TP_BUILD_FLAGS]  # fmt: skip
     assert cli.main(argv) == 0
     return out
+
+
+def run_checked(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.fixture(scope="session")
+def wheel_venv(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
+    """(venv, its site-packages, env): the wheel of a fresh `git clone` of this repository, built the documented way
+    (`pip wheel --no-deps --no-build-isolation`), installed into a new virtual environment outside the repository.
+    Shared by tests/test_wheel_install.py and tests/runtime/test_serve_install.py (one wheel build, minutes).
+
+    The new environment borrows this one's packages: a `.pth` in its site-packages names this environment's
+    site-packages directory. A plain directory line does not process that directory's `.pth` files, so this
+    repository's editable install (an import finder that would win over any path) never runs there, and the
+    repository is not importable: what runs is the wheel."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip(f"{ROOT} is not a git checkout (or git is missing): the wheel is built from a fresh clone of it")
+    tmp = tmp_path_factory.mktemp("wheel")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    run_checked([git, "clone", "--quiet", str(ROOT), str(tmp / "clone")], cwd=tmp, env=env, timeout=120)
+    run_checked([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir",
+                 str(tmp / "wheels"), str(tmp / "clone")], cwd=tmp, env=env, timeout=600)  # fmt: skip
+    (wheel,) = (tmp / "wheels").glob("mtp_engine-*.whl")
+    venv = tmp / "venv"
+    run_checked([sys.executable, "-m", "venv", str(venv)], cwd=tmp, env=env, timeout=120)
+    py = venv / "bin" / "python"
+    site = Path(run_checked([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                            cwd=tmp, env=env, timeout=60).stdout.strip())  # fmt: skip
+    (site / "_mtp_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # this env's packages
+    run_checked([str(py), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)], cwd=tmp, env=env,
+                timeout=300)  # fmt: skip
+    return venv, site, env
 
 
 @pytest.fixture(scope="session")
@@ -133,6 +173,9 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+SHARED_BUILD = re.compile(TIERS["build"].pattern + r'|"wheel"')  # session fixtures worth building once
+
+
 def xdist_groups(items) -> dict:
     """item -> the pytest-xdist worker group it runs in (`make test` runs `-n 2 --dist loadgroup`): a file's tests
     stay together (its module fixtures are built once), files that share an expensive session fixture (an engine
@@ -154,6 +197,6 @@ def xdist_groups(items) -> dict:
         if item.get_closest_marker("mpi"):
             union(file, "mpi")
         for name, defs in item._fixtureinfo.name2fixturedefs.items():
-            if any(d.scope == "session" and TIERS["build"].search(_reached_source(d.func)) for d in defs):
+            if any(d.scope == "session" and SHARED_BUILD.search(_reached_source(d.func)) for d in defs):
                 union(file, f"fixture:{name}")
     return {item: find(item.nodeid.split("::")[0]) for item in items}

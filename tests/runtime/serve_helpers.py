@@ -132,14 +132,17 @@ class MtpServe:
     """`python -m runtime.serving.triton_server ...` as a subprocess: the real CLI, signals and children."""
 
     def __init__(self, repo_dir: Path, ports: list[int], *extra: str, checkpoint: Path = TINY,
-                 pythonpath: Path = ROOT) -> None:  # fmt: skip
+                 pythonpath: Path | None = ROOT, python: Path | None = None) -> None:  # fmt: skip
         self.ports = ports
         self.out_path = repo_dir.parent / f"{repo_dir.name}.mtp-serve.out"
-        cmd = [sys.executable, "-m", "runtime.serving.triton_server", "--checkpoint", str(checkpoint),
+        cmd = [str(python or sys.executable), "-m", "runtime.serving.triton_server", "--checkpoint", str(checkpoint),
                "--num-draft-tokens", "2", "--torch-threads", "1", "--model-repo", str(repo_dir),
                "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
                "--ready-timeout", "90", *extra]  # fmt: skip
-        env = dict(os.environ, PYTHONPATH=str(pythonpath), OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("PYTHONPATH", None)
+        if pythonpath is not None:
+            env["PYTHONPATH"] = str(pythonpath)
         self.out = open(self.out_path, "wb")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=env, cwd=repo_dir.parent)
         self.server_pid = 0

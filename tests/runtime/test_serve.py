@@ -68,7 +68,7 @@ def test_generate_only_writes_a_decoupled_python_model(tmp_path):
                  "--generate-only"]) == 0  # fmt: skip
     config = (tmp_path / MODEL_NAME / "config.pbtxt").read_text()
     assert 'backend: "python"' in config and "decoupled: true" in config
-    assert f'value: {{ string_value: "{TINY}" }}' in config and 'string_value: "torch"' in config
+    assert f'value: {{ string_value: "{TINY}" }}' in config and 'string_value: "auto"' in config  # resolved at load
     assert (tmp_path / MODEL_NAME / "1" / "model.py").is_file()
 
 

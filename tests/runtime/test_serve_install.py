@@ -1,30 +1,25 @@
-"""The installed package serves outside a checkout: build the wheel, install it into a bare directory, run
-mtp-serve from elsewhere with only that directory on the path, and check that the stub imported it."""
+"""The installed package serves outside a checkout: the wheel of a fresh clone, installed into a new virtual
+environment (the `wheel_venv` fixture, tests/conftest.py), runs mtp-serve from elsewhere with that environment's
+Python, and the Triton stub imports the installed package, not this repository."""
 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 
 import pytest
 
 from runtime.serving.triton_server import free_ports
 from tests.runtime import serve_helpers as h
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 
-def test_installed_wheel_serves_outside_the_checkout(tmp_path):
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(h.ROOT)],
-                   check=True, cwd=tmp_path, capture_output=True)  # fmt: skip
-    wheel = next((tmp_path / "dist").glob("mtp_engine-*.whl"))
-    site = tmp_path / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True)
+def test_installed_wheel_serves_outside_the_checkout(wheel_venv, tmp_path):
+    venv, site, _ = wheel_venv
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    serve = h.MtpServe(outside / "repo", free_ports(3), checkpoint=site / "models" / "tiny", pythonpath=site)
+    serve = h.MtpServe(outside / "repo", free_ports(3), checkpoint=site / "models" / "tiny", pythonpath=None,
+                       python=venv / "bin" / "python")  # fmt: skip
     try:
         serve.wait_ready()
         responses, error = h.generate(serve.ports[1], "def main(", 4)
