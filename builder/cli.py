@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from builder.compile_check import check_compiled
-from builder.options import BACKENDS, COMPILES, DTYPES, BuildError, BuildOptions
+from builder.options import BACKENDS, COMPILES, DTYPES, BuildError, BuildOptions, default_ep_size
 from builder.pipeline import BuildInterrupted, build
 from builder.validate import check_tokenizer_config
 from models.checkpoint import CheckpointError
@@ -157,7 +157,7 @@ def _run(args: argparse.Namespace, err: Console) -> int:
         return 2
     ep_size = args.ep_size
     if ep_size is None:  # the only valid values with tp > 1 are tp-size and world-size: the TP group's is the default
-        ep_size = args.tp_size if args.tp_size > 1 else 1
+        ep_size = default_ep_size(args.tp_size)
         if ep_size > 1:
             console.print(f"--ep-size not given: using --ep-size {ep_size} (= --tp-size: the routed experts are split "
                           "over each TP group)", highlight=False)  # fmt: skip

@@ -25,6 +25,12 @@ COMPILES = ("auto", "none", "aoti")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def default_ep_size(tp_size: int) -> int:
+    """--ep-size when not given: with tp > 1 the only valid values are tp-size and world-size, and the TP group's is
+    the default; else 1. The one rule mtp-build and `build_engine` follow."""
+    return tp_size if tp_size > 1 else 1
+
+
 class BuildError(ValueError):
     """A build that cannot proceed; the message names the problem and the fix."""
 

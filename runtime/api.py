@@ -204,11 +204,11 @@ def build_engine(
     EngineDirError (ValueErrors, one line each) for bad options, a bad checkpoint or an OUTPUT it will not
     replace (force=True replaces an engine directory, never anything else); BuildInterrupted on SIGINT / SIGTERM.
     """
-    from builder.options import BuildOptions
+    from builder.options import BuildOptions, default_ep_size
     from builder.pipeline import Reporter, build
 
     if ep_size is None:
-        ep_size = tp_size if tp_size > 1 else 1
+        ep_size = default_ep_size(tp_size)
     opts = BuildOptions(checkpoint=Path(checkpoint), output=Path(output), backend=backend, dtype=dtype,
                         max_batch=max_batch, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                         kv_block_size=kv_block_size, num_draft_tokens=num_draft_tokens, world_size=world_size,

@@ -55,7 +55,7 @@ def _why_rebuild(engine: Path) -> str | None:
         problem = compiled_problem(load_engine_config(engine))
     except EngineDirError as e:
         return f"unreadable: {e}"
-    return None if problem is None else problem.split(" (")[0].split(";")[0]
+    return problem
 
 
 if __name__ == "__main__":
