@@ -2,6 +2,7 @@
 tiers: the one place that marks every test that launches mpirun, a server, an AOTInductor compile or an engine
 build (`make test-quick` deselects them; README "Tests")."""
 
+import functools
 import inspect
 import os
 import re
@@ -137,6 +138,7 @@ def _names(code: types.CodeType) -> set[str]:
     return set(code.co_names).union(*(_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
 
 
+@functools.cache  # ~1100 tests share a few hundred fixtures and helpers: read each once
 def _reached_source(func, depth: int = 3) -> str:
     """func's source and that of the test-suite functions and classes it names, `depth` references deep (the
     helpers under tests/ that launch things; library code is not followed: its messages mention mpirun too)."""
