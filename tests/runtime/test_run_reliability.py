@@ -120,6 +120,14 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _default_sigint() -> None:
+    """A child inherits an ignored SIGINT (a job started with `&` by a non-interactive shell has it ignored, and so
+    has everything it starts), and Python then keeps ignoring it instead of raising KeyboardInterrupt, as nohup'd
+    Unix tools should: mtp-run ran all its prompts and exited 0 in such runs. Ctrl-C from a terminal is what this
+    test means, so the child gets the default disposition back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_prints_what_finished(tmp_path):
     """Ctrl-C used to print a KeyboardInterrupt traceback and lose every --json result."""
     prompts = tmp_path / "prompts.txt"
@@ -127,7 +135,7 @@ def test_sigint_prints_what_finished(tmp_path):
     prompts.write_text("".join(f"def f{i}(\n" for i in range(n)))
     proc = subprocess.Popen([str(MTP_RUN), "--checkpoint", str(TINY), "--prompts-file", str(prompts), "--max-tokens",
                              "128", "--max-batch", "1", "--no-prefix-caching", "--json"], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=_default_sigint)  # fmt: skip
     try:
         # An event, not a wall-clock sleep: the process's own CPU time (load-independent) shows it has loaded and run
         # requests, about 0.5 s of CPU each, so some (not all 300) are done; a loaded machine only stretches the wait.
