@@ -340,3 +340,44 @@ def test_missing_library_says_how_to_build(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(cpp_ops, "LIBRARY", tmp_path / "libmtp_ops.so")
     with pytest.raises(ImportError, match=r"^mtp: the C\+\+ plugin library is not built; run `make install`$"):
         cpp_ops.load()
+
+
+def _thread_cpu_ticks() -> dict[int, int]:
+    """Each thread of this process -> its user + system CPU time so far, in clock ticks (/proc)."""
+    from pathlib import Path
+
+    ticks = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+        ticks[int(task.name)] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def test_kernels_run_on_the_threads_torch_is_given() -> None:
+    """The kernels split their work with at::parallel_for, a header template whose OpenMP backend is a `#pragma omp
+    parallel`: built without -fopenmp (as the library was until round 10) it ran every kernel on the calling thread
+    alone. With two threads, another thread must do a share of a weight-bound linear (it is half the work, so the
+    call cannot return without it: this holds on a loaded machine too)."""
+    import threading
+    import time
+
+    w = torch.randn(4096, 4096).to(torch.bfloat16)
+    x = torch.randn(1, 4096)
+    before_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        torch.ops.mtp.linear_bf16(x, w, None)  # the OpenMP pool starts
+        time.sleep(0.2)  # its spinning workers go to sleep
+        me = threading.get_native_id()
+        before = _thread_cpu_ticks()
+        for _ in range(60):
+            torch.ops.mtp.linear_bf16(x, w, None)
+        after = _thread_cpu_ticks()
+    finally:
+        torch.set_num_threads(before_threads)
+    delta = {t: after[t] - before.get(t, 0) for t in after}
+    others = sum(d for t, d in delta.items() if t != me)
+    assert others >= 0.2 * sum(delta.values()) and others > 0, f"CPU ticks per thread during the calls: {delta}"
