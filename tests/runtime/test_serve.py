@@ -174,4 +174,6 @@ def test_huge_prompt_is_refused_before_tokenizing_and_does_not_stall_streams(ser
     assert not responses
     assert refused_s < 10, f"refusing the 10 MB prompt took {refused_s:.1f} s"
     assert result["s"][1] is None, result["s"][1]
-    assert gaps and max(gaps) < 2.0, f"a running stream stalled {max(gaps):.1f} s while the big prompt arrived"
+    # Tokenizing it on the loop stalled streams ~15 s on a quiet machine (longer loaded); 6 s is far below that and
+    # far above what a loaded 2-core machine's scheduling adds (2.5 s seen at load 8, which 2.0 here used to fail).
+    assert gaps and max(gaps) < 6.0, f"a running stream stalled {max(gaps):.1f} s while the big prompt arrived"
