@@ -53,12 +53,14 @@ install: $(STAMP) $(OPS_LIB)
 TEST_WORKERS ?= 2
 QUICK        := not (mpi or server or compile or build or slow or gpu)
 PYTEST       := $(PY) -m pytest -q -p no:cacheprovider
+# the groups' order is tests/conftest.py's (costliest first), not pytest-xdist's by test count
+XDIST        := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 test: install
-	$(PYTEST) --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) tests
+	$(PYTEST) --durations=25 $(XDIST) tests
 
 test-quick: install
-	$(PYTEST) --durations=10 -m "$(QUICK)" tests
+	$(PYTEST) --durations=10 $(XDIST) -m "$(QUICK)" tests
 
 lint: $(STAMP)
 	.venv/bin/ruff check builder plugins runtime models tests

@@ -167,12 +167,35 @@ def tiers_of(item) -> set[str]:
     return {tier for tier, pattern in TIERS.items() if pattern.search(source)}
 
 
+# tryfirst: pytest-xdist's own hook turns each item's xdist_group mark into its node id's `@group` suffix (what
+# --dist loadgroup schedules by), so the marks must be on the items before it runs.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for tier in sorted(tiers_of(item) - {m.name for m in item.iter_markers()}):
             item.add_marker(tier)
-    for item, group in xdist_groups(items).items():
+    groups = xdist_groups(items)
+    for item, group in groups.items():
         item.add_marker(pytest.mark.xdist_group(group))
+    items[:] = costliest_groups_first(items, groups)
+
+
+# A test's rough cost by tier, in seconds on the 2-core machine: the scale of the measured means (an mpirun test
+# 10-30 s, a compiled build minutes, a unit test well under 1 s), used only to order the groups.
+TIER_COST = {"compile": 60.0, "mpi": 20.0, "build": 15.0, "slow": 15.0, "server": 5.0}
+
+
+def costliest_groups_first(items, groups: dict) -> list:
+    """The items reordered group by group, the costliest group first (each group's items keep their order). The
+    Makefile runs pytest-xdist with --no-loadscope-reorder, so its workers take the groups in this order: the long
+    ones start at once instead of ending the run alone (its own order is by test count, which put a one-test
+    multi-minute file last)."""
+    cost: dict[str, float] = {}
+    for item in items:
+        marks = {m.name for m in item.iter_markers()}
+        cost[groups[item]] = cost.get(groups[item], 0.0) + max([0.5] + [c for t, c in TIER_COST.items() if t in marks])
+    order = {g: i for i, g in enumerate(sorted(cost, key=lambda g: -cost[g]))}
+    return sorted(items, key=lambda item: order[groups[item]])  # stable: a group's own order stays
 
 
 SHARED_BUILD = re.compile(TIERS["build"].pattern + r'|"wheel"')  # session fixtures worth building once
