@@ -58,7 +58,7 @@ class Event:
     accepted_per_step: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_proposed: int | None = None  # drafts verified so far (auto K varies per step)
-    error: str | None = None  # set: the request failed (bad request at admission, step failure, shutdown)
+    error: str | None = None  # set: the request failed (bad request at admission, the engine aborted it, shutdown)
     bad_request: bool = False
     output_ids: list[int] | None = None  # every generated id: on the final event of a finished request only
     new_logprobs: list = field(default_factory=list)  # TokenLogprob per new token (when asked for)
@@ -67,8 +67,11 @@ class Event:
     @classmethod
     def of(cls, out: RequestOutput) -> Event:
         lps = out.logprobs
+        # finish_reason "error": the engine aborted this request alone (a grammar that refused the sampled token,
+        # non-finite logits, ...): its reason goes to the client as an error, never as a clean "stop"
         return cls(list(out.new_token_ids), out.text, out.finished, out.finish_reason, out.num_steps,
                    list(out.accepted_per_step), out.num_cached_tokens, out.num_proposed,
+                   error=out.error if out.finish_reason == "error" else None,
                    output_ids=out.output_ids if out.finished else None,
                    new_logprobs=lps[len(lps) - len(out.new_token_ids) :] if lps else [],
                    prompt_logprobs=out.prompt_logprobs)  # fmt: skip

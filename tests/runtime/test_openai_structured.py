@@ -148,3 +148,19 @@ def test_bad_constraints_are_400(client, extra, needle, param):
         _complete(client, "hi", extra_body=extra)
     assert needle in e.value.message and e.value.body["param"] == param
     assert "/project/cpp" not in e.value.message
+
+
+def test_an_engine_failure_reaches_the_client_as_an_error(client):
+    """`{"$ref": "#"}` compiles to a grammar that admits no token: the engine aborts that request alone ("the grammar
+    refused emitted token ..."). The client used to get 200, empty text and finish_reason "stop"; now a 500 naming
+    the failure, or an error event in a stream, and the server goes on serving."""
+    bad = {"response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}}
+    with pytest.raises(openai.InternalServerError) as e:
+        _complete(client, "hi", max_tokens=8, extra_body=bad)
+    assert "grammar refused" in e.value.message, e.value.message
+    stream = client.completions.create(model="tiny", prompt="hi", max_tokens=8, temperature=0, stream=True,
+                                       extra_body=bad)  # fmt: skip
+    with pytest.raises(openai.APIError, match="grammar refused"):
+        for chunk in stream:
+            assert chunk.choices[0].finish_reason != "stop", chunk
+    assert _complete(client, "def main(", max_tokens=4).choices[0].finish_reason == "length"

@@ -207,8 +207,8 @@ class ChoiceSet:
                     self._observe(c, ev)
                     if ev.finished:
                         break
-                if c.last is not None and c.last.error:
-                    return (400 if c.last.bad_request else 503, c.last.error)
+                if c.last is not None and c.last.error:  # 400: refused at admission; 500: the engine failed it
+                    return (400 if c.last.bad_request else 500 if c.last.finish_reason == "error" else 503, c.last.error)
         finally:
             watcher.cancel()
             self.abort_unfinished()
