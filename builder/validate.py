@@ -18,7 +18,14 @@ from pathlib import Path
 import torch
 
 from builder.options import BuildError
-from models.engine_format import CONFIG_NAME, MANIFEST_NAME, EngineDirError, load_engine_config, looks_like_engine_dir
+from models.engine_format import (
+    CONFIG_NAME,
+    MANIFEST_NAME,
+    EngineDirError,
+    load_engine_config,
+    looks_like_engine_dir,
+    manifest_files,
+)
 from models.tokenizer_config import TokenizerConfigError, check_chat_template
 from plugins.kv_pool import KVPoolGeometry
 
@@ -66,6 +73,11 @@ def check_output(checkpoint: Path, output: Path, force: bool) -> None:
             "it, even with --force. Choose another path, or empty it yourself"
         )
     foreign = foreign_files(output)
+    if foreign is None:  # an engine's config.json beside a missing or damaged manifest.json
+        if not force:
+            raise BuildError(f"--output {output} is an engine directory whose {MANIFEST_NAME} is missing or damaged; "
+                             "pass --force to replace it, or choose another --output")  # fmt: skip
+        return
     if foreign:
         shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
         raise BuildError(f"--output {output} is an engine directory but holds files mtp-build did not write: {shown}; "
@@ -78,18 +90,19 @@ def check_output(checkpoint: Path, output: Path, force: bool) -> None:
                              "or choose another --output") from e  # fmt: skip
 
 
-def foreign_files(engine_dir: Path) -> list[str]:
-    """Files under an engine directory that neither its config nor its manifest lists (sorted, relative)."""
-    listed = set(ENGINE_METADATA)
-    for name in ENGINE_METADATA:
-        try:
-            raw = json.loads((engine_dir / name).read_text())
-        except (OSError, ValueError):
-            continue
-        for key in ("sha256", "files"):  # the manifest's checksums (and the files a schema-1 config listed)
-            files = raw.get(key) if isinstance(raw, dict) else None
-            if isinstance(files, dict):
-                listed.update(str(k) for k in files)
+def foreign_files(engine_dir: Path) -> list[str] | None:
+    """Files under an engine directory that neither its manifest nor (schema 1) its config lists, sorted and
+    relative; None when neither lists any (a damaged manifest.json): which files are mtp-build's is then unknown."""
+    tables = [manifest_files(engine_dir)]
+    try:
+        raw = json.loads((engine_dir / CONFIG_NAME).read_text())
+        tables.append(raw.get("files") if isinstance(raw, dict) else None)
+    except (OSError, ValueError):
+        pass
+    known = [t for t in tables if isinstance(t, dict)]
+    if not known:
+        return None
+    listed = set(ENGINE_METADATA).union(*(map(str, t) for t in known))
     present = (p for p in engine_dir.rglob("*") if p.is_file() or p.is_symlink())
     return sorted(rel for rel in (str(p.relative_to(engine_dir)) for p in present) if rel not in listed)
 

@@ -14,12 +14,17 @@ Documented in docs/ENGINE_FORMAT.md. The names below are re-exported for conveni
 """
 
 from models.engine_format.config import CONFIG_NAME, MANIFEST_NAME, SCHEMA_VERSION, EngineConfig, Limits, Parallel
-from models.engine_format.directory import load_engine_config, looks_like_engine_dir, write_engine_config
+from models.engine_format.directory import (
+    load_engine_config,
+    looks_like_engine_dir,
+    manifest_files,
+    write_engine_config,
+)
 from models.engine_format.layout import KVLayout, StateLayout, table_width
 from models.engine_format.paths import EngineDirError, rank_dir, safe_path
 
 __all__ = [
     "CONFIG_NAME", "MANIFEST_NAME", "SCHEMA_VERSION", "EngineConfig", "EngineDirError", "KVLayout", "Limits",
-    "StateLayout", "Parallel", "load_engine_config", "looks_like_engine_dir", "rank_dir", "safe_path", "table_width",
+    "StateLayout", "Parallel", "load_engine_config", "looks_like_engine_dir", "manifest_files", "rank_dir", "safe_path", "table_width",
     "write_engine_config",
 ]  # fmt: skip

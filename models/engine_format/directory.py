@@ -41,12 +41,30 @@ def write_engine_config(cfg: EngineConfig) -> Path:
 
 
 def looks_like_engine_dir(path: Path) -> bool:
-    """An engine directory of any schema version (what a rebuild may replace without --force)."""
+    """An engine directory of any schema version (what a rebuild may replace): its config.json has the engine
+    format's fields, or, when that file is damaged (truncated by a full disk, edited), its manifest.json is one. The
+    runtime's advice for a damaged config is a rebuild with --force, which must then be allowed."""
+    return _json_has(path / CONFIG_NAME, "schema_version", "graphs") or manifest_files(path) is not None
+
+
+def manifest_files(path: Path) -> dict | None:
+    """manifest.json's file -> sha256 table, or None when it is missing or not a manifest."""
+    raw = _json_or_none(path / MANIFEST_NAME)
+    files = raw.get("sha256") if raw is not None else None
+    return files if isinstance(files, dict) else None
+
+
+def _json_has(path: Path, *keys: str) -> bool:
+    raw = _json_or_none(path)
+    return raw is not None and all(k in raw for k in keys)
+
+
+def _json_or_none(path: Path) -> dict | None:
     try:
-        raw = json.loads((path / CONFIG_NAME).read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return isinstance(raw, dict) and "schema_version" in raw and "graphs" in raw
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

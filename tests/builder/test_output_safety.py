@@ -88,6 +88,24 @@ def test_incomplete_engine_needs_force(checkpoint, engine, tmp_path):
     check_output(tiny_opts(checkpoint, copy, force=True))
 
 
+@pytest.mark.parametrize("damaged", ["config.json", "manifest.json"])
+def test_the_advised_force_rebuild_replaces_a_damaged_engine(checkpoint, engine, tmp_path, damaged):
+    """A truncated config.json or manifest.json (a full disk): every loader says "rebuild it with `mtp-build ...
+    --force`", and that command used to refuse ("was not written by mtp-build ... even with --force")."""
+    from models.engine_format import EngineDirError, load_engine_config
+
+    copy = tmp_path / "engine"
+    shutil.copytree(engine, copy)
+    text = (copy / damaged).read_text()
+    (copy / damaged).write_text(text[: len(text) // 2])
+    with pytest.raises(EngineDirError) as e:
+        load_engine_config(copy)
+    assert "--force" in str(e.value), e.value  # the advice
+    with pytest.raises(BuildError, match="pass --force to replace it"):
+        check_output(tiny_opts(checkpoint, copy))
+    check_output(tiny_opts(checkpoint, copy, force=True))  # what the advice says now works
+
+
 def test_complete_engine_and_empty_dir_may_be_replaced(checkpoint, engine, tmp_path):
     check_output(tiny_opts(checkpoint, engine))
     (tmp_path / "empty").mkdir()
