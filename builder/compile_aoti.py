@@ -17,6 +17,10 @@ weights it would still upcast per step (uses no bf16-reading op serves) overflow
 FP8 checkpoints (DeepSeek-V3, GLM-4.5-FP8): the dense linears whose release weight is FP8 keep it, e4m3 bytes plus
 the 128 x 128 block scales (`fp8_weights`, given the raw weights models.checkpoint.load_fp8_weights read), and call
 `mtp::linear_fp8`, which converts in registers with fp32 math: exact up to summation order, 1 byte per weight.
+
+`--quantize int8` (`int8_weights`): the dense linears' fp32 weights are quantized at build time, symmetric per output
+channel (plugins/reference.py quantize_int8), stored int8 + fp32 scales and read by `mtp::linear_int8` (fp32 math):
+1 byte per weight, lossy (the engine decodes its own quantized model, which `mtp-build --check` probes against).
 """
 
 from __future__ import annotations
@@ -37,11 +41,11 @@ from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 from builder.export import dynamic_shapes
 from builder.graphs import SPECS, WRAPPERS, example_inputs
 from builder.options import BuildError
-from models.engine_format.compiled import AOTI_KIND, FP8_FORMAT, host_isa
+from models.engine_format.compiled import AOTI_KIND, FP8_FORMAT, INT8_FORMAT, host_isa
 from models.fp8 import Fp8Weight
 from models.glm4_moe import Glm4MoeMTPModel
 from plugins.kv_pool import KVPoolGeometry
-from plugins.reference import dequantize_fp8_experts_ref, dequantize_fp8_ref
+from plugins.reference import dequantize_fp8_experts_ref, dequantize_fp8_ref, quantize_int8
 
 # Inductor settings of every package (recorded in config.json). Freezing folds weights into constants and
 # prepacks the fp32 GEMMs for MKL; it would fold a bf16->fp32 upcast into fp32 constants, so bf16 weights
@@ -157,14 +161,7 @@ def fp8_weights(program: torch.export.ExportedProgram, fp8: Mapping[str, Fp8Weig
     "fp8_linears": linears rewritten, "fp8_experts": experts nodes rewritten}."""
     sig, graph = program.graph_signature, program.graph_module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    first_user = next((i for i, spec in enumerate(sig.input_specs) if spec.kind == InputKind.USER_INPUT),
-                      len(placeholders))  # fmt: skip
-    anchor = placeholders[first_user] if first_user < len(placeholders) else None
-    fake = detect_fake_mode(tuple(n.meta["val"] for n in placeholders))
-
-    def uses(node: torch.fx.Node) -> list[torch.fx.Node]:
-        return [u for u in node.users if u.target is not torch.ops.aten._assert_tensor_metadata.default]
-
+    uses = _uses
     chosen: dict[torch.fx.Node, tuple[str, Fp8Weight]] = {}
     for node in placeholders:
         key = sig.inputs_to_parameters.get(node.name)
@@ -179,20 +176,8 @@ def fp8_weights(program: torch.export.ExportedProgram, fp8: Mapping[str, Fp8Weig
     while drop := [n for n in chosen if not all(_fp32_linear(u, n) or _fp8_experts(u, n, chosen) for u in uses(n))]:
         for n in drop:  # an experts node whose other weight is not FP8 keeps both float
             del chosen[n]
-    scales: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node, (key, raw) in chosen.items():
-        program.state_dict[key] = torch.nn.Parameter(raw.weight, requires_grad=False)
-        node.meta["val"] = fake.from_tensor(raw.weight, static_shapes=True) if fake else raw.weight
-        with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after(placeholders[-1]):
-            scale = scales[node] = graph.placeholder(f"{node.name}_scale_inv")
-        scale.target = scale.name
-        scale.meta["val"] = fake.from_tensor(raw.scale_inv, static_shapes=True) if fake else raw.scale_inv
-        target = f"{key}_scale_inv"
-        sig.input_specs.insert(first_user, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(scale.name), target))
-        first_user += 1
-        program.constants[target] = raw.scale_inv
-        for user in [u for u in node.users if u not in uses(node)]:
-            graph.erase_node(user)  # export's check that the weight is fp32: no longer true, by design
+    scales = _store_quantized(program, {node: (key, raw.weight, raw.scale_inv, "_scale_inv")
+                                        for node, (key, raw) in chosen.items()})  # fmt: skip
     linears = experts = 0
     for node in list(graph.nodes):
         args: tuple[Any, ...]
@@ -220,6 +205,81 @@ def fp8_weights(program: torch.export.ExportedProgram, fp8: Mapping[str, Fp8Weig
 
 
 _EXPERTS = torch.ops.mtp.moe_experts.default
+
+
+def _uses(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """node's users but export's dtype checks (`_assert_tensor_metadata`)."""
+    return [u for u in node.users if u.target is not torch.ops.aten._assert_tensor_metadata.default]
+
+
+def _store_quantized(program: torch.export.ExportedProgram,
+                     stored: Mapping[torch.fx.Node, tuple[str, torch.Tensor, torch.Tensor, str]]
+                     ) -> dict[torch.fx.Node, torch.fx.Node]:  # fmt: skip
+    """For each parameter placeholder -> (its state_dict key, the quantized weight, its scales, a suffix): store the
+    weight in place of the float parameter and the scales as a new constant input `<key><suffix>` (placed before
+    the user inputs, as export orders them). Drops export's fp32 checks of those weights (no longer true, by design).
+    Returns placeholder -> its scales' placeholder; the caller rewrites the uses."""
+    sig, graph = program.graph_signature, program.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    first_user = next((i for i, spec in enumerate(sig.input_specs) if spec.kind == InputKind.USER_INPUT),
+                      len(placeholders))  # fmt: skip
+    anchor = placeholders[first_user] if first_user < len(placeholders) else None
+    fake = detect_fake_mode(tuple(n.meta["val"] for n in placeholders))
+    scales: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node, (key, weight, scale_value, suffix) in stored.items():
+        program.state_dict[key] = torch.nn.Parameter(weight, requires_grad=False)
+        node.meta["val"] = fake.from_tensor(weight, static_shapes=True) if fake else weight
+        with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after(placeholders[-1]):
+            scale = scales[node] = graph.placeholder(f"{node.name}{suffix}")
+        scale.target = scale.name
+        scale.meta["val"] = fake.from_tensor(scale_value, static_shapes=True) if fake else scale_value
+        target = f"{key}{suffix}"
+        sig.input_specs.insert(first_user, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(scale.name), target))
+        first_user += 1
+        program.constants[target] = scale_value
+        for user in [u for u in node.users if u not in _uses(node)]:
+            graph.erase_node(user)
+    return scales
+
+
+# --quantize int8 leaves these float: the embeddings and the LM head (their error reaches every logit directly; the
+# usual weight-only practice) and the MoE router (`mlp.gate`: its scores pick the experts, a flip changes the route).
+INT8_KEPT_FLOAT = ("embed_tokens.weight", "lm_head.weight", ".mlp.gate.weight")
+
+
+def int8_weights(program: torch.export.ExportedProgram, prefix: str = "model.") -> dict[str, Any]:
+    """`mtp-build --quantize int8`: store every fp32 weight [N, K] whose uses are all fp32 linears (attention
+    projections, dense MLPs, shared experts, eh_proj) as int8 + one fp32 scale per output row (plugins/reference.py
+    quantize_int8; the constant `<weight>_int8_scale`) and rewrite those linears into `mtp::linear_int8`; the
+    embeddings, the LM head and the router stay float (INT8_KEPT_FLOAT), as do the routed experts (no int8 experts
+    op yet). Run it before `bf16_weights`. Returns {"int8_weights": count, "int8_linears": linears rewritten,
+    "int8_names": the quantized weights' names less `prefix` (the checkpoint's), for `mtp-build --check`}."""
+    sig, graph = program.graph_signature, program.graph_module.graph
+    stored: dict[torch.fx.Node, tuple[str, torch.Tensor, torch.Tensor, str]] = {}
+    for node in [n for n in graph.nodes if n.op == "placeholder"]:
+        key = sig.inputs_to_parameters.get(node.name)
+        value = program.state_dict.get(key) if key else None
+        if value is None or value.dtype != torch.float32 or value.dim() != 2 or key.endswith(INT8_KEPT_FLOAT):
+            continue
+        if _uses(node) and all(_fp32_linear(u, node) for u in _uses(node)):
+            stored[node] = (key, *quantize_int8(value.detach()), "_int8_scale")
+    scales = _store_quantized(program, stored)
+    linears = 0
+    for node in list(graph.nodes):
+        if node.target is _LINEAR and node.args[1] in scales:
+            w = node.args[1]
+            assert isinstance(w, torch.fx.Node)
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            with graph.inserting_before(node):
+                new = graph.call_function(torch.ops.mtp.linear_int8.default, (node.args[0], w, scales[w], bias))
+            new.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            linears += 1
+    graph.lint()
+    program.graph_module.recompile()
+    names = sorted(key.removeprefix(prefix) for key, *_ in stored.values())
+    return {"int8_weights": len(stored), "int8_linears": linears, "int8_names": names}
 
 
 def _fp32_linear(node: torch.fx.Node, weight: torch.fx.Node) -> bool:
@@ -287,13 +347,17 @@ def model_weights(model: Glm4MoeMTPModel) -> str:
 
 
 def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, path: Path,
-                  weights: str, fp8: Mapping[str, Fp8Weight] | None = None) -> dict[str, Any]:  # fmt: skip
+                  weights: str, fp8: Mapping[str, Fp8Weight] | None = None,
+                  quantize: str = "none") -> dict[str, Any]:  # fmt: skip
     """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json).
-    fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them."""
+    fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them.
+    quantize "int8": the dense linears' weights stored int8 (`int8_weights`)."""
 
     def convert(program: torch.export.ExportedProgram, bf16: bool) -> dict[str, Any]:
         stats: dict[str, Any] = (fp8_weights(program, fp8) if fp8
                                  else {"fp8_weights": 0, "fp8_linears": 0, "fp8_experts": 0})  # fmt: skip
+        if quantize == "int8":
+            stats.update(int8_weights(program))
         return {**stats, **(bf16_weights(program) if bf16 else {"bf16_weights": 0})}
 
     try:
@@ -320,18 +384,24 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
 def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, rdir: Path, work: Path,
                  graphs: dict[str, dict[str, str]], weights: str,
                  track: Callable[[Sequence[str], str], Iterable[str]] = lambda items, what: items,
-                 fp8: Mapping[str, Fp8Weight] | None = None) -> dict[str, Any]:  # fmt: skip
+                 fp8: Mapping[str, Fp8Weight] | None = None, quantize: str = "none") -> dict[str, Any]:  # fmt: skip
     """Compile every graph of this rank next to its ONNX files; adds `aoti` paths to `graphs`. `track` shows the
     graphs as a progress bar (the builder's reporter); each graph's compile time goes into its record. fp8: the
-    rank's FP8 weights as released; when some graph stores them, the record's `fp8` says how (FP8_FORMAT)."""
+    rank's FP8 weights as released; when some graph stores them, the record's `fp8` says how (FP8_FORMAT).
+    quantize "int8": the record's `int8` says how (INT8_FORMAT), with the op and the quantized weights' names."""
     info: dict[str, Any] = {}
     for name in track(list(graphs), "AOTInductor compile"):
         path = rdir / f"{name}.{AOTI_KIND}.pt2"
         t0 = time.perf_counter()
-        info[name] = compile_graph(name, model, geom, max_blocks, path, weights, fp8)
+        info[name] = compile_graph(name, model, geom, max_blocks, path, weights, fp8, quantize)
         info[name]["seconds"] = round(time.perf_counter() - t0, 1)
         graphs[name][AOTI_KIND] = str(path.relative_to(work))
     record = {"graphs": info, "isa": host_isa(), "torch_version": torch.__version__, "weights": weights}
     ops = [op for op, n in (("linear_fp8", "fp8_linears"), ("moe_experts_fp8", "fp8_experts"))
            if any(g[n] for g in info.values())]  # fmt: skip
-    return {**record, "fp8": {**FP8_FORMAT, "ops": ops}} if ops else record
+    if ops:
+        record["fp8"] = {**FP8_FORMAT, "ops": ops}
+    int8_names = sorted({w for g in info.values() for w in g.pop("int8_names", [])})
+    if int8_names:
+        record["int8"] = {**INT8_FORMAT, "ops": ["linear_int8"], "weights": int8_names}
+    return record
