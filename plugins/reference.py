@@ -296,7 +296,7 @@ def moe_experts_fp8_ref(
 
 # Weight-only int8 (`mtp-build --quantize int8`, mtp::linear_int8): symmetric, one fp32 scale per output channel.
 # The quantizer lives here, beside its dequantization, as the one definition of the format: the builder
-# (builder/compile_aoti.py) imports quantize_int8 from here, and the tests and benches quantize with it too.
+# (builder/quantized_weights.py) imports quantize_int8 from here, and the tests and benches quantize with it too.
 INT8_MAX = 127  # symmetric: -128 is never produced, so q and -q are both representable
 
 

@@ -151,7 +151,10 @@ def test_logits_stay_close_to_the_float_model(int8_engine, checkpoint):
     ref = [o.output_ids for o in float_engine.generate(PROMPTS, PARAMS)]
     ours = [o.output_ids for o in create_engine(int8_engine, num_draft_tokens=2).generate(PROMPTS, PARAMS)]
     same = sum(a == b for r, o in zip(ref, ours, strict=True) for a, b in zip(r, o, strict=True))
-    first = [next((i for i, (a, b) in enumerate(zip(r, o, strict=True)) if a != b), len(r)) for r, o in zip(ref, ours, strict=True)]
+    first = [
+        next((i for i, (a, b) in enumerate(zip(r, o, strict=True)) if a != b), len(r))
+        for r, o in zip(ref, ours, strict=True)
+    ]
     print(json.dumps({"max_logit_diff_over_max_logit": rel, "greedy_tokens_equal": same,
                       "tokens": sum(len(r) for r in ref), "first_divergence_per_prompt": first}))  # fmt: skip
     assert 0 < rel <= LOGIT_TOLERANCE  # > 0: the weights really are quantized
