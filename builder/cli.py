@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from builder.compile_check import check_compiled
-from builder.options import BACKENDS, COMPILES, DTYPES, BuildError, BuildOptions, default_ep_size
+from builder.options import BACKENDS, COMPILES, DTYPES, QUANTIZES, BuildError, BuildOptions, default_ep_size
 from builder.pipeline import BuildInterrupted, build
 from builder.validate import check_tokenizer_config
 from models.checkpoint import CheckpointError
@@ -78,6 +78,10 @@ def parser() -> argparse.ArgumentParser:
                    help="aoti: also compile each graph into an AOTInductor CPU package (the fastest CPU executor, "
                    "what `mtp-run --engine` then runs; about a minute per graph); auto (default): aoti wherever "
                    "it can be built (CPU backend, not a hybrid model); none: ONNX graphs only (a quick build)")  # fmt: skip
+    p.add_argument("--quantize", default="none", choices=QUANTIZES,
+                   help="int8: the compiled engine stores its dense linears (attention, dense MLPs, shared experts; "
+                   "not the embeddings, LM head or router) as weight-only int8 with per-channel scales (lossy, half "
+                   "the bytes of bf16); single rank, float checkpoints only")  # fmt: skip
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     return p
 
@@ -165,7 +169,7 @@ def _run(args: argparse.Namespace, err: Console) -> int:
         checkpoint=args.checkpoint, output=args.output, backend=args.backend, dtype=args.dtype,
         max_batch=args.max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
         kv_block_size=args.kv_block_size, num_draft_tokens=args.num_draft_tokens, world_size=args.world_size,
-        ep_size=ep_size, tp_size=args.tp_size, force=args.force, compile=args.compile,
+        ep_size=ep_size, tp_size=args.tp_size, force=args.force, compile=args.compile, quantize=args.quantize,
     )  # fmt: skip
     result = build(opts, RichReporter(console))
     console.print(summary(result.config, result.seconds))

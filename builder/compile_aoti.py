@@ -14,9 +14,8 @@ is copied per step. "float32" stores fp32 weights. `choose_weights` falls back t
 weights it would still upcast per step (uses no bf16-reading op serves) overflow the last-level cache
 (docs/PERFORMANCE.md "Compiled engine" and "Realistic size": an upcast from DRAM is ruinous).
 
-FP8 checkpoints (DeepSeek-V3, GLM-4.5-FP8): the dense linears whose release weight is FP8 keep it, e4m3 bytes plus
-the 128 x 128 block scales (`fp8_weights`, given the raw weights models.checkpoint.load_fp8_weights read), and call
-`mtp::linear_fp8`, which converts in registers with fp32 math: exact up to summation order, 1 byte per weight.
+FP8 checkpoints keep their FP8 dense weights (read by `mtp::linear_fp8` / `mtp::moe_experts_fp8`) and `--quantize int8`
+stores the dense linears int8 (`mtp::linear_int8`): builder/quantized_weights.py.
 """
 
 from __future__ import annotations
@@ -31,17 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._guards import detect_fake_mode
-from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
 from builder.export import dynamic_shapes
 from builder.graphs import SPECS, WRAPPERS, example_inputs
 from builder.options import BuildError
-from models.engine_format.compiled import AOTI_KIND, FP8_FORMAT, host_isa
+from builder.quantized_weights import LINEAR, fp8_weights, int8_weights
+from models.engine_format.compiled import AOTI_KIND, FP8_FORMAT, INT8_FORMAT, host_isa
 from models.fp8 import Fp8Weight
 from models.glm4_moe import Glm4MoeMTPModel
 from plugins.kv_pool import KVPoolGeometry
-from plugins.reference import dequantize_fp8_experts_ref, dequantize_fp8_ref
 
 # Inductor settings of every package (recorded in config.json). Freezing folds weights into constants and
 # prepacks the fp32 GEMMs for MKL; it would fold a bf16->fp32 upcast into fp32 constants, so bf16 weights
@@ -58,7 +55,6 @@ def export_program(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_
         return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(SPECS[name]), strict=False)
 
 
-_LINEAR = torch.ops.aten.linear.default
 _UPCASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
 
 
@@ -121,7 +117,7 @@ def bf16_weights(program: torch.export.ExportedProgram) -> dict[str, int]:
             low[up] = node
     linears = 0
     for node in list(graph.nodes):
-        if node.target is not _LINEAR or not isinstance(node.args[1], torch.fx.Node):
+        if node.target is not LINEAR or not isinstance(node.args[1], torch.fx.Node):
             continue
         x, weight = node.args[0], _weight_source(node.args[1], low)
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
@@ -144,103 +140,6 @@ def bf16_weights(program: torch.export.ExportedProgram) -> dict[str, int]:
     program.graph_module.recompile()
     return {"bf16_weights": sum(1 for n in low if n.op == "placeholder"), "bf16_linears": linears,
             "upcast_bytes": upcast}  # fmt: skip
-
-
-def fp8_weights(program: torch.export.ExportedProgram, fp8: Mapping[str, Fp8Weight],
-                prefix: str = "model.") -> dict[str, int]:  # fmt: skip
-    """Store the weights an FP8 release ships as FP8 (e4m3 + a new fp32 constant `<weight>_scale_inv`) and rewrite
-    their uses: fp32 linears into `mtp::linear_fp8`, single-rank `mtp::moe_experts` (ep_size 1, tp_size 1) into
-    `mtp::moe_experts_fp8`. A parameter qualifies when its name (less the wrapper's `prefix`) is in `fp8`, its fp32
-    value is exactly the dequantized FP8 (checked: the model was loaded from the same checkpoint) and every use can
-    be rewritten (an experts node needs both its weights); anything else keeps its float weight. Run it before
-    `bf16_weights` (an FP8 weight is half the bytes of its bf16 form). Returns {"fp8_weights": weights stored FP8,
-    "fp8_linears": linears rewritten, "fp8_experts": experts nodes rewritten}."""
-    sig, graph = program.graph_signature, program.graph_module.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    first_user = next((i for i, spec in enumerate(sig.input_specs) if spec.kind == InputKind.USER_INPUT),
-                      len(placeholders))  # fmt: skip
-    anchor = placeholders[first_user] if first_user < len(placeholders) else None
-    fake = detect_fake_mode(tuple(n.meta["val"] for n in placeholders))
-
-    def uses(node: torch.fx.Node) -> list[torch.fx.Node]:
-        return [u for u in node.users if u.target is not torch.ops.aten._assert_tensor_metadata.default]
-
-    chosen: dict[torch.fx.Node, tuple[str, Fp8Weight]] = {}
-    for node in placeholders:
-        key = sig.inputs_to_parameters.get(node.name)
-        raw = fp8.get(key.removeprefix(prefix)) if key else None
-        value = program.state_dict.get(key) if key else None
-        if raw is None or value is None or value.dtype != torch.float32 or value.shape != raw.weight.shape:
-            continue
-        deq = (dequantize_fp8_ref(raw.weight, raw.scale_inv) if raw.weight.dim() == 2
-               else dequantize_fp8_experts_ref(raw.weight, raw.scale_inv, raw.parts))  # fmt: skip
-        if uses(node) and torch.equal(deq, value.detach()):  # else not the checkpoint's FP8 values: keep it
-            chosen[node] = (key, raw)
-    while drop := [n for n in chosen if not all(_fp32_linear(u, n) or _fp8_experts(u, n, chosen) for u in uses(n))]:
-        for n in drop:  # an experts node whose other weight is not FP8 keeps both float
-            del chosen[n]
-    scales: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node, (key, raw) in chosen.items():
-        program.state_dict[key] = torch.nn.Parameter(raw.weight, requires_grad=False)
-        node.meta["val"] = fake.from_tensor(raw.weight, static_shapes=True) if fake else raw.weight
-        with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after(placeholders[-1]):
-            scale = scales[node] = graph.placeholder(f"{node.name}_scale_inv")
-        scale.target = scale.name
-        scale.meta["val"] = fake.from_tensor(raw.scale_inv, static_shapes=True) if fake else raw.scale_inv
-        target = f"{key}_scale_inv"
-        sig.input_specs.insert(first_user, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(scale.name), target))
-        first_user += 1
-        program.constants[target] = raw.scale_inv
-        for user in [u for u in node.users if u not in uses(node)]:
-            graph.erase_node(user)  # export's check that the weight is fp32: no longer true, by design
-    linears = experts = 0
-    for node in list(graph.nodes):
-        args: tuple[Any, ...]
-        if node.target is _LINEAR and node.args[1] in scales:
-            w = node.args[1]
-            assert isinstance(w, torch.fx.Node)
-            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            args, op = (node.args[0], w, scales[w], bias), torch.ops.mtp.linear_fp8.default
-            linears += 1
-        elif node.target is _EXPERTS and node.args[3] in scales:
-            x, ids, tw, gu, dn = node.args[:5]
-            assert isinstance(gu, torch.fx.Node) and isinstance(dn, torch.fx.Node)
-            args, op = (x, ids, tw, gu, scales[gu], dn, scales[dn], 0), torch.ops.mtp.moe_experts_fp8.default
-            experts += 1
-        else:
-            continue
-        with graph.inserting_before(node):
-            new = graph.call_function(op, args)
-        new.meta["val"] = node.meta["val"]
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-    graph.lint()
-    program.graph_module.recompile()
-    return {"fp8_weights": len(chosen), "fp8_linears": linears, "fp8_experts": experts}
-
-
-_EXPERTS = torch.ops.mtp.moe_experts.default
-
-
-def _fp32_linear(node: torch.fx.Node, weight: torch.fx.Node) -> bool:
-    """node is aten.linear(x, weight, bias?) with fp32 x (and bias): what mtp::linear_fp8 computes."""
-    if node.target is not _LINEAR or len(node.args) < 2 or node.args[1] is not weight or node.args[0] is weight:
-        return False
-    x, bias = node.args[0], node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    if not isinstance(x, torch.fx.Node) or x.meta["val"].dtype != torch.float32:
-        return False
-    return bias is None or isinstance(bias, torch.fx.Node) and bias is not weight and bias.meta["val"].dtype == torch.float32
-
-
-def _fp8_experts(node: torch.fx.Node, weight: torch.fx.Node, chosen: Mapping[torch.fx.Node, Any]) -> bool:
-    """node is a single-rank mtp::moe_experts over fp32 x whose w_gate_up and w_down (weight among them) are both
-    FP8: what mtp::moe_experts_fp8 computes (the EP / TP exchange reads float weights)."""
-    if node.target is not _EXPERTS or len(node.args) < 7 or node.kwargs:
-        return False
-    x, _, _, gu, dn, _, ep_size, *tp = node.args
-    if ep_size != 1 or (tp and tp[0] != 1) or gu not in chosen or dn not in chosen or weight not in (gu, dn):
-        return False
-    return isinstance(x, torch.fx.Node) and x is not weight and x.meta["val"].dtype == torch.float32
 
 
 def weight_bytes(program: torch.export.ExportedProgram) -> int:
@@ -287,13 +186,17 @@ def model_weights(model: Glm4MoeMTPModel) -> str:
 
 
 def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, path: Path,
-                  weights: str, fp8: Mapping[str, Fp8Weight] | None = None) -> dict[str, Any]:  # fmt: skip
+                  weights: str, fp8: Mapping[str, Fp8Weight] | None = None,
+                  quantize: str = "none") -> dict[str, Any]:  # fmt: skip
     """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json).
-    fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them."""
+    fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them.
+    quantize "int8": the dense linears' weights stored int8 (`int8_weights`)."""
 
     def convert(program: torch.export.ExportedProgram, bf16: bool) -> dict[str, Any]:
         stats: dict[str, Any] = (fp8_weights(program, fp8) if fp8
                                  else {"fp8_weights": 0, "fp8_linears": 0, "fp8_experts": 0})  # fmt: skip
+        if quantize == "int8":
+            stats.update(int8_weights(program))
         return {**stats, **(bf16_weights(program) if bf16 else {"bf16_weights": 0})}
 
     try:
@@ -320,18 +223,24 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
 def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, rdir: Path, work: Path,
                  graphs: dict[str, dict[str, str]], weights: str,
                  track: Callable[[Sequence[str], str], Iterable[str]] = lambda items, what: items,
-                 fp8: Mapping[str, Fp8Weight] | None = None) -> dict[str, Any]:  # fmt: skip
+                 fp8: Mapping[str, Fp8Weight] | None = None, quantize: str = "none") -> dict[str, Any]:  # fmt: skip
     """Compile every graph of this rank next to its ONNX files; adds `aoti` paths to `graphs`. `track` shows the
     graphs as a progress bar (the builder's reporter); each graph's compile time goes into its record. fp8: the
-    rank's FP8 weights as released; when some graph stores them, the record's `fp8` says how (FP8_FORMAT)."""
+    rank's FP8 weights as released; when some graph stores them, the record's `fp8` says how (FP8_FORMAT).
+    quantize "int8": the record's `int8` says how (INT8_FORMAT), with the op and the quantized weights' names."""
     info: dict[str, Any] = {}
     for name in track(list(graphs), "AOTInductor compile"):
         path = rdir / f"{name}.{AOTI_KIND}.pt2"
         t0 = time.perf_counter()
-        info[name] = compile_graph(name, model, geom, max_blocks, path, weights, fp8)
+        info[name] = compile_graph(name, model, geom, max_blocks, path, weights, fp8, quantize)
         info[name]["seconds"] = round(time.perf_counter() - t0, 1)
         graphs[name][AOTI_KIND] = str(path.relative_to(work))
     record = {"graphs": info, "isa": host_isa(), "torch_version": torch.__version__, "weights": weights}
     ops = [op for op, n in (("linear_fp8", "fp8_linears"), ("moe_experts_fp8", "fp8_experts"))
            if any(g[n] for g in info.values())]  # fmt: skip
-    return {**record, "fp8": {**FP8_FORMAT, "ops": ops}} if ops else record
+    if ops:
+        record["fp8"] = {**FP8_FORMAT, "ops": ops}
+    int8_names = sorted({w for g in info.values() for w in g.pop("int8_names", [])})
+    if int8_names:
+        record["int8"] = {**INT8_FORMAT, "ops": ["linear_int8"], "weights": int8_names}
+    return record

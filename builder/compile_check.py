@@ -5,7 +5,8 @@ they still run on this installation (torch version, CPU ISA, plugin ops) and agr
 a probe batch: a mixed main step (a prefill request, a verify request, a padded request), one draft depth and
 one commit write, each on its own pool and on the torch model's pool, compared output by output and plane by
 plane. The torch model is rebuilt from the checkpoint the engine records; without it the probe is skipped
-(said in the returned line).
+(said in the returned line). An engine built with `--quantize int8` is probed against that model with the same
+weights quantized and dequantized (`as_built`): what its packages compute, up to summation order.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from builder.options import BuildError
 from models.engine_format import EngineConfig
 from models.engine_format.compiled import AOTI_KIND, compiled_info, compiled_problem
 from plugins.kv_pool import allocate_pool, pool_address
+from plugins.reference import dequantize_int8_ref, quantize_int8
 
 TOLERANCE = 1e-4  # fp32 math on both sides: differences are summation order only (~1e-6 measured)
 CHECK_TIMEOUT_S = 300  # the multi-rank probe under mpirun (loads each rank's shard and packages: seconds here)
@@ -95,7 +97,7 @@ def check_compiled(cfg: EngineConfig) -> str:
 def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
     """(largest |diff|, the first package over TOLERANCE or None) of this rank's packages against `model` (this
     rank's shard). Every graph runs whatever the earlier ones gave, so all ranks issue the same collectives."""
-    model = model.eval().fuse()
+    model = as_built(cfg, model).eval().fuse()
     geom = cfg.kv.geometry()
     ours, theirs = allocate_pool(geom), allocate_pool(geom)
     worst, bad = 0.0, None
@@ -117,6 +119,18 @@ def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
             if worst > TOLERANCE and bad is None:
                 bad = _rel(cfg, path)
     return worst, bad
+
+
+def as_built(cfg: EngineConfig, model):
+    """The torch model the packages implement: with `--quantize int8` (build.compiled.int8), each weight it names
+    replaced, in place, by its int8 dequantization (the values mtp::linear_int8 multiplies by)."""
+    int8 = (compiled_info(cfg) or {}).get("int8")
+    if int8:
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name in int8["weights"]:
+                params[name].copy_(dequantize_int8_ref(*quantize_int8(params[name])))
+    return model
 
 
 def _rel(cfg: EngineConfig, path: Path) -> str:

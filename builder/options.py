@@ -22,6 +22,9 @@ BACKENDS = ("onnxruntime", "tensorrt")
 # --compile: "aoti" adds AOTInductor packages per graph (builder/compile_aoti.py), the fastest CPU executor; "auto"
 # (the default) is "aoti" wherever the packages can be built (`resolve_compile`), "none" writes the ONNX graphs only.
 COMPILES = ("auto", "none", "aoti")
+# --quantize: "int8" stores the compiled engine's dense linears as weight-only int8 (builder/quantized_weights.py
+# int8_weights, mtp::linear_int8); "none" keeps the checkpoint's weights.
+QUANTIZES = ("none", "int8")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -51,6 +54,7 @@ class BuildOptions:
     tp_size: int = 1
     force: bool = False
     compile: str = "auto"
+    quantize: str = "none"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -121,6 +125,14 @@ class BuildOptions:
         if self.compile == "aoti" and self.backend != "onnxruntime":
             raise BuildError(f"--compile {self.compile} builds CPU packages (one set per rank): use it with --backend "
                              f"onnxruntime (got --backend {self.backend}), or drop --compile")  # fmt: skip
+        if self.quantize not in QUANTIZES:
+            raise BuildError(f"--quantize {self.quantize!r} is unknown; choose one of {', '.join(QUANTIZES)}")
+        if self.quantize != "none" and self.compile == "none":
+            raise BuildError(f"--quantize {self.quantize} with --compile none is not supported yet: only the compiled "
+                             "(aoti) engine reads int8 weights; drop --compile none")  # fmt: skip
+        if self.quantize != "none" and self.world_size > 1:
+            raise BuildError(f"--quantize {self.quantize} with --world-size {self.world_size} is not supported yet: "
+                             "int8 weights are single-rank only for now; build with --world-size 1 or drop --quantize")  # fmt: skip
         if self.backend == "onnxruntime" and self.dtype != "float32":
             raise BuildError(
                 f"--backend onnxruntime supports --dtype float32 only (its plugin ops are onnxruntime-extensions "
@@ -148,10 +160,18 @@ class BuildOptions:
             return "none", f"{cfg.model_type} is a hybrid (Gated DeltaNet) model: no compiled engine yet, ONNX Runtime runs it"
         return "aoti", "the fastest CPU executor; --compile none skips it"
 
-    def validate_for_model(self, cfg: ModelConfig) -> None:
-        """Checks against the checkpoint's architecture."""
+    def validate_for_model(self, cfg: ModelConfig, fp8_checkpoint: bool = False) -> None:
+        """Checks against the checkpoint's architecture (fp8_checkpoint: config.json declares FP8 weights)."""
         if cfg.is_hybrid:
             self._validate_hybrid(cfg)
+        if self.quantize != "none":
+            if fp8_checkpoint:
+                raise BuildError(f"--quantize {self.quantize} with an FP8 checkpoint is not supported yet: its compiled "
+                                 "engine already reads the FP8 weights as released (1 byte each); drop --quantize")  # fmt: skip
+            compile_, why = self.resolve_compile(cfg)
+            if compile_ != "aoti":
+                raise BuildError(f"--quantize {self.quantize} without the compiled engine is not supported yet ({why}); "
+                                 "drop --quantize")  # fmt: skip
         if self.num_draft_tokens > 0 and cfg.num_mtp_modules == 0:
             raise BuildError(
                 "the checkpoint has no MTP module (num_nextn_predict_layers=0) so it cannot draft; "

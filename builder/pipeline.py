@@ -122,7 +122,7 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
         # an FP8 release's dense weights as released (bytes + block scales): the packages keep them FP8
         fp8 = load_fp8_weights(opts.checkpoint, mapping) if opts.torch_dtype == torch.float32 else {}
         compiled = compile_aoti.compile_rank(model, layout.geometry(), layout.table_width, rdir, work, graphs,
-                                            compile_aoti.model_weights(model), rep.track, fp8)  # fmt: skip
+                                            compile_aoti.model_weights(model), rep.track, fp8, opts.quantize)  # fmt: skip
         del fp8
         (rdir / COMPILED_INFO).write_text(json.dumps(compiled))
         rep.done(f"rank {rank}: {len(graphs)} .pt2 packages", time.perf_counter() - t0)
@@ -255,7 +255,8 @@ def _import(opts: BuildOptions, rep: Reporter) -> tuple[ModelConfig, str, str, i
                              f"has no MTP weights (model.layers.{idx.config.num_hidden_layers}.*; some quantization "
                              "tools drop them): build with --num-draft-tokens 0 for plain decoding, or use the "
                              "release that ships its MTP layers")  # fmt: skip
-        opts.validate_for_model(plan.config)  # the weights' config: without MTP weights the engine has no MTP graphs
+        # the weights' config: without MTP weights the engine has no MTP graphs
+        opts.validate_for_model(plan.config, fp8_checkpoint=idx.fp8 is not None)
         weight_bytes = rank_weight_bytes(plan, opts.torch_dtype, _mapping(0, opts, plan.config))  # equal shards
         ckpt_hash = checkpoint_hash(opts.checkpoint)
     except CheckpointError as e:

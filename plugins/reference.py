@@ -292,3 +292,37 @@ def moe_experts_fp8_ref(
     gate_up = dequantize_fp8_experts_ref(w_gate_up, w_gate_up_scale, parts=2)
     down = dequantize_fp8_experts_ref(w_down, w_down_scale)
     return moe_experts_ref(x, topk_ids, topk_weights, gate_up, down, expert_offset)
+
+
+# Weight-only int8 (`mtp-build --quantize int8`, mtp::linear_int8): symmetric, one fp32 scale per output channel.
+# The quantizer lives here, beside its dequantization, as the one definition of the format: the builder
+# (builder/quantized_weights.py) imports quantize_int8 from here, and the tests and benches quantize with it too.
+INT8_MAX = 127  # symmetric: -128 is never produced, so q and -q are both representable
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale float32 [N]) with weight[n] ~ q[n] * scale[n]: scale = max|weight[n]| / 127 (fp32),
+    q = round(weight / scale) (half to even) clamped to [-127, 127]. An all-zero row gets scale 1 (q = 0: exactly 0
+    again, where scale 0 would give 0 / 0). The division is fp32, so an element of magnitude max|weight[n]| maps to
+    +-127 exactly and every element's error is at most scale / 2 (plus fp32 rounding)."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1) if w.shape[1] else torch.zeros(w.shape[0])
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_int8_ref(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32(weight[n, k]) * scale[n]: one fp32 rounding per element (weight [N, K] int8, scale [N] float32)."""
+    return weight.float() * scale.float()[:, None]
+
+
+def linear_int8_ref(
+    x: torch.Tensor,  # [..., K] float32
+    weight: torch.Tensor,  # [N, K] int8
+    scale: torch.Tensor,  # [N] float32, one per output channel
+    bias: torch.Tensor | None = None,  # [N] float32
+) -> torch.Tensor:
+    """x @ dequantize_int8_ref(weight, scale)^T + bias in fp32 (mtp::linear_int8's semantics)."""
+    y = x.float() @ dequantize_int8_ref(weight, scale).T
+    return y if bias is None else y + bias.float()

@@ -193,6 +193,7 @@ def build_engine(
     tp_size: int = 1,
     force: bool = False,
     compile: str | None = None,
+    quantize: str = "none",
     verbose: bool = True,
 ) -> Path:
     """`mtp-build --checkpoint CHECKPOINT --output OUTPUT` from Python, with mtp-build's defaults: each keyword is the
@@ -212,7 +213,7 @@ def build_engine(
     opts = BuildOptions(checkpoint=Path(checkpoint), output=Path(output), backend=backend, dtype=dtype,
                         max_batch=max_batch, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                         kv_block_size=kv_block_size, num_draft_tokens=num_draft_tokens, world_size=world_size,
-                        ep_size=ep_size, tp_size=tp_size, force=force,
+                        ep_size=ep_size, tp_size=tp_size, force=force, quantize=quantize,
                         **({} if compile is None else {"compile": compile}))  # fmt: skip
     reporter: Reporter | None = None
     if verbose and sys.stderr.isatty():

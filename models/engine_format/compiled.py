@@ -17,6 +17,9 @@ AOTI_KIND = "aoti"  # graph kind in config.json's `graphs`, and the package name
 # `build.compiled.fp8` of an engine whose packages store FP8 release weights as released (absent otherwise): this
 # format, plus `ops`, the mtp ops those packages call for it, which the installation that runs them must have.
 FP8_FORMAT: dict[str, Any] = {"fmt": "e4m3", "weight_block_size": [128, 128]}
+# `build.compiled.int8` of an engine built with `mtp-build --quantize int8`: this format, `ops` as for fp8, and
+# `weights`, the checkpoint names of the weights stored int8 (`mtp-build --check` quantizes the same ones).
+INT8_FORMAT: dict[str, Any] = {"fmt": "int8", "scheme": "symmetric per output channel, fp32 scale = max|w| / 127"}
 
 
 def host_isa() -> str:
@@ -49,14 +52,16 @@ def compiled_problem(cfg: EngineConfig) -> str | None:
     if info.get("isa") != host_isa():
         return (f"engine {cfg.path}'s compiled packages were built for CPU ISA {info.get('isa')!r}, this CPU has "
                 f"{host_isa()!r}; rebuild on this machine with `mtp-build --compile aoti --force`")
-    fp8 = info.get("fp8")
-    if fp8 is not None:
+    for key, what in (("fp8", "FP8"), ("int8", "int8")):
+        fmt = info.get(key)
+        if fmt is None:
+            continue
         import plugins.cpp_ops  # noqa: F401  (the mtp ops of this installation)
 
-        ops = fp8.get("ops") if isinstance(fp8, dict) else None
+        ops = fmt.get("ops") if isinstance(fmt, dict) else None
         missing = [op for op in ops or [] if not hasattr(torch.ops.mtp, str(op))] if isinstance(ops, list) else ["?"]
         if missing:
-            return (f"engine {cfg.path}'s compiled packages keep FP8 weights and call mtp::{missing[0]}, which this "
+            return (f"engine {cfg.path}'s compiled packages keep {what} weights and call mtp::{missing[0]}, which this "
                     "installation does not have; install the mtp-engine version that built it, or rebuild with "
                     "`mtp-build --compile aoti --force`")
     return None

@@ -681,7 +681,7 @@ MTP_AVX2_TARGET inline __m256 e4m3x8_avx2(const uint8_t* p) {
 // A tile is NR weight rows (k apart, all in one scale row `srow`: one fp32 scale per 128 columns) against MR
 // activation rows: out[r * NR + j] = x[r] . (q[j] * s), each weight rounded once. Accumulator lane l of (r, j) sums
 // the columns i with i % width == l in column order, then one fixed reduction: a (row, output) value does not
-// depend on MR, NR or the rest of the batch. The vector tiles convert without the per-lane NaN fix: fp8_rows scans
+// depend on MR, NR or the rest of the batch. The vector tiles convert without the per-lane NaN fix: quant_rows scans
 // each weight row once (has_nan) and makes its outputs NaN; the portable tile reads NaN from the table.
 constexpr int64_t kFp8Block = 128;     // the releases' weight_block_size, both dims
 constexpr int64_t kFp8Prefetch = 2048;  // software prefetch distance along each weight row (bytes), 2 KB ahead
@@ -801,7 +801,11 @@ MTP_AVX512_TARGET inline void fp8_tile_avx512(const float* const* x, const uint8
   }
 }
 
+// A Tile (the FP8 ones here, linear_int8.cpp's int8 ones) computes out[r * NR + j] = x[r] . dequant(w[j]) for MR
+// activation rows and NR weight rows k apart: run<MR, NR>(x, w, s, k, out), with s the block's FP8 scale row or the
+// NR rows' own scales (kRowScales: per-output-channel int8), and has_nan(w, k) for a weight row that must give NaN.
 struct Fp8GenericTile {
+  static constexpr bool kRowScales = false;  // one scale row (128 columns per scale) for all rows of a 128-row block
   template <int MR, int NR>
   static MTP_INLINE void run(const float* const* x, const uint8_t* w, const float* s, int64_t k, float* out) {
     fp8_tile_generic<MR, NR>(x, w, s, k, out);
@@ -809,6 +813,7 @@ struct Fp8GenericTile {
   static MTP_INLINE bool has_nan(const uint8_t*, int64_t) { return false; }  // the table gives NaN itself
 };
 struct Fp8Avx2Tile {
+  static constexpr bool kRowScales = false;
   template <int MR, int NR>
   static MTP_INLINE void run(const float* const* x, const uint8_t* w, const float* s, int64_t k, float* out) {
     fp8_tile_avx2<MR, NR>(x, w, s, k, out);
@@ -816,6 +821,7 @@ struct Fp8Avx2Tile {
   static MTP_INLINE bool has_nan(const uint8_t* w, int64_t k) { return e4m3_has_nan_avx2(w, k); }
 };
 struct Fp8Avx512Tile {
+  static constexpr bool kRowScales = false;
   template <int MR, int NR>
   static MTP_INLINE void run(const float* const* x, const uint8_t* w, const float* s, int64_t k, float* out) {
     fp8_tile_avx512<MR, NR>(x, w, s, k, out);
@@ -824,10 +830,10 @@ struct Fp8Avx512Tile {
 };
 
 // NR weight rows at w (rows o .. o + NR - 1 of the caller's block) against m activation rows, MR at a time:
-// out[r][o + j] = x[r] . dequant(w[j]), NaN for a weight row holding a NaN byte.
-template <class Tile, int MR, int NR>
-MTP_INLINE void fp8_block(int64_t m, const float* const* x, const uint8_t* w, const float* srow, int64_t k,
-                          float* const* out, int64_t o) {
+// out[r][o + j] = x[r] . dequant(w[j]), NaN for a weight row holding a NaN byte. s: as Tile::run takes it.
+template <class Tile, int MR, int NR, class W>
+MTP_INLINE void quant_block(int64_t m, const float* const* x, const W* w, const float* s, int64_t k,
+                            float* const* out, int64_t o) {
   float res[MR * NR];
   bool nan[NR];
   for (int j = 0; j < NR; ++j) nan[j] = Tile::has_nan(w + j * k, k);
@@ -835,24 +841,24 @@ MTP_INLINE void fp8_block(int64_t m, const float* const* x, const uint8_t* w, co
     const int mr = static_cast<int>(std::min<int64_t>(MR, m - m0));
     const float* const* xs = x + m0;
     switch (mr) {
-      case 4: if constexpr (MR >= 4) Tile::template run<4, NR>(xs, w, srow, k, res); break;
-      case 3: if constexpr (MR >= 3) Tile::template run<3, NR>(xs, w, srow, k, res); break;
-      case 2: if constexpr (MR >= 2) Tile::template run<2, NR>(xs, w, srow, k, res); break;
-      default: Tile::template run<1, NR>(xs, w, srow, k, res); break;
+      case 4: if constexpr (MR >= 4) Tile::template run<4, NR>(xs, w, s, k, res); break;
+      case 3: if constexpr (MR >= 3) Tile::template run<3, NR>(xs, w, s, k, res); break;
+      case 2: if constexpr (MR >= 2) Tile::template run<2, NR>(xs, w, s, k, res); break;
+      default: Tile::template run<1, NR>(xs, w, s, k, res); break;
     }
     for (int r = 0; r < mr; ++r)
       for (int j = 0; j < NR; ++j) out[m0 + r][o + j] = nan[j] ? std::numeric_limits<float>::quiet_NaN() : res[r * NR + j];
   }
 }
 
-// out[r][o] = x[r] . dequant(w[o]) for r < m activation rows and o < rows weight rows (k bytes apart) that all use
-// the scale row srow: blocks of NR weight rows, then single rows.
-template <class Tile, int MR, int NR>
-MTP_INLINE void fp8_rows(int64_t m, const float* const* x, const uint8_t* w, const float* srow, int64_t rows,
-                         int64_t k, float* const* out) {
+// out[r][o] = x[r] . dequant(w[o]) for r < m activation rows and o < rows weight rows (k elements apart): blocks of
+// NR weight rows, then single rows. s: the FP8 scale row all these rows use, or (Tile::kRowScales) one scale per row.
+template <class Tile, int MR, int NR, class W>
+MTP_INLINE void quant_rows(int64_t m, const float* const* x, const W* w, const float* s, int64_t rows, int64_t k,
+                           float* const* out) {
   int64_t o = 0;
-  for (; o + NR <= rows; o += NR) fp8_block<Tile, MR, NR>(m, x, w + o * k, srow, k, out, o);
-  for (; o < rows; ++o) fp8_block<Tile, MR, 1>(m, x, w + o * k, srow, k, out, o);
+  for (; o + NR <= rows; o += NR) quant_block<Tile, MR, NR>(m, x, w + o * k, Tile::kRowScales ? s + o : s, k, out, o);
+  for (; o < rows; ++o) quant_block<Tile, MR, 1>(m, x, w + o * k, Tile::kRowScales ? s + o : s, k, out, o);
 }
 
 // A per-thread scratch buffer of at least n floats (kernels run often with small sizes: no allocation).

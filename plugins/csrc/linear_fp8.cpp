@@ -9,8 +9,8 @@
 // weight byte comes from DRAM once whatever M is), the scale block changing every 128 columns. A row's result is
 // computed by the same operations whatever the rest of the batch is (lane i % width of one accumulator per
 // (row, output), one reduction tree), so a decode row equals the same row inside a verify.
-// Many rows (prefill chunks): a block of weight rows is dequantized into a reused fp32 tile (the same fp32 values)
-// and multiplied by at::mm / at::addmm (MKL).
+// Many rows (prefill chunks): dequant_mm.h, a block of weight rows dequantized into a reused fp32 tile (the same
+// fp32 values) and multiplied by at::mm / at::addmm (MKL).
 //
 // Paths: AVX-512, AVX2 + FMA + F16C (the e4m3 -> fp16 -> fp32 conversion of common.h), portable C++ (a 256-entry
 // table), chosen at run time by active_isa(); a scale too large for the vector conversion's exact rescaling
@@ -19,11 +19,10 @@
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 
 #include "common.h"
+#include "dequant_mm.h"
 
 namespace mtp {
 namespace {
@@ -52,7 +51,7 @@ MTP_INLINE void rows_with(const Gemv& g, int64_t n0, int64_t n1) {
     xs[r] = g.x + r * g.k;
     ys[r] = g.y + r * g.n + n0;
   }
-  fp8_rows<Tile, MR, NR>(g.m, xs, g.w + n0 * g.k, g.s + (n0 / kBlock) * g.kb, n1 - n0, g.k, ys);
+  quant_rows<Tile, MR, NR>(g.m, xs, g.w + n0 * g.k, g.s + (n0 / kBlock) * g.kb, n1 - n0, g.k, ys);
   if (g.bias)
     for (int64_t r = 0; r < g.m; ++r)
       for (int64_t n = n0; n < n1; ++n) g.y[r * g.n + n] += g.bias[n];
@@ -132,22 +131,6 @@ void dequant(Isa isa, const Gemv& g, int64_t n0, int64_t n1, float* dst) {
   }
 }
 
-// Many rows: blocks of weight rows dequantized into one reused fp32 tile (in parallel), multiplied by MKL
-void tiled_mm(Isa isa, const Gemv& g, const at::Tensor& x, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
-  const int64_t n = g.n, k = g.k;
-  // about 1 MiB of fp32 tile, a multiple of 16 rows (MKL's blocking works on it from L2, warm from the dequant)
-  const int64_t rows = std::min<int64_t>(n, std::max<int64_t>(64, ((1 << 18) / std::max<int64_t>(k, 1)) / 16 * 16));
-  at::Tensor tile = at::empty({rows, k}, x.options());
-  float* t = tile.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < n; n0 += rows) {
-    const int64_t nb = std::min(rows, n - n0);
-    at::parallel_for(0, nb, 16, [&](int64_t r0, int64_t r1) { dequant(isa, g, n0 + r0, n0 + r1, t + r0 * k); });
-    const at::Tensor wt = tile.narrow(0, 0, nb).t();
-    const at::Tensor part = bias ? at::addmm(bias->narrow(0, n0, nb), x, wt) : at::mm(x, wt);
-    y.narrow(1, n0, nb).copy_(part);
-  }
-}
-
 at::Tensor linear_fp8_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale_inv,
                           const c10::optional<at::Tensor>& bias) {
   constexpr const char* op = "mtp::linear_fp8";
@@ -193,7 +176,8 @@ at::Tensor linear_fp8_cpu(const at::Tensor& x, const at::Tensor& weight, const a
   const Gemv g{xc.data_ptr<float>(), static_cast<const uint8_t*>(weight.data_ptr()), s,
                bias ? bc.data_ptr<float>() : nullptr, y2.data_ptr<float>(), xc.size(0), n, k, kb};
   if (g.m >= kTiledRows) {
-    tiled_mm(isa, g, xc, bias ? c10::optional<at::Tensor>(bc) : c10::nullopt, y2);
+    dequant_tile_mm(xc, bias ? c10::optional<at::Tensor>(bc) : c10::nullopt, y2, n, k,
+                    [&](int64_t n0, int64_t n1, float* dst) { dequant(isa, g, n0, n1, dst); });
     return y;
   }
   // 64 output features per task: a multiple of every NR, dividing the 128-row scale blocks

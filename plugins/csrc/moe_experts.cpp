@@ -55,11 +55,11 @@ MTP_INLINE void fp8_expert_dot(int nx, const float* const* x, const uint8_t* w, 
       const int64_t r0 = p * part_rows + j * kFp8Block, n = std::min(kFp8Block, part_rows - j * kFp8Block);
       const float* srow = s + (p * blocks(part_rows) + j) * blocks(k);
       for (int i = 0; i < nx; ++i) shifted[i] = out[i] + r0;
-      if constexpr (std::is_same_v<V, Avx512>) fp8_rows<Tile, 4, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
+      if constexpr (std::is_same_v<V, Avx512>) quant_rows<Tile, 4, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
       else if constexpr (std::is_same_v<V, Avx2>) {
-        if (nx <= 2) fp8_rows<Tile, 2, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
-        else fp8_rows<Tile, 4, 2>(nx, x, w + r0 * k, srow, n, k, shifted);
-      } else fp8_rows<Tile, 4, 1>(nx, x, w + r0 * k, srow, n, k, shifted);
+        if (nx <= 2) quant_rows<Tile, 2, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
+        else quant_rows<Tile, 4, 2>(nx, x, w + r0 * k, srow, n, k, shifted);
+      } else quant_rows<Tile, 4, 1>(nx, x, w + r0 * k, srow, n, k, shifted);
     }
 }
 

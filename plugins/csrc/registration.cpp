@@ -62,5 +62,8 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
   // x [..., K] fp32 @ dequant(weight)^T + bias: weight [N, K] float8_e4m3fn (or its uint8 bits), scale_inv fp32
   // [ceil(N/128), ceil(K/128)] (the FP8 releases' 128 x 128 block scales), read as bytes, fp32 math -> fp32 [..., N]
   m.def("linear_fp8(Tensor x, Tensor weight, Tensor scale_inv, Tensor? bias) -> Tensor");
+  // x [..., K] fp32 @ dequant(weight)^T + bias: weight [N, K] int8, scale fp32 [N] (symmetric per output channel,
+  // dequant = q * scale[n]; plugins/reference.py quantize_int8), read as bytes, fp32 math -> fp32 [..., N]
+  m.def("linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("cpu_isa(str set='') -> str", &mtp::cpu_isa);
 }

@@ -1,0 +1,180 @@
+"""Weights the compiled packages store quantized, and the graph rewrites that read them (builder/compile_aoti.py runs
+these on each exported program before `bf16_weights`).
+
+FP8 checkpoints (DeepSeek-V3, GLM-4.5-FP8): the dense linears whose release weight is FP8 keep it, e4m3 bytes plus
+the 128 x 128 block scales (`fp8_weights`, given the raw weights models.checkpoint.load_fp8_weights read), and call
+`mtp::linear_fp8`, which converts in registers with fp32 math: exact up to summation order, 1 byte per weight;
+single-rank routed experts call `mtp::moe_experts_fp8`.
+
+`--quantize int8` (`int8_weights`): the dense linears' fp32 weights are quantized at build time, symmetric per output
+channel (plugins/reference.py quantize_int8), stored int8 + fp32 scales and read by `mtp::linear_int8` (fp32 math):
+1 byte per weight, lossy (the engine decodes its own quantized model, which `mtp-build --check` probes against).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+
+from models.fp8 import Fp8Weight
+from plugins.reference import dequantize_fp8_experts_ref, dequantize_fp8_ref, quantize_int8
+
+LINEAR = torch.ops.aten.linear.default  # aten.linear, what export gives F.linear / nn.Linear
+
+
+def fp8_weights(program: torch.export.ExportedProgram, fp8: Mapping[str, Fp8Weight],
+                prefix: str = "model.") -> dict[str, int]:  # fmt: skip
+    """Store the weights an FP8 release ships as FP8 (e4m3 + a new fp32 constant `<weight>_scale_inv`) and rewrite
+    their uses: fp32 linears into `mtp::linear_fp8`, single-rank `mtp::moe_experts` (ep_size 1, tp_size 1) into
+    `mtp::moe_experts_fp8`. A parameter qualifies when its name (less the wrapper's `prefix`) is in `fp8`, its fp32
+    value is exactly the dequantized FP8 (checked: the model was loaded from the same checkpoint) and every use can
+    be rewritten (an experts node needs both its weights); anything else keeps its float weight. Run it before
+    `bf16_weights` (an FP8 weight is half the bytes of its bf16 form). Returns {"fp8_weights": weights stored FP8,
+    "fp8_linears": linears rewritten, "fp8_experts": experts nodes rewritten}."""
+    sig, graph = program.graph_signature, program.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    uses = _uses
+    chosen: dict[torch.fx.Node, tuple[str, Fp8Weight]] = {}
+    for node in placeholders:
+        key = sig.inputs_to_parameters.get(node.name)
+        raw = fp8.get(key.removeprefix(prefix)) if key else None
+        value = program.state_dict.get(key) if key else None
+        if raw is None or value is None or value.dtype != torch.float32 or value.shape != raw.weight.shape:
+            continue
+        deq = (dequantize_fp8_ref(raw.weight, raw.scale_inv) if raw.weight.dim() == 2
+               else dequantize_fp8_experts_ref(raw.weight, raw.scale_inv, raw.parts))  # fmt: skip
+        if uses(node) and torch.equal(deq, value.detach()):  # else not the checkpoint's FP8 values: keep it
+            chosen[node] = (key, raw)
+    while drop := [n for n in chosen if not all(_fp32_linear(u, n) or _fp8_experts(u, n, chosen) for u in uses(n))]:
+        for n in drop:  # an experts node whose other weight is not FP8 keeps both float
+            del chosen[n]
+    scales = _store_quantized(program, {node: (key, raw.weight, raw.scale_inv, "_scale_inv")
+                                        for node, (key, raw) in chosen.items()})  # fmt: skip
+    linears = experts = 0
+    for node in list(graph.nodes):
+        args: tuple[Any, ...]
+        if node.target is LINEAR and node.args[1] in scales:
+            w = node.args[1]
+            assert isinstance(w, torch.fx.Node)
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            args, op = (node.args[0], w, scales[w], bias), torch.ops.mtp.linear_fp8.default
+            linears += 1
+        elif node.target is _EXPERTS and node.args[3] in scales:
+            x, ids, tw, gu, dn = node.args[:5]
+            assert isinstance(gu, torch.fx.Node) and isinstance(dn, torch.fx.Node)
+            args, op = (x, ids, tw, gu, scales[gu], dn, scales[dn], 0), torch.ops.mtp.moe_experts_fp8.default
+            experts += 1
+        else:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(op, args)
+        new.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    graph.lint()
+    program.graph_module.recompile()
+    return {"fp8_weights": len(chosen), "fp8_linears": linears, "fp8_experts": experts}
+
+
+_EXPERTS = torch.ops.mtp.moe_experts.default
+
+
+def _uses(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """node's users but export's dtype checks (`_assert_tensor_metadata`)."""
+    return [u for u in node.users if u.target is not torch.ops.aten._assert_tensor_metadata.default]
+
+
+def _store_quantized(program: torch.export.ExportedProgram,
+                     stored: Mapping[torch.fx.Node, tuple[str, torch.Tensor, torch.Tensor, str]]
+                     ) -> dict[torch.fx.Node, torch.fx.Node]:  # fmt: skip
+    """For each parameter placeholder -> (its state_dict key, the quantized weight, its scales, a suffix): store the
+    weight in place of the float parameter and the scales as a new constant input `<key><suffix>` (placed before
+    the user inputs, as export orders them). Drops export's fp32 checks of those weights (no longer true, by design).
+    Returns placeholder -> its scales' placeholder; the caller rewrites the uses."""
+    sig, graph = program.graph_signature, program.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    first_user = next((i for i, spec in enumerate(sig.input_specs) if spec.kind == InputKind.USER_INPUT),
+                      len(placeholders))  # fmt: skip
+    anchor = placeholders[first_user] if first_user < len(placeholders) else None
+    fake = detect_fake_mode(tuple(n.meta["val"] for n in placeholders))
+    scales: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node, (key, weight, scale_value, suffix) in stored.items():
+        program.state_dict[key] = torch.nn.Parameter(weight, requires_grad=False)
+        node.meta["val"] = fake.from_tensor(weight, static_shapes=True) if fake else weight
+        with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after(placeholders[-1]):
+            scale = scales[node] = graph.placeholder(f"{node.name}{suffix}")
+        scale.target = scale.name
+        scale.meta["val"] = fake.from_tensor(scale_value, static_shapes=True) if fake else scale_value
+        target = f"{key}{suffix}"
+        sig.input_specs.insert(first_user, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(scale.name), target))
+        first_user += 1
+        program.constants[target] = scale_value
+        for user in [u for u in node.users if u not in _uses(node)]:
+            graph.erase_node(user)
+    return scales
+
+
+# --quantize int8 leaves these float: the embeddings and the LM head (their error reaches every logit directly; the
+# usual weight-only practice) and the MoE router (`mlp.gate`: its scores pick the experts, a flip changes the route).
+INT8_KEPT_FLOAT = ("embed_tokens.weight", "lm_head.weight", ".mlp.gate.weight")
+
+
+def int8_weights(program: torch.export.ExportedProgram, prefix: str = "model.") -> dict[str, Any]:
+    """`mtp-build --quantize int8`: store every fp32 weight [N, K] whose uses are all fp32 linears (attention
+    projections, dense MLPs, shared experts, eh_proj) as int8 + one fp32 scale per output row (plugins/reference.py
+    quantize_int8; the constant `<weight>_int8_scale`) and rewrite those linears into `mtp::linear_int8`; the
+    embeddings, the LM head and the router stay float (INT8_KEPT_FLOAT), as do the routed experts (no int8 experts
+    op yet). Run it before `bf16_weights`. Returns {"int8_weights": count, "int8_linears": linears rewritten,
+    "int8_names": the quantized weights' names less `prefix` (the checkpoint's), for `mtp-build --check`}."""
+    sig, graph = program.graph_signature, program.graph_module.graph
+    stored: dict[torch.fx.Node, tuple[str, torch.Tensor, torch.Tensor, str]] = {}
+    for node in [n for n in graph.nodes if n.op == "placeholder"]:
+        key = sig.inputs_to_parameters.get(node.name)
+        value = program.state_dict.get(key) if key else None
+        if value is None or value.dtype != torch.float32 or value.dim() != 2 or key.endswith(INT8_KEPT_FLOAT):
+            continue
+        if _uses(node) and all(_fp32_linear(u, node) for u in _uses(node)):
+            stored[node] = (key, *quantize_int8(value.detach()), "_int8_scale")
+    scales = _store_quantized(program, stored)
+    linears = 0
+    for node in list(graph.nodes):
+        if node.target is LINEAR and node.args[1] in scales:
+            w = node.args[1]
+            assert isinstance(w, torch.fx.Node)
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            with graph.inserting_before(node):
+                new = graph.call_function(torch.ops.mtp.linear_int8.default, (node.args[0], w, scales[w], bias))
+            new.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            linears += 1
+    graph.lint()
+    program.graph_module.recompile()
+    names = sorted(key.removeprefix(prefix) for key, *_ in stored.values())
+    return {"int8_weights": len(stored), "int8_linears": linears, "int8_names": names}
+
+
+def _fp32_linear(node: torch.fx.Node, weight: torch.fx.Node) -> bool:
+    """node is aten.linear(x, weight, bias?) with fp32 x (and bias): what mtp::linear_fp8 computes."""
+    if node.target is not LINEAR or len(node.args) < 2 or node.args[1] is not weight or node.args[0] is weight:
+        return False
+    x, bias = node.args[0], node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    if not isinstance(x, torch.fx.Node) or x.meta["val"].dtype != torch.float32:
+        return False
+    return bias is None or (isinstance(bias, torch.fx.Node) and bias is not weight
+                            and bias.meta["val"].dtype == torch.float32)  # fmt: skip
+
+
+def _fp8_experts(node: torch.fx.Node, weight: torch.fx.Node, chosen: Mapping[torch.fx.Node, Any]) -> bool:
+    """node is a single-rank mtp::moe_experts over fp32 x whose w_gate_up and w_down (weight among them) are both
+    FP8: what mtp::moe_experts_fp8 computes (the EP / TP exchange reads float weights)."""
+    if node.target is not _EXPERTS or len(node.args) < 7 or node.kwargs:
+        return False
+    x, _, _, gu, dn, _, ep_size, *tp = node.args
+    if ep_size != 1 or (tp and tp[0] != 1) or gu not in chosen or dn not in chosen or weight not in (gu, dn):
+        return False
+    return isinstance(x, torch.fx.Node) and x is not weight and x.meta["val"].dtype == torch.float32

@@ -1,0 +1,196 @@
+"""`mtp-build --quantize int8`: the compiled engine stores its dense linears (attention q/k/v/o, the dense MLP, the
+shared experts, eh_proj; not the embeddings, LM head or router) as weight-only int8 with per-output-channel fp32 scales
+(plugins/reference.py quantize_int8) read by mtp::linear_int8, at about half the bytes of their bf16 form; MTP stays
+lossless on the quantized model (K=2 decodes exactly what K=0 of the same engine decodes); its logits stay close to
+the float model's; `--check` probes it against the float model with the same weights quantized; and what is not
+supported yet is refused in one line.
+
+One compiled build of a tiny bf16 checkpoint whose dims cross the kernel's vector chunks and tiles (hidden 160, dense
+MLP 272, experts 136, 4 heads x 40) serves every test (test_fp8_native.py's geometry); the float reference is the
+torch executor on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from builder import cli
+from builder.compile_check import probe_inputs
+from builder.graphs import WRAPPERS
+from builder.options import BuildError, BuildOptions
+from models.checkpoint import load_model
+from models.checkpoint_export import save_hf_checkpoint, to_hf_config
+from models.engine_format import load_engine_config
+from models.engine_format.compiled import AOTI_KIND, INT8_FORMAT
+from models.testing import quantize_checkpoint_fp8, random_model, tiny_config
+from plugins.kv_pool import allocate_pool, pool_address
+from runtime.core.sampling import SamplingParams
+from runtime.executors.compiled_executor import CompiledExecutor
+from runtime.factory import create_engine
+from tests.builder.conftest import LIMITS, write_tokenizer
+from tests.runtime.engine_utils import random_prompts
+
+CFG = tiny_config(hidden_size=160, intermediate_size=272, moe_intermediate_size=136, head_dim=40)
+PROMPTS = random_prompts((5, 13, 9, 22, 3), seed=1)
+PARAMS = SamplingParams(max_tokens=20)
+GRAPHS = ("main", "mtp_draft", "mtp_commit")
+# Relative to the largest |logit| of a row, over the probe batch's prefill rows: weight-only int8 moves each weight by
+# at most half a step (max|w_row| / 254; 0.4% of the row's largest, 0.7% in norm here), which this tiny random model
+# turns into logit differences of 1.5-2.6% of each row's largest logit (measured, the torch model quantized the same
+# way gives the same); 5% leaves room and still fails a wrong scale or a transposed weight (differences of the order
+# of the logits themselves).
+LOGIT_TOLERANCE = 0.05
+
+
+def _argv(ckpt: Path, out: Path, *extra: str) -> list[str]:
+    argv = ["--checkpoint", str(ckpt), "--output", str(out), *extra]
+    for k, v in LIMITS.items():  # num_draft_tokens 2
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A bf16-valued checkpoint, as releases are: the float engine stores its matrices bf16 (bf16_weights), so
+    the int8 engine's bytes compare with what it would otherwise store."""
+    root = tmp_path_factory.mktemp("int8ckpt")
+    model = random_model(CFG, seed=7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    save_hf_checkpoint(model, to_hf_config(CFG), root / "float")
+    write_tokenizer(root / "float" / "tokenizer.json", CFG.vocab_size)
+    return root / "float"
+
+
+@pytest.fixture(scope="module")
+def int8_engine(checkpoint, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("int8_engine") / "engine"
+    assert cli.main(_argv(checkpoint, out, "--compile", "aoti", "--quantize", "int8")) == 0
+    return out
+
+
+def _float_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The float model's weights by the model's names (what build.compiled.int8.weights lists)."""
+    return load_model(ckpt)[0].state_dict()
+
+
+def test_the_dense_linears_are_int8(int8_engine, checkpoint):
+    """Exactly the dense linears' weights are int8 (the same ones as an FP8 release's: test_fp8_native.py's counts),
+    config.json records the format, the op and the weights, and the embeddings, LM head, router and routed experts
+    stay float."""
+    compiled = load_engine_config(int8_engine).build["compiled"]
+    int8 = compiled["int8"]
+    assert {k: int8[k] for k in INT8_FORMAT} == INT8_FORMAT and int8["ops"] == ["linear_int8"]
+    graphs = compiled["graphs"]
+    assert [graphs[g]["int8_linears"] for g in GRAPHS] == [14, 8, 3]
+    assert [graphs[g]["int8_weights"] for g in GRAPHS] == [14, 8, 3]
+    assert "fp8" not in compiled
+    # q/k/v/o, gate/up/down (dense MLP and shared experts) and eh_proj, of the main layers and the MTP layer
+    want = {n for n in _float_weights(checkpoint) if n.endswith("_proj.weight")}
+    assert len(want) == 14 + 8 and sorted(want) == int8["weights"]
+
+
+def test_package_bytes_are_about_half_the_bf16_linears(int8_engine, checkpoint):
+    """The main package's stored weights: what a float engine stores of what it holds (bf16 for the checkpoint's bf16
+    matrices, compile_aoti.bf16_weights; fp32 for the rest: norms, the router's bias), less what int8 saves on each
+    quantized linear (1 byte per weight + 4 per row instead of 2 per weight): within 10%, and clearly below the
+    float engine's. Printed for the record (pytest -s)."""
+    weights = _float_weights(checkpoint)
+    names = load_engine_config(int8_engine).build["compiled"]["int8"]["weights"]
+    assert all(weights[n].dim() == 2 and torch.equal(weights[n].bfloat16().float(), weights[n]) for n in names)
+    bf16 = {n: (2 if w.dim() >= 2 and torch.equal(w.bfloat16().float(), w) else 4) * w.numel()
+            for n, w in weights.items()}  # fmt: skip
+    int8 = {n: weights[n].numel() + 4 * weights[n].shape[0] for n in names}
+    main = [n for n in weights if not n.startswith("mtp.")]  # the main graph: all but the MTP layer
+    bf16_main = sum(bf16[n] for n in main)
+    want_main = bf16_main - sum(bf16[n] - int8[n] for n in names if n in main)
+    got = load_engine_config(int8_engine).build["compiled"]["graphs"]["main"]["weight_bytes"]
+    linears_ratio = sum(int8.values()) / sum(bf16[n] for n in names)
+    print(json.dumps({"main_weight_bytes": got, "want": want_main, "bf16_main": bf16_main,
+                      "int8_linears_over_bf16": linears_ratio}))  # fmt: skip
+    assert 0.5 <= linears_ratio <= 0.52
+    assert 0.9 <= got / want_main <= 1.1 and got < 0.8 * bf16_main
+
+
+@pytest.mark.parametrize("k", [2])
+def test_mtp_stays_lossless_on_the_quantized_model(int8_engine, k):
+    """Greedy K=2 on the int8 engine decodes exactly what K=0 of the same engine decodes (drafts really verified)."""
+    base = create_engine(int8_engine, num_draft_tokens=0, max_prefill_chunk=6)
+    assert isinstance(base.executor, CompiledExecutor)
+    want = [o.output_ids for o in base.generate(PROMPTS, PARAMS)]
+    engine = create_engine(int8_engine, num_draft_tokens=k, max_prefill_chunk=6)
+    outs = engine.generate(PROMPTS, PARAMS)
+    engine.kv.assert_no_leaks()
+    assert [o.output_ids for o in outs] == want
+    assert engine.metrics.mean_acceptance_length > 1.0
+
+
+def test_logits_stay_close_to_the_float_model(int8_engine, checkpoint):
+    """The main package's logits on the probe batch's prefill request against the unquantized torch model's
+    (LOGIT_TOLERANCE of each row's largest |logit|). Its verify rows attend to pool slots no step wrote, where this
+    random model amplifies any change (17-36% there for the torch model quantized the same way: not the kernels,
+    which --check compares at 1e-4), so they are left out. Greedy agreement with the float model over whole
+    generations is printed for the record."""
+    cfg = load_engine_config(int8_engine)
+    inputs = probe_inputs(cfg)["main"]
+    prefill = int(inputs[2][0])  # q_counts: the prefill request's rows come first
+    geom = cfg.kv.geometry()
+    package = torch._inductor.aoti_load_package(str(cfg.graph_file(0, "main", AOTI_KIND)))
+    model = load_model(checkpoint)[0].eval().fuse()
+    with torch.inference_mode():
+        _, got = package(*inputs, pool_address(allocate_pool(geom)))
+        _, want = WRAPPERS["main"](model, geom)(*inputs, pool_address(allocate_pool(geom)))
+    got, want = got[:prefill], want[:prefill]
+    rel = float(((got - want).abs().amax(1) / want.abs().amax(1)).max())
+    float_engine = create_engine(checkpoint=checkpoint, executor="torch", num_draft_tokens=0, block_size=4)
+    ref = [o.output_ids for o in float_engine.generate(PROMPTS, PARAMS)]
+    ours = [o.output_ids for o in create_engine(int8_engine, num_draft_tokens=2).generate(PROMPTS, PARAMS)]
+    same = sum(a == b for r, o in zip(ref, ours, strict=True) for a, b in zip(r, o, strict=True))
+    first = [
+        next((i for i, (a, b) in enumerate(zip(r, o, strict=True)) if a != b), len(r))
+        for r, o in zip(ref, ours, strict=True)
+    ]
+    print(json.dumps({"max_logit_diff_over_max_logit": rel, "greedy_tokens_equal": same,
+                      "tokens": sum(len(r) for r in ref), "first_divergence_per_prompt": first}))  # fmt: skip
+    assert 0 < rel <= LOGIT_TOLERANCE  # > 0: the weights really are quantized
+
+
+def test_check_probes_against_the_quantized_float_model(int8_engine, capsys):
+    """`mtp-build --check` quantizes the recorded weights of the torch model the same way: the packages match it
+    at the float tolerance (a probe against the unquantized model would fail it)."""
+    assert cli.main(["--check", str(int8_engine)]) == 0
+    assert "compiled packages match the torch model on a probe batch" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--compile", "none"], "--quantize int8 with --compile none is not supported yet"),
+    (["--world-size", "2", "--ep-size", "2"], "--quantize int8 with --world-size 2 is not supported yet"),
+])  # fmt: skip
+def test_unsupported_combinations_are_refused_in_one_line(checkpoint, tmp_path, capsys, extra, match):
+    assert cli.main(_argv(checkpoint, tmp_path / "engine", "--quantize", "int8", *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in " ".join(err.split()) and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "engine").exists()
+
+
+def test_a_model_without_a_compiled_engine_is_refused():
+    """--compile auto resolves to none for --backend tensorrt (and hybrid models): no int8 reader there."""
+    opts = BuildOptions(checkpoint=Path("c"), output=Path("o"), backend="tensorrt", dtype="float16", quantize="int8",
+                        **LIMITS)  # fmt: skip
+    opts.validate()
+    with pytest.raises(BuildError, match="--quantize int8 without the compiled engine is not supported yet") as e:
+        opts.validate_for_model(CFG)
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_an_fp8_checkpoint_is_refused_in_one_line(checkpoint, tmp_path, capsys):
+    quantize_checkpoint_fp8(checkpoint, tmp_path / "fp8")
+    assert cli.main(_argv(tmp_path / "fp8", tmp_path / "engine", "--compile", "aoti", "--quantize", "int8")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--quantize int8 with an FP8 checkpoint is not supported yet" in " ".join(err.split()), err
+    assert len(err.splitlines()) == 1
