@@ -128,7 +128,8 @@ void rope_cos_sin(int64_t pos, const float* inv_freq, int64_t half, float scale,
 }
 
 float* scratch(int slot, int64_t n) {
-  thread_local std::vector<float> buffers[4];
+  thread_local std::vector<float> buffers[kScratchSlots];
+  TORCH_CHECK(0 <= slot && slot < kScratchSlots, "mtp: scratch slot ", slot, " out of range");
   auto& b = buffers[slot];
   if (static_cast<int64_t>(b.size()) < n) b.resize(static_cast<size_t>(n));
   return b.data();

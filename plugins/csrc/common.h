@@ -856,6 +856,30 @@ MTP_INLINE void fp8_rows(int64_t m, const float* const* x, const uint8_t* w, con
 }
 
 // A per-thread scratch buffer of at least n floats (kernels run often with small sizes: no allocation).
+// thread_local, so each OpenMP thread of an at::parallel_for has its own (keyed by the OS thread, which is what an
+// OpenMP thread is; an array indexed by at::get_thread_num() would need resizing whenever torch.set_num_threads
+// changes). The calling thread is OpenMP thread 0 of the region and runs a share of the items itself: a buffer the
+// caller takes to share with the region (MoE's per-pair rows, GDN's conv outputs) must use a slot no parallel body
+// takes, and a body must read a thread_local (e.g. a std::vector) through a pointer taken by the caller, never by
+// its name (the name inside the lambda is the executing thread's own, empty, copy).
+constexpr int kScratchSlots = 6;
 float* scratch(int slot, int64_t n);
+
+// ---- threads -----------------------------------------------------------------------------------------------------
+// The kernels split into work items with at::parallel_for (OpenMP, the threads torch.set_num_threads gives). Each
+// output value is computed by one item, by the same operations whatever the item boundaries, so results do not
+// depend on the thread count. Waking the pool costs microseconds (libgomp: ~5 us warm, tens of us when its threads
+// sleep), so a thread must get at least this much work (multiply-adds, roughly) or the call runs inline: decode of
+// a tiny model stays on the calling thread.
+constexpr int64_t kMinThreadWork = int64_t{1} << 16;
+
+// The at::parallel_for grain for `items` items costing `work` together (about equal items): the range runs inline
+// below kMinThreadWork of work, and each thread gets >= kMinThreadWork otherwise (parallel_for uses at most
+// items / grain threads).
+inline int64_t grain_for(int64_t items, int64_t work) {
+  if (items <= 0 || work < 2 * kMinThreadWork) return std::max<int64_t>(items, 1);
+  const long double per_item = static_cast<long double>(work) / static_cast<long double>(items);
+  return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(kMinThreadWork / per_item)), 1, items);
+}
 
 }  // namespace mtp
