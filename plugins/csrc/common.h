@@ -76,6 +76,19 @@ PoolPlane pool_plane(const at::Tensor& pool_ptr, int64_t plane, int64_t num_plan
 int64_t block_of(const Ints& tables, int64_t cols, int64_t r, int64_t pos, int64_t block_size, int64_t num_blocks,
                  const char* op);
 
+// ---- write ops: where each packed row goes ------------------------------------------------------------------
+struct RowSlot {
+  int64_t row, pos, block;  // packed input row, its position, its pool block (slot = pos % block_size)
+};
+// The rows of a write (request r's counts[r] rows, packed in request order, at positions starts[r] + j) that are
+// stored: block -1 and positions past the table store nothing. Every block id is checked here (a ValueError before
+// anything is written).
+std::vector<RowSlot> row_slots(const Ints& counts, const Ints& starts, const Ints& tables, int64_t num_requests,
+                               int64_t cols, int64_t block_size, int64_t num_blocks, const char* op);
+// The at::parallel_for grain for writing `slots` (grain_for of their work), or all of them on one thread, in row
+// order, when two rows go to one pool slot (outside the contract; the last row wins, as in the reference).
+int64_t write_grain(const std::vector<RowSlot>& slots, int64_t block_size, int64_t work_per_row);
+
 // A shape as Python prints a tuple ("(2,)", "(2, 6)"): error messages match the Python-side ones.
 std::string py_shape(const at::Tensor& t);
 

@@ -466,6 +466,51 @@ def test_moe_experts_fp8_do_not_depend_on_the_thread_count(isa: str) -> None:
     assert _agrees(two, x, ids, tw, gu, sgu, dn, sdn)
 
 
+@pytest.mark.parametrize("shared_slots", [False, True])
+def test_kv_writes_do_not_depend_on_the_thread_count(shared_slots: bool) -> None:
+    """A 3-request prefill of 300 rows (8 KV heads x 128, roped; an MLA latent of 576) splits over rows: the pools
+    after 1 and 2 threads are bit-identical and equal to the reference (poisoned pool: nothing else is written).
+    shared_slots: the last request's table repeats the first one's blocks, so two rows go to one pool slot (outside
+    the contract): the kernel then writes in row order, and the last row wins as in the reference."""
+    gen = torch.Generator().manual_seed(21)
+    counts, starts = torch.tensor([200, 0, 100], dtype=torch.int32), torch.tensor([0, 5, 40], dtype=torch.int32)
+    tables = torch.full((3, 13), -1, dtype=torch.int32)
+    tables[0] = 1 + torch.randperm(13, generator=gen).to(torch.int32)
+    tables[2, :9] = tables[0, :9] if shared_slots else 14 + torch.arange(9, dtype=torch.int32)
+    geom = KVPoolGeometry(1, 23, 16, 8, 128, DTYPE_CODES[torch.bfloat16])
+    k, v = torch.randn(302, 8, 128, generator=gen), torch.randn(302, 8, 128, generator=gen)
+    expected = torch.full(geom.shape, float("nan"), dtype=geom.dtype)
+    n_ref = kv_write_ref(expected, k, v, counts, starts, tables, 0, 64, 1e6)
+
+    def write():
+        pool = torch.full(geom.shape, float("nan"), dtype=geom.dtype)
+        n = torch.ops.mtp.kv_write(k, v, counts, starts, tables, pool_address(pool), 0, *geom.attrs().values(), 64,
+                                   1e6)  # fmt: skip
+        return int(n[0]), pool
+
+    (n1, p1), (n2, p2) = _with_threads(1, write), _with_threads(2, write)
+    assert n1 == n2 == n_ref == 300 and torch.equal(p1.view(torch.int16), p2.view(torch.int16))
+    assert torch.equal(p2.isnan(), expected.isnan())
+    torch.testing.assert_close(p2.float().nan_to_num(), expected.float().nan_to_num(), atol=tolerance(geom.dtype),
+                               rtol=0)  # fmt: skip
+
+    mgeom = KVPoolGeometry(1, 23, 16, 1, 576, DTYPE_CODES[torch.bfloat16], kv_kind=1)
+    latent, inv_freq = torch.randn(302, 576, generator=gen), torch.rand(32, generator=gen)
+    mexpected = torch.full(mgeom.shape, float("nan"), dtype=mgeom.dtype)
+    mla_kv_write_ref(mexpected, latent, counts, starts, tables, 0, inv_freq, 64, 0.7)
+
+    def mla_write():
+        pool = torch.full(mgeom.shape, float("nan"), dtype=mgeom.dtype)
+        torch.ops.mtp.mla_kv_write(latent, counts, starts, tables, pool_address(pool), inv_freq, 0,
+                                   *mgeom.attrs().values(), 64, 0.7)  # fmt: skip
+        return pool
+
+    m1, m2 = _with_threads(1, mla_write), _with_threads(2, mla_write)
+    assert torch.equal(m1.view(torch.int16), m2.view(torch.int16)) and torch.equal(m2.isnan(), mexpected.isnan())
+    torch.testing.assert_close(m2.float().nan_to_num(), mexpected.float().nan_to_num(), atol=tolerance(mgeom.dtype),
+                               rtol=0)  # fmt: skip
+
+
 def _gdn_call(seed: int, counts, starts, reads, writes, slots: int = 8):
     """mtp::gdn_step and gdn_step_ref at a size that splits over (request, value head): Hk 2 x Dk 64, Hv 4 x Dv 64,
     on copies of one pool -> (op outputs, reference outputs), each (out, conv pool, ssm pool)."""
