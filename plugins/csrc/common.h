@@ -12,7 +12,8 @@
 // Numerics: fp32 accumulation everywhere; conversions to the pool / activation dtype are c10's (round to
 // nearest even, as torch's .to()); the library is compiled with -ffp-contract=off, so only the explicit
 // FMAs of the AVX-512 primitives fuse. Every output row is computed by the same sequence of operations
-// whatever else is in the batch (batch-invariant on one machine).
+// whatever else is in the batch and whatever the thread count (batch- and thread-invariant on one machine; the
+// kernels' at::parallel_for splits are below, "threads").
 #pragma once
 
 #include <ATen/core/Tensor.h>

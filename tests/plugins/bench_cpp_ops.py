@@ -7,7 +7,7 @@ never assert anything).
 
 Each round runs one child process per variant (checkout or thread count; the order alternates), which times every
 case `--calls` times back to back and reports its median µs per call; the table prints the median over rounds.
-Checkouts run at 1 thread. Shapes: models/deep (8 q heads / 2 KV heads of 32, hidden 256, 8 experts top-2,
+Checkouts run at 1 thread; OMP_WAIT_POLICY is PASSIVE unless set, as the runtime sets it. Shapes: models/deep (8 q heads / 2 KV heads of 32, hidden 256, 8 experts top-2,
 moe_intermediate 96, block 16) at batch 1 and 8 with 1, 2 and 4 rows per request over a 128-token context,
 a 256-token prefill, and an MLA layer of GLM-4.7-Flash's latent width (512 + 64 rope, 20 heads). --big adds shapes
 where the kernels split over threads (common.h kMinThreadWork): GQA 32 q / 8 KV heads of 128 over 2048 positions,
@@ -185,6 +185,7 @@ def main() -> None:
         for which in names if r % 2 == 0 else names[::-1]:
             root, threads = variants[which]
             env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS=str(threads))
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what `import runtime` sets (docs/PERFORMANCE.md "Threads")
             cmd = [sys.executable, str(here / "tests/plugins/bench_cpp_ops.py"), "--child", "--calls", str(args.calls),
                    "--child-threads", str(threads)] + (["--big"] if args.big else [])  # fmt: skip
             res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
