@@ -882,10 +882,12 @@ float* scratch(int slot, int64_t n);
 // ---- threads -----------------------------------------------------------------------------------------------------
 // The kernels split into work items with at::parallel_for (OpenMP, the threads torch.set_num_threads gives). Each
 // output value is computed by one item, by the same operations whatever the item boundaries, so results do not
-// depend on the thread count. Waking the pool costs microseconds (libgomp: ~5 us warm, tens of us when its threads
-// sleep), so a thread must get at least this much work (multiply-adds, roughly) or the call runs inline: decode of
-// a tiny model stays on the calling thread.
-constexpr int64_t kMinThreadWork = int64_t{1} << 16;
+// depend on the thread count. Waking the pool costs microseconds to tens of microseconds (libgomp; the runtime sets
+// OMP_WAIT_POLICY=PASSIVE, so the workers sleep between regions), so a thread must get at least this much work
+// (multiply-adds, roughly: ~30-60 us at these kernels' speeds) or the call runs inline: decode of a tiny model stays
+// on the calling thread. Measured with 2^16 on the shared 2-core VM (docs/PERFORMANCE.md "Kernel threads"): splits
+// of 2^16-2^17 per thread (models/deep verify, 11-36 us calls) ran 0.56-0.66x as fast with 2 passive threads.
+constexpr int64_t kMinThreadWork = int64_t{1} << 18;
 
 // The at::parallel_for grain for `items` items costing `work` together (about equal items): the range runs inline
 // below kMinThreadWork of work, and each thread gets >= kMinThreadWork otherwise (parallel_for uses at most
