@@ -6,8 +6,11 @@
 // with every query of the chunk that sees it; query j sits at
 // kv_lens[r] - q_counts[r] + j and sees keys 0..that. Scores, softmax and the weighted value sum are fp32,
 // each query row computed alone (the same operations whatever the batch). Rows past sum(q_counts) are zeros;
-// a query that sees no key (kv_len < q_count) is zeros too. Semantics: plugins/reference.py.
+// a query that sees no key (kv_len < q_count) is zeros too. Semantics: plugins/reference.py. The (request, KV head,
+// chunk) items run on torch's threads (attend below).
 #pragma once
+
+#include <ATen/Parallel.h>
 
 #include "common.h"
 
@@ -76,78 +79,129 @@ MTP_INLINE int key_tile(const AttendArgs& a, int64_t r, int64_t g, int64_t p0, i
 
 constexpr int64_t kChunkRows = 64;  // query rows (x group) attended together: bounds the score buffer
 
+// One work item: request r (its queries start at packed row row0), KV head g, queries ja .. jb - 1 of the request,
+// query heads h0 .. h1 - 1 of the KV head's group.
+struct AttendItem {
+  int64_t r, row0, g, ja, jb, h0, h1;
+};
+
+// Items i0 .. i1 - 1 on the calling thread, with its own scratch (common.h). An ISA kernel of its own (not a lambda
+// inside one): the body of at::parallel_for is called through OpenMP's outlined function, so it would not be
+// compiled for the ISA of the function that contains it.
 template <class V, class Q, class P>
-void attend(const AttendArgs& a) {
+void attend_items(const AttendArgs& a, const AttendItem* items, int64_t i0, int64_t i1) {
   const Q* q = static_cast<const Q*>(a.q);
   Q* out = static_cast<Q*>(a.out);
   const int64_t hq = a.kv_heads * a.group;
   const int64_t q_row = hq * a.dk, out_row = hq * a.dv, width = std::max(a.dk, a.dv);
-  const int64_t chunk = std::max<int64_t>(1, kChunkRows / a.group);  // queries per chunk
   const float* tile[kTile];
   float part[kTile];
-  int64_t row0 = 0;
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t r = items[i].r, row0 = items[i].row0, g = items[i].g, ja = items[i].ja, jb = items[i].jb;
+    const int64_t h0 = items[i].h0, gh = items[i].h1 - h0;  // the item's query heads; row l: query ja + l / gh
+    const int64_t n_q = (*a.q_counts)[r], n_kv = (*a.kv_lens)[r];
+    const int64_t first = n_kv - n_q;  // position of query 0; query j sees keys 0..first+j
+    const int64_t rows = (jb - ja) * gh;
+    float* qf = scratch(0, rows * a.dk + kTile * width + rows);
+    float* kbuf = qf + rows * a.dk;
+    float* sums = kbuf + kTile * width;
+    float* s = scratch(1, rows * std::max<int64_t>(n_kv, 1));
+    float* acc = scratch(2, rows * a.dv);
+    const int64_t kv_end = std::min(n_kv, first + jb);  // keys any query of the chunk sees
+    for (int64_t j = ja; j < jb; ++j)
+      for (int64_t h = 0; h < gh; ++h)
+        V::to_f32(q + (row0 + j) * q_row + (g * a.group + h0 + h) * a.dk, qf + ((j - ja) * gh + h) * a.dk, a.dk);
+    // scores of a tile of keys against every query that sees its first key (the rest of a row is ignored)
+    for (int64_t p0 = 0; p0 < kv_end; p0 += kTile) {
+      const int64_t l0 = (std::max(ja, p0 - first) - ja) * gh;
+      const int nk = key_tile<V, P>(a, r, g, p0, kv_end, 0, 0, a.dk, kbuf, tile);
+      for (int64_t l = l0; l < rows; ++l) {
+        dot_n<V>(nk, tile, qf + l * a.dk, a.dk, part);
+        for (int k = 0; k < nk; ++k) s[l * n_kv + p0 + k] = part[k] * a.scale;
+      }
+    }
+    // softmax numerators and sums over each query's visible keys
+    for (int64_t l = 0; l < rows; ++l) {
+      const int64_t len = std::min(first + ja + l / gh + 1, n_kv);
+      if (len <= 0) { sums[l] = 0.0f; continue; }
+      float* row = s + l * n_kv;
+      V::exp_sub(row, V::max(row, len), len);
+      sums[l] = V::sum(row, len);
+    }
+    // weighted values, a tile of value rows at a time, each query's sum in key order
+    std::fill(acc, acc + rows * a.dv, 0.0f);
+    for (int64_t p0 = 0; p0 < kv_end; p0 += kTile) {
+      const int64_t l0 = (std::max(ja, p0 - first) - ja) * gh;
+      const int nk = key_tile<V, P>(a, r, g, p0, kv_end, a.value_kv, a.value_offset, a.dv, kbuf, tile);
+      for (int64_t l = l0; l < rows; ++l) {
+        const int seen = static_cast<int>(std::min<int64_t>(nk, first + ja + l / gh + 1 - p0));
+        axpy_n<V>(seen, s + l * n_kv + p0, tile, acc + l * a.dv, a.dv);
+      }
+    }
+    for (int64_t l = 0; l < rows; ++l) {
+      const float* src = acc + l * a.dv;
+      Q* dst = out + (row0 + ja + l / gh) * out_row + (g * a.group + h0 + l % gh) * a.dv;
+      const float sum = sums[l];
+      for (int64_t d = 0; d < a.dv; ++d) dst[d] = from_f32<Q>(sum == 0.0f ? 0.0f : src[d] / sum);  // sum >= 1 or NaN
+    }
+  }
+}
+
+MTP_ISA_KERNEL(run_attend_items, attend_items)
+
+// Threads: the items (request x KV head x chunk of up to 64 query rows) are independent (each writes its own
+// output rows and only reads the pool), so at::parallel_for runs them on torch's threads, with a grain that keeps
+// a small call (decode of a small model) inline. Request x head is the natural split (the GQA group's queries share
+// each key row read); the chunks add items for long prefills. An output value is computed inside one item by the
+// same operations whatever the chunking (every query row has its own scores, softmax and accumulator; a key tile
+// is dotted with each row alone), so results are bit-identical for any thread count and batch (decode rows equal
+// verify rows).
+//
+// Fewer items than threads (a decode step of MLA, whose 16-128 heads are one group over one latent "KV head", or
+// of a few requests of a GQA model with few KV heads): the group's heads are split into parts too, so every thread
+// gets work. A part converts the key rows it reads for itself (once per part instead of once per group), and its
+// rows' values are the same as in a whole group (each row alone).
+template <class Q, class P>
+void attend(const AttendArgs& a) {
+  const int64_t chunk = std::max<int64_t>(1, kChunkRows / a.group);  // queries per chunk
+  int64_t chunks = 0, work = 0;
   for (int64_t r = 0; r < a.num_requests; ++r) {
     const int64_t n_q = (*a.q_counts)[r], n_kv = (*a.kv_lens)[r];
     if (n_q == 0) continue;
-    const int64_t first = n_kv - n_q;  // position of query 0; query j sees keys 0..first+j
-    const int64_t max_rows = std::min(n_q, chunk) * a.group;
-    float* qf = scratch(0, max_rows * a.dk + kTile * width + max_rows);
-    float* kbuf = qf + max_rows * a.dk;
-    float* sums = kbuf + kTile * width;
-    float* s = scratch(1, max_rows * std::max<int64_t>(n_kv, 1));
-    float* acc = scratch(2, max_rows * a.dv);
+    chunks += a.kv_heads * ((n_q + chunk - 1) / chunk);
+    work += n_q * a.group * a.kv_heads * std::max<int64_t>(n_kv, 1) * (a.dk + a.dv);  // scores + values, about
+  }
+  const int64_t threads = at::get_num_threads();
+  int64_t parts = 1;  // of each group
+  if (chunks > 0 && chunks < threads && work >= 2 * kMinThreadWork)
+    parts = std::min(a.group, (threads + chunks - 1) / chunks);
+  const int64_t per_part = (a.group + parts - 1) / parts;
+  std::vector<AttendItem> items;
+  int64_t row0 = 0;
+  for (int64_t r = 0; r < a.num_requests; ++r) {
+    const int64_t n_q = (*a.q_counts)[r];
+    if (n_q == 0) continue;
     for (int64_t g = 0; g < a.kv_heads; ++g)
-      for (int64_t ja = 0; ja < n_q; ja += chunk) {
-        const int64_t jb = std::min(n_q, ja + chunk), rows = (jb - ja) * a.group;
-        const int64_t kv_end = std::min(n_kv, first + jb);  // keys any query of the chunk sees
-        for (int64_t j = ja; j < jb; ++j)
-          for (int64_t h = 0; h < a.group; ++h)
-            V::to_f32(q + (row0 + j) * q_row + (g * a.group + h) * a.dk, qf + ((j - ja) * a.group + h) * a.dk, a.dk);
-        // scores of a tile of keys against every query that sees its first key (the rest of a row is ignored)
-        for (int64_t p0 = 0; p0 < kv_end; p0 += kTile) {
-          const int64_t l0 = (std::max(ja, p0 - first) - ja) * a.group;
-          const int nk = key_tile<V, P>(a, r, g, p0, kv_end, 0, 0, a.dk, kbuf, tile);
-          for (int64_t l = l0; l < rows; ++l) {
-            dot_n<V>(nk, tile, qf + l * a.dk, a.dk, part);
-            for (int i = 0; i < nk; ++i) s[l * n_kv + p0 + i] = part[i] * a.scale;
-          }
-        }
-        // softmax numerators and sums over each query's visible keys
-        for (int64_t l = 0; l < rows; ++l) {
-          const int64_t len = std::min(first + ja + l / a.group + 1, n_kv);
-          if (len <= 0) { sums[l] = 0.0f; continue; }
-          float* row = s + l * n_kv;
-          V::exp_sub(row, V::max(row, len), len);
-          sums[l] = V::sum(row, len);
-        }
-        // weighted values, a tile of value rows at a time, each query's sum in key order
-        std::fill(acc, acc + rows * a.dv, 0.0f);
-        for (int64_t p0 = 0; p0 < kv_end; p0 += kTile) {
-          const int64_t l0 = (std::max(ja, p0 - first) - ja) * a.group;
-          const int nk = key_tile<V, P>(a, r, g, p0, kv_end, a.value_kv, a.value_offset, a.dv, kbuf, tile);
-          for (int64_t l = l0; l < rows; ++l) {
-            const int seen = static_cast<int>(std::min<int64_t>(nk, first + ja + l / a.group + 1 - p0));
-            axpy_n<V>(seen, s + l * n_kv + p0, tile, acc + l * a.dv, a.dv);
-          }
-        }
-        for (int64_t l = 0; l < rows; ++l) {
-          const float* src = acc + l * a.dv;
-          Q* dst = out + (row0 + ja + l / a.group) * out_row + (g * a.group + l % a.group) * a.dv;
-          const float sum = sums[l];
-          for (int64_t d = 0; d < a.dv; ++d) dst[d] = from_f32<Q>(sum == 0.0f ? 0.0f : src[d] / sum);  // sum >= 1 or NaN
-        }
-      }
+      for (int64_t ja = 0; ja < n_q; ja += chunk)
+        for (int64_t h0 = 0; h0 < a.group; h0 += per_part)
+          items.push_back({r, row0, g, ja, std::min(n_q, ja + chunk), h0, std::min(a.group, h0 + per_part)});
     row0 += n_q;
   }
-  if (row0 < a.rows) std::memset(static_cast<void*>(out + row0 * out_row), 0, (a.rows - row0) * out_row * sizeof(Q));
+  const int64_t n = static_cast<int64_t>(items.size());
+  if (n > 0)
+    at::parallel_for(0, n, grain_for(n, work), [&](int64_t i0, int64_t i1) {
+      run_attend_items<Q, P>(a, items.data(), i0, i1);
+    });
+  if (row0 < a.rows) {
+    const int64_t out_row = a.kv_heads * a.group * a.dv;
+    std::memset(static_cast<char*>(a.out) + row0 * out_row * sizeof(Q), 0, (a.rows - row0) * out_row * sizeof(Q));
+  }
 }
-
-MTP_ISA_KERNEL(run_attend, attend)
 
 // Checks and runs one attention over the pool (GQA or MLA: the args say which) for queries of dtype q_type.
 inline void attend_pool(const AttendArgs& args, c10::ScalarType q_type, c10::ScalarType pool_type) {
   check_attend(args);
-  dispatch_float2(q_type, pool_type, [&](auto qt, auto pt) { run_attend<decltype(qt), decltype(pt)>(args); });
+  dispatch_float2(q_type, pool_type, [&](auto qt, auto pt) { attend<decltype(qt), decltype(pt)>(args); });
 }
 
 }  // namespace mtp

@@ -101,6 +101,27 @@ int64_t block_of(const Ints& tables, int64_t cols, int64_t r, int64_t pos, int64
   return block < 0 ? -1 : block;
 }
 
+std::vector<RowSlot> row_slots(const Ints& counts, const Ints& starts, const Ints& tables, int64_t num_requests,
+                               int64_t cols, int64_t block_size, int64_t num_blocks, const char* op) {
+  std::vector<RowSlot> out;
+  int64_t row = 0;
+  for (int64_t r = 0; r < num_requests; ++r)
+    for (int64_t j = 0; j < counts[r]; ++j, ++row) {
+      const int64_t pos = starts[r] + j, block = block_of(tables, cols, r, pos, block_size, num_blocks, op);
+      if (block >= 0) out.push_back({row, pos, block});
+    }
+  return out;
+}
+
+int64_t write_grain(const std::vector<RowSlot>& slots, int64_t block_size, int64_t work_per_row) {
+  const int64_t n = static_cast<int64_t>(slots.size()), grain = grain_for(n, n * work_per_row);
+  if (grain >= n) return std::max<int64_t>(n, 1);  // inline anyway
+  std::vector<int64_t> keys(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) keys[i] = slots[i].block * block_size + slots[i].pos % block_size;
+  std::sort(keys.begin(), keys.end());
+  return std::adjacent_find(keys.begin(), keys.end()) == keys.end() ? grain : n;
+}
+
 std::string py_shape(const at::Tensor& t) {
   std::string s = "(";
   for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
@@ -128,7 +149,8 @@ void rope_cos_sin(int64_t pos, const float* inv_freq, int64_t half, float scale,
 }
 
 float* scratch(int slot, int64_t n) {
-  thread_local std::vector<float> buffers[4];
+  thread_local std::vector<float> buffers[kScratchSlots];
+  TORCH_CHECK(0 <= slot && slot < kScratchSlots, "mtp: scratch slot ", slot, " out of range");
   auto& b = buffers[slot];
   if (static_cast<int64_t>(b.size()) < n) b.resize(static_cast<size_t>(n));
   return b.data();

@@ -12,7 +12,8 @@
 // Numerics: fp32 accumulation everywhere; conversions to the pool / activation dtype are c10's (round to
 // nearest even, as torch's .to()); the library is compiled with -ffp-contract=off, so only the explicit
 // FMAs of the AVX-512 primitives fuse. Every output row is computed by the same sequence of operations
-// whatever else is in the batch (batch-invariant on one machine).
+// whatever else is in the batch and whatever the thread count (batch- and thread-invariant on one machine; the
+// kernels' at::parallel_for splits are below, "threads").
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -75,6 +76,19 @@ PoolPlane pool_plane(const at::Tensor& pool_ptr, int64_t plane, int64_t num_plan
 // The block of position `pos` for request r, or -1 (missing or past the table). Valid ids are < num_blocks.
 int64_t block_of(const Ints& tables, int64_t cols, int64_t r, int64_t pos, int64_t block_size, int64_t num_blocks,
                  const char* op);
+
+// ---- write ops: where each packed row goes ------------------------------------------------------------------
+struct RowSlot {
+  int64_t row, pos, block;  // packed input row, its position, its pool block (slot = pos % block_size)
+};
+// The rows of a write (request r's counts[r] rows, packed in request order, at positions starts[r] + j) that are
+// stored: block -1 and positions past the table store nothing. Every block id is checked here (a ValueError before
+// anything is written).
+std::vector<RowSlot> row_slots(const Ints& counts, const Ints& starts, const Ints& tables, int64_t num_requests,
+                               int64_t cols, int64_t block_size, int64_t num_blocks, const char* op);
+// The at::parallel_for grain for writing `slots` (grain_for of their work), or all of them on one thread, in row
+// order, when two rows go to one pool slot (outside the contract; the last row wins, as in the reference).
+int64_t write_grain(const std::vector<RowSlot>& slots, int64_t block_size, int64_t work_per_row);
 
 // A shape as Python prints a tuple ("(2,)", "(2, 6)"): error messages match the Python-side ones.
 std::string py_shape(const at::Tensor& t);
@@ -862,6 +876,32 @@ MTP_INLINE void quant_rows(int64_t m, const float* const* x, const W* w, const f
 }
 
 // A per-thread scratch buffer of at least n floats (kernels run often with small sizes: no allocation).
+// thread_local, so each OpenMP thread of an at::parallel_for has its own (keyed by the OS thread, which is what an
+// OpenMP thread is; an array indexed by at::get_thread_num() would need resizing whenever torch.set_num_threads
+// changes). The calling thread is OpenMP thread 0 of the region and runs a share of the items itself: a buffer the
+// caller takes to share with the region (MoE's per-pair rows, GDN's conv outputs) must use a slot no parallel body
+// takes, and a body must read a thread_local (e.g. a std::vector) through a pointer taken by the caller, never by
+// its name (the name inside the lambda is the executing thread's own, empty, copy).
+constexpr int kScratchSlots = 6;
 float* scratch(int slot, int64_t n);
+
+// ---- threads -----------------------------------------------------------------------------------------------------
+// The kernels split into work items with at::parallel_for (OpenMP, the threads torch.set_num_threads gives). Each
+// output value is computed by one item, by the same operations whatever the item boundaries, so results do not
+// depend on the thread count. Waking the pool costs microseconds to tens of microseconds (libgomp; the runtime sets
+// OMP_WAIT_POLICY=PASSIVE, so the workers sleep between regions), so a thread must get at least this much work
+// (multiply-adds, roughly: ~30-60 us at these kernels' speeds) or the call runs inline: decode of a tiny model stays
+// on the calling thread. Measured with 2^16 on the shared 2-core VM (docs/PERFORMANCE.md "Kernel threads"): splits
+// of 2^16-2^17 per thread (models/deep verify, 11-36 us calls) ran 0.56-0.66x as fast with 2 passive threads.
+constexpr int64_t kMinThreadWork = int64_t{1} << 18;
+
+// The at::parallel_for grain for `items` items costing `work` together (about equal items): the range runs inline
+// below kMinThreadWork of work, and each thread gets >= kMinThreadWork otherwise (parallel_for uses at most
+// items / grain threads).
+inline int64_t grain_for(int64_t items, int64_t work) {
+  if (items <= 0 || work < 2 * kMinThreadWork) return std::max<int64_t>(items, 1);
+  const long double per_item = static_cast<long double>(work) / static_cast<long double>(items);
+  return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(kMinThreadWork / per_item)), 1, items);
+}
 
 }  // namespace mtp

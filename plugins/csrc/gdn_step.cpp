@@ -6,11 +6,12 @@
 // and rollback is a slot choice. A request with 0 rows (padding) reads and writes nothing; a fresh one never
 // reads its slot.
 //
-// One request at a time, its rows in order (the recurrence is sequential); per row the work is Hv x Dk x Dv
-// multiply-adds over a state that stays in L1 for these head sizes. Plain C++ the compiler vectorises (-O3): the
-// inner loops run over Dv, contiguous in the state. fp32 math, the pool's conv window in its own dtype.
+// Each request's rows in order (the recurrence is sequential); per row the work is Hv x Dk x Dv multiply-adds
+// over a state that stays in L1 for these head sizes; requests and value heads on torch's threads (run_requests).
+// Plain C++ the compiler vectorises (-O3): the inner loops run over Dv, contiguous in the state. fp32 math, the pool's conv window in its own dtype.
 #include <torch/library.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
 
 #include <cmath>
@@ -35,22 +36,29 @@ struct Gdn {
 
 MTP_INLINE float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20
 
+// One request's rows (packed rows row0 .. row0 + n - 1): where they start from and whether it is fresh.
+struct GdnRequest {
+  int64_t row0, n, read_slot;
+  bool fresh;
+};
+
+// The causal conv of request q's rows, in order (the window slides row by row), with silu and the l2-normalised
+// q / k heads (q also scaled by Dk^-0.5): x[t] = the row's q | k | v. After row t the window goes to the conv pool
+// at write_slots[t]. Window in the calling thread's scratch slot 0.
 template <class P>
-void request(const Gdn& g, int64_t row0, int64_t n, bool fresh, int64_t read_slot, const Ints& writes) {
-  const int64_t c = g.c, win = g.kk - 1, kd = g.hk * g.dk, rep = g.hv / g.hk, state_size = g.hv * g.dk * g.dv;
-  // the per-thread scratch buffers (no allocation per request): conv window, one row's q|k|v, state, delta
-  float *window = scratch(0, c * win), *x = scratch(1, c), *state = scratch(2, state_size), *delta = scratch(3, g.dv);
-  if (fresh) {
+void conv_rows(const Gdn& g, const GdnRequest& q, const Ints& writes, float* xs) {
+  const int64_t c = g.c, win = g.kk - 1, kd = g.hk * g.dk;
+  float* window = scratch(0, c * win);
+  if (q.fresh) {
     std::fill(window, window + c * win, 0.0f);
-    std::fill(state, state + state_size, 0.0f);
   } else {
-    const P* src = reinterpret_cast<const P*>(g.conv) + read_slot * c * win;
+    const P* src = reinterpret_cast<const P*>(g.conv) + q.read_slot * c * win;
     for (int64_t i = 0; i < c * win; ++i) window[i] = f32(src[i]);
-    std::memcpy(state, g.ssm + read_slot * state_size, sizeof(float) * state_size);
   }
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(g.dk));
-  for (int64_t t = row0; t < row0 + n; ++t) {
+  for (int64_t t = q.row0; t < q.row0 + q.n; ++t) {
     const float* in = g.mixed + t * c;
+    float* x = xs + t * c;
     for (int64_t ch = 0; ch < c; ++ch) {  // conv over [window, input], then the window slides by one
       float* wn = window + ch * win;
       const float* wt = g.w + ch * g.kk;
@@ -62,54 +70,107 @@ void request(const Gdn& g, int64_t row0, int64_t n, bool fresh, int64_t read_slo
       wn[win - 1] = in[ch];
     }
     for (int64_t h = 0; h < g.hk; ++h) {  // l2-normalise each q / k head (q also scaled by Dk^-0.5)
-      float* q = x + h * g.dk;
-      float* k = x + kd + h * g.dk;
+      float* qh = x + h * g.dk;
+      float* kh = x + kd + h * g.dk;
       float sq = 0.0f, sk = 0.0f;
       for (int64_t i = 0; i < g.dk; ++i) {
-        sq += q[i] * q[i];
-        sk += k[i] * k[i];
+        sq += qh[i] * qh[i];
+        sk += kh[i] * kh[i];
       }
       const float rq = q_scale / std::sqrt(sq + 1e-6f), rk = 1.0f / std::sqrt(sk + 1e-6f);
       for (int64_t i = 0; i < g.dk; ++i) {
-        q[i] *= rq;
-        k[i] *= rk;
-      }
-    }
-    for (int64_t h = 0; h < g.hv; ++h) {
-      const float* q = x + (h / rep) * g.dk;
-      const float* k = x + kd + (h / rep) * g.dk;
-      const float* v = x + 2 * kd + h * g.dv;
-      const float decay = std::exp(-std::exp(g.a_log[h]) * softplus(g.a[t * g.hv + h] + g.dt_bias[h]));
-      const float beta = 1.0f / (1.0f + std::exp(-g.b[t * g.hv + h]));
-      float* s = state + h * g.dk * g.dv;  // [Dk, Dv]: two passes over it (decay with S^T k, then the
-      float* __restrict__ d = delta;  // update with S^T q); each sum runs over Dk in order
-      for (int64_t e = 0; e < g.dv; ++e) d[e] = 0.0f;
-      for (int64_t i = 0; i < g.dk; ++i) {
-        float* __restrict__ si = s + i * g.dv;
-        const float ki = k[i];
-        for (int64_t e = 0; e < g.dv; ++e) {
-          si[e] *= decay;
-          d[e] += si[e] * ki;
-        }
-      }
-      for (int64_t e = 0; e < g.dv; ++e) d[e] = (v[e] - d[e]) * beta;
-      float* __restrict__ o = g.out + (t * g.hv + h) * g.dv;  // starts at zero
-      for (int64_t i = 0; i < g.dk; ++i) {
-        float* __restrict__ si = s + i * g.dv;
-        const float ki = k[i], qi = q[i];
-        for (int64_t e = 0; e < g.dv; ++e) {
-          si[e] += ki * d[e];
-          o[e] += si[e] * qi;
-        }
+        qh[i] *= rq;
+        kh[i] *= rk;
       }
     }
     const int64_t slot = writes[t];
     if (slot >= 0) {
       P* dst = reinterpret_cast<P*>(g.conv) + slot * c * win;
       for (int64_t i = 0; i < c * win; ++i) dst[i] = from_f32<P>(window[i]);
-      std::memcpy(g.ssm + slot * state_size, state, sizeof(float) * state_size);
     }
   }
+}
+
+// Value head h of request q over its rows, in order: the gated delta rule on S_h [Dk, Dv] (the calling thread's
+// scratch slot 1), o = S^T q into out, S_h to the ssm pool at write_slots[t] after row t. Reads x from conv_rows.
+void head_rows(const Gdn& g, const GdnRequest& q, int64_t h, const Ints& writes, const float* xs) {
+  const int64_t kd = g.hk * g.dk, rep = g.hv / g.hk, head_size = g.dk * g.dv, state_size = g.hv * head_size;
+  float* s = scratch(1, head_size);
+  float* __restrict__ d = scratch(2, g.dv);
+  if (q.fresh) std::fill(s, s + head_size, 0.0f);
+  else std::memcpy(s, g.ssm + q.read_slot * state_size + h * head_size, sizeof(float) * head_size);
+  for (int64_t t = q.row0; t < q.row0 + q.n; ++t) {
+    const float* x = xs + t * g.c;
+    const float* qh = x + (h / rep) * g.dk;
+    const float* k = x + kd + (h / rep) * g.dk;
+    const float* v = x + 2 * kd + h * g.dv;
+    const float decay = std::exp(-std::exp(g.a_log[h]) * softplus(g.a[t * g.hv + h] + g.dt_bias[h]));
+    const float beta = 1.0f / (1.0f + std::exp(-g.b[t * g.hv + h]));
+    // two passes over S (decay with S^T k, then the update with S^T q); each sum runs over Dk in order
+    for (int64_t e = 0; e < g.dv; ++e) d[e] = 0.0f;
+    for (int64_t i = 0; i < g.dk; ++i) {
+      float* __restrict__ si = s + i * g.dv;
+      const float ki = k[i];
+      for (int64_t e = 0; e < g.dv; ++e) {
+        si[e] *= decay;
+        d[e] += si[e] * ki;
+      }
+    }
+    for (int64_t e = 0; e < g.dv; ++e) d[e] = (v[e] - d[e]) * beta;
+    float* __restrict__ o = g.out + (t * g.hv + h) * g.dv;  // starts at zero
+    for (int64_t i = 0; i < g.dk; ++i) {
+      float* __restrict__ si = s + i * g.dv;
+      const float ki = k[i], qi = qh[i];
+      for (int64_t e = 0; e < g.dv; ++e) {
+        si[e] += ki * d[e];
+        o[e] += si[e] * qi;
+      }
+    }
+    const int64_t slot = writes[t];
+    if (slot >= 0) std::memcpy(g.ssm + slot * state_size + h * head_size, s, sizeof(float) * head_size);
+  }
+}
+
+// Threads: the conv (all channels of a request, rows in order) runs per request, then the recurrence per (request,
+// value head): the heads' states are disjoint slices of a slot and their rows' sums do not mix, so each output and
+// state value is computed by one item by the same operations as one thread would (bit-identical for any thread
+// count). Requests run at once only when none reads or writes a slot another one writes; otherwise (never from the
+// engine, which gives each request its own slots) they run one after the other, in order, as the reference does.
+template <class P>
+void run_requests(const Gdn& g, const std::vector<GdnRequest>& reqs, const Ints& writes, int64_t num_slots,
+                  float* xs) {
+  const int64_t nr = static_cast<int64_t>(reqs.size()), head_work = 4 * g.dk * g.dv;
+  int64_t rows = 0;
+  for (const auto& q : reqs) rows += q.n;
+  std::vector<int64_t> writer(static_cast<size_t>(num_slots), -1);
+  bool shared = false;
+  for (int64_t r = 0; r < nr && !shared; ++r)
+    for (int64_t t = reqs[r].row0; t < reqs[r].row0 + reqs[r].n; ++t)
+      if (writes[t] >= 0) {
+        int64_t& w = writer[writes[t]];
+        shared = shared || (w >= 0 && w != r);
+        w = r;
+      }
+  for (int64_t r = 0; r < nr && !shared; ++r)
+    shared = !reqs[r].fresh && writer[reqs[r].read_slot] >= 0 && writer[reqs[r].read_slot] != r;
+  const GdnRequest* rq = reqs.data();
+  auto heads = [&](int64_t r0, int64_t r1, int64_t n_rows) {
+    const int64_t items = (r1 - r0) * g.hv;
+    at::parallel_for(0, items, grain_for(items, n_rows * g.hv * head_work), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) head_rows(g, rq[r0 + i / g.hv], i % g.hv, writes, xs);
+    });
+  };
+  if (shared) {
+    for (int64_t r = 0; r < nr; ++r) {
+      conv_rows<P>(g, rq[r], writes, xs);
+      heads(r, r + 1, rq[r].n);
+    }
+    return;
+  }
+  at::parallel_for(0, nr, grain_for(nr, rows * g.c * (g.kk + 8)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) conv_rows<P>(g, rq[r], writes, xs);
+  });
+  heads(0, nr, rows);
 }
 
 at::Tensor f32_contiguous(const at::Tensor& t, const char* name) {
@@ -178,11 +239,14 @@ at::Tensor gdn_step_cpu(const at::Tensor& mixed, const at::Tensor& b, const at::
     const Gdn g{xm.data_ptr<float>(), xb.data_ptr<float>(), xa.data_ptr<float>(), w.data_ptr<float>(),
                 al.data_ptr<float>(), dt.data_ptr<float>(), conv, ssm, out.data_ptr<float>(), conv_dim, conv_kernel,
                 num_k_heads, num_v_heads, head_k_dim, head_v_dim};
+    std::vector<GdnRequest> work;
     int64_t row0 = 0;
     for (int64_t r = 0; r < reqs; ++r) {
-      if (counts[r] > 0) request<P>(g, row0, counts[r], first[r] == 0, reads[r], writes);
+      if (counts[r] > 0) work.push_back({row0, counts[r], reads[r], first[r] == 0});
       row0 += counts[r];
     }
+    // every row's q | k | v after the conv, shared by the head items: a caller's scratch slot no body takes
+    run_requests<P>(g, work, writes, num_slots, scratch(3, total * conv_dim));
   };
   switch (dtype) {
     case 0: run(float{}); break;

@@ -5,6 +5,7 @@
 // row is one division, cheaper than looking a plan up.
 #include <torch/library.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
 #include "common.h"
@@ -25,44 +26,50 @@ struct WriteArgs {
   const float* inv_freq;  // [rope_dim / 2]
 };
 
+// The rows rs[i0 .. i1) (row_slots), on the calling thread with its own scratch. An ISA kernel of its own, not a
+// lambda inside one (an at::parallel_for body is not compiled for the ISA of the function containing it).
 template <class V, class In, class P>
-int64_t write_rows(const WriteArgs& a) {
+void write_rows(const WriteArgs& a, const RowSlot* rs, int64_t i0, int64_t i1) {
   const In* k = static_cast<const In*>(a.k);
   const In* v = static_cast<const In*>(a.v);
   const int64_t width = a.heads * a.head_dim, half = a.rope_dim / 2;
   float* key = scratch(0, a.head_dim + 2 * half);
   float* c = key + a.head_dim;
   float* s = c + half;
-  int64_t row = 0, written = 0;
-  for (int64_t r = 0; r < a.num_requests; ++r) {
-    const int64_t count = (*a.counts)[r], start = (*a.starts)[r];
-    for (int64_t j = 0; j < count; ++j, ++row) {
-      const int64_t pos = start + j;
-      const int64_t block = block_of(*a.tables, a.cols, r, pos, a.pool->block_size, a.pool->num_blocks, kOp);
-      if (block < 0) continue;
-      const int64_t slot = pos % a.pool->block_size;
-      if (half) rope_cos_sin(pos, a.inv_freq, half, 1.0f, c, s);
-      for (int64_t h = 0; h < a.heads; ++h) {
-        P* kd = reinterpret_cast<P*>(a.pool->row(0, block, slot, h));
-        P* vd = reinterpret_cast<P*>(a.pool->row(1, block, slot, h));
-        const In* ks = k + row * width + h * a.head_dim;
-        const In* vs = v + row * width + h * a.head_dim;
-        if (half) {
-          V::to_f32(ks, key, a.head_dim);
-          rope_rotate(key, c, s, half);
-          for (int64_t d = 0; d < a.head_dim; ++d) kd[d] = from_f32<P>(key[d]);
-        } else {
-          for (int64_t d = 0; d < a.head_dim; ++d) kd[d] = from_f32<P>(f32(ks[d]));
-        }
-        for (int64_t d = 0; d < a.head_dim; ++d) vd[d] = from_f32<P>(f32(vs[d]));
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t row = rs[i].row, pos = rs[i].pos, block = rs[i].block, slot = pos % a.pool->block_size;
+    if (half) rope_cos_sin(pos, a.inv_freq, half, 1.0f, c, s);
+    for (int64_t h = 0; h < a.heads; ++h) {
+      P* kd = reinterpret_cast<P*>(a.pool->row(0, block, slot, h));
+      P* vd = reinterpret_cast<P*>(a.pool->row(1, block, slot, h));
+      const In* ks = k + row * width + h * a.head_dim;
+      const In* vs = v + row * width + h * a.head_dim;
+      if (half) {
+        V::to_f32(ks, key, a.head_dim);
+        rope_rotate(key, c, s, half);
+        for (int64_t d = 0; d < a.head_dim; ++d) kd[d] = from_f32<P>(key[d]);
+      } else {
+        for (int64_t d = 0; d < a.head_dim; ++d) kd[d] = from_f32<P>(f32(ks[d]));
       }
-      ++written;
+      for (int64_t d = 0; d < a.head_dim; ++d) vd[d] = from_f32<P>(f32(vs[d]));
     }
   }
-  return written;
 }
 
 MTP_ISA_KERNEL(run_write, write_rows)
+
+// Threads: rows are independent (each writes its own pool slot; the same operations on any thread), so a prefill's
+// rows split over torch's threads. A decode or verify step (a few rows, ~1-4 us) stays inline (grain_for); the
+// work estimate counts a conversion per K and V value and ~20 per RoPE angle (cos + sin, libm).
+template <class In, class P>
+int64_t write_all(const WriteArgs& a) {
+  const std::vector<RowSlot> rs = row_slots(*a.counts, *a.starts, *a.tables, a.num_requests, a.cols,
+                                            a.pool->block_size, a.pool->num_blocks, kOp);
+  const int64_t n = static_cast<int64_t>(rs.size());
+  const int64_t grain = write_grain(rs, a.pool->block_size, 2 * a.heads * a.head_dim + 20 * (a.rope_dim / 2));
+  if (n > 0) at::parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) { run_write<In, P>(a, rs.data(), i0, i1); });
+  return n;
+}
 
 at::Tensor kv_write_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& counts, const at::Tensor& starts,
                         const at::Tensor& block_tables, const at::Tensor& pool_ptr, int64_t plane, int64_t num_planes,
@@ -97,7 +104,7 @@ at::Tensor kv_write_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tens
   const WriteArgs args{kc.data_ptr(), vc.data_ptr(), &c, &s, &t, num_requests, block_tables.size(1),
                        num_kv_heads, head_dim, rope_dim, &pool, inv_freq.data()};
   return rows_written(dispatch_float2(k.scalar_type(), pool.dtype, [&](auto in, auto out) {
-    return run_write<decltype(in), decltype(out)>(args);
+    return write_all<decltype(in), decltype(out)>(args);
   }));
 }
 

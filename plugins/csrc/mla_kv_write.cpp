@@ -3,6 +3,7 @@
 // no-op rules as kv_write (plugins/reference.py mla_kv_write_ref).
 #include <torch/library.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
 #include "common.h"
@@ -23,34 +24,40 @@ struct LatentArgs {
   float rope_scale;
 };
 
+// The rows rs[i0 .. i1) (row_slots), on the calling thread with its own scratch (an ISA kernel of its own, as
+// kv_write's write_rows).
 template <class V, class In, class P>
-int64_t write_latents(const LatentArgs& a) {
+void write_latents(const LatentArgs& a, const RowSlot* rs, int64_t i0, int64_t i1) {
   const In* src = static_cast<const In*>(a.latent);
   const int64_t half = a.rope_dim / 2;
   float* buf = scratch(0, a.latent_dim + 2 * half);
   float* c = buf + a.latent_dim;
   float* s = c + half;
-  int64_t row = 0, written = 0;
-  for (int64_t r = 0; r < a.num_requests; ++r) {
-    const int64_t count = (*a.counts)[r], start = (*a.starts)[r];
-    for (int64_t j = 0; j < count; ++j, ++row) {
-      const int64_t pos = start + j;
-      const int64_t block = block_of(*a.tables, a.cols, r, pos, a.pool->block_size, a.pool->num_blocks, kOp);
-      if (block < 0) continue;
-      P* dst = reinterpret_cast<P*>(a.pool->row(0, block, pos % a.pool->block_size, 0));
-      V::to_f32(src + row * a.latent_dim, buf, a.latent_dim);
-      if (half) {
-        rope_cos_sin(pos, a.inv_freq, half, a.rope_scale, c, s);
-        rope_rotate(buf, c, s, half);
-      }
-      for (int64_t d = 0; d < a.latent_dim; ++d) dst[d] = from_f32<P>(buf[d]);
-      ++written;
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t pos = rs[i].pos;
+    P* dst = reinterpret_cast<P*>(a.pool->row(0, rs[i].block, pos % a.pool->block_size, 0));
+    V::to_f32(src + rs[i].row * a.latent_dim, buf, a.latent_dim);
+    if (half) {
+      rope_cos_sin(pos, a.inv_freq, half, a.rope_scale, c, s);
+      rope_rotate(buf, c, s, half);
     }
+    for (int64_t d = 0; d < a.latent_dim; ++d) dst[d] = from_f32<P>(buf[d]);
   }
-  return written;
 }
 
 MTP_ISA_KERNEL(run_write_latents, write_latents)
+
+// Threads: as kv_write's write_all (independent rows; a prefill splits, a decode step stays inline).
+template <class In, class P>
+int64_t write_all(const LatentArgs& a) {
+  const std::vector<RowSlot> rs = row_slots(*a.counts, *a.starts, *a.tables, a.num_requests, a.cols,
+                                            a.pool->block_size, a.pool->num_blocks, kOp);
+  const int64_t n = static_cast<int64_t>(rs.size());
+  const int64_t grain = write_grain(rs, a.pool->block_size, 2 * a.latent_dim + 20 * (a.rope_dim / 2));
+  if (n > 0)
+    at::parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) { run_write_latents<In, P>(a, rs.data(), i0, i1); });
+  return n;
+}
 
 at::Tensor mla_kv_write_cpu(const at::Tensor& latent, const at::Tensor& counts, const at::Tensor& starts,
                             const at::Tensor& block_tables, const at::Tensor& pool_ptr, const at::Tensor& inv_freq,
@@ -90,7 +97,7 @@ at::Tensor mla_kv_write_cpu(const at::Tensor& latent, const at::Tensor& counts, 
   const LatentArgs args{lc.data_ptr(), &c, &s, &t, num_requests, block_tables.size(1), latent_dim, rope_dim, &pool,
                         freqs.data(), static_cast<float>(rope_scale)};
   return rows_written(dispatch_float2(latent.scalar_type(), pool.dtype, [&](auto in, auto out) {
-    return run_write_latents<decltype(in), decltype(out)>(args);
+    return write_all<decltype(in), decltype(out)>(args);
   }));
 }
 

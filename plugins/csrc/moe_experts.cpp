@@ -15,6 +15,7 @@
 // MoE (builder/compile_aoti.py).
 #include <torch/library.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 
@@ -43,89 +44,170 @@ template <> struct Fp8TileOf<Avx512> { using T = Fp8Avx512Tile; };
 
 MTP_INLINE int64_t blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 
-// out[i][o] = x[i] . dequant(w[o]) for nx <= 4 tokens and the rows of one expert matrix [parts * part_rows, k]
-// whose parts (gate, up) are blocked on their own: part p's block row j uses scale row s[p * blocks(part_rows) + j].
-template <class V>
-MTP_INLINE void fp8_expert_dot(int nx, const float* const* x, const uint8_t* w, const float* s, int64_t part_rows,
-                               int parts, int64_t k, float* const* out) {
-  using Tile = typename Fp8TileOf<V>::T;
+// The output-row blocks the threads split an expert matrix into: 128 rows, the FP8 scale block (a block never
+// straddles two scale rows, nor gate and up), and a multiple of every micro-kernel's tile of weight rows.
+constexpr int64_t kRowBlock = kFp8Block;
+
+// out[i][o] = x[i] . w[o] for nx <= 4 tokens and rows o in block j of part p (gate 0, up 1; down has one part) of
+// one expert matrix [parts * part_rows, k]: out[i] points at the pair's row of the whole matrix's outputs. FP8:
+// the parts are blocked on their own (as the per-expert tensors ship): block j of part p uses scale row
+// s[p * blocks(part_rows) + j]. A value does not depend on nx or on which rows share its block (common.h:
+// rows_dot and the FP8 tiles compute every (token, weight row) dot alone).
+template <class V, class Elem>
+MTP_INLINE void expert_block(int nx, const float* const* x, const Elem* w, const float* s, int64_t part_rows, int p,
+                             int64_t j, int64_t k, float* const* out) {
+  const int64_t r0 = p * part_rows + j * kRowBlock, n = std::min(kRowBlock, part_rows - j * kRowBlock);
   float* shifted[4];
-  for (int p = 0; p < parts; ++p)
-    for (int64_t j = 0; j < blocks(part_rows); ++j) {
-      const int64_t r0 = p * part_rows + j * kFp8Block, n = std::min(kFp8Block, part_rows - j * kFp8Block);
-      const float* srow = s + (p * blocks(part_rows) + j) * blocks(k);
-      for (int i = 0; i < nx; ++i) shifted[i] = out[i] + r0;
-      if constexpr (std::is_same_v<V, Avx512>) quant_rows<Tile, 4, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
-      else if constexpr (std::is_same_v<V, Avx2>) {
-        if (nx <= 2) quant_rows<Tile, 2, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
-        else quant_rows<Tile, 4, 2>(nx, x, w + r0 * k, srow, n, k, shifted);
-      } else quant_rows<Tile, 4, 1>(nx, x, w + r0 * k, srow, n, k, shifted);
-    }
+  for (int i = 0; i < nx; ++i) shifted[i] = out[i] + r0;
+  if constexpr (std::is_same_v<Elem, uint8_t>) {
+    using Tile = typename Fp8TileOf<V>::T;
+    const float* srow = s + (p * blocks(part_rows) + j) * blocks(k);
+    if constexpr (std::is_same_v<V, Avx512>) quant_rows<Tile, 4, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
+    else if constexpr (std::is_same_v<V, Avx2>) {
+      if (nx <= 2) quant_rows<Tile, 2, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
+      else quant_rows<Tile, 4, 2>(nx, x, w + r0 * k, srow, n, k, shifted);
+    } else quant_rows<Tile, 4, 1>(nx, x, w + r0 * k, srow, n, k, shifted);
+  } else {
+    rows_dot<V>(nx, x, w + r0 * k, k, n, k, shifted);
+  }
 }
 
+// The shared state of one call, built by the caller (experts() below) and read by the threads.
+struct MoePlan {
+  const int64_t* start;  // [E + 1]: the pairs of expert e are order[start[e] .. start[e + 1])
+  const int64_t* order;  // pair indices (token * top_k + slot) grouped by expert, token order kept
+  const int64_t* items;  // (expert, block) work items of the current phase: expert * blocks_per_expert + block
+  float* gu;             // [pairs in order, 2I]: gate | up of each pair (row c of `order`)
+  float* h;              // [pairs in order, I]: silu(gate) * up
+  float* y;              // [pairs, H]: each pair's expert output (row p = token * top_k + slot)
+};
+
+// Phase 1, items i0 .. i1 - 1: block (part, j) of expert e's gate|up rows for all of e's pairs, 4 pairs at a time.
 template <class V, class W>
-void experts(const MoeArgs& a) {
-  constexpr bool fp8 = std::is_same_v<W, Fp8>;
-  using Elem = std::conditional_t<fp8, uint8_t, W>;
-  const int64_t pairs = a.tokens * a.top_k, two_i = 2 * a.inter;
-  const Elem* w_gu = static_cast<const Elem*>(a.w_gate_up);
-  const Elem* w_dn = static_cast<const Elem*>(a.w_down);
-  // pairs grouped by expert (counting sort; token order kept within one expert)
-  thread_local std::vector<int64_t> start, order;
-  start.assign(static_cast<size_t>(a.num_local + 1), 0);
-  order.resize(static_cast<size_t>(pairs));
-  for (int64_t p = 0; p < pairs; ++p)
-    if (a.experts[p] >= 0) ++start[a.experts[p] + 1];
-  for (int64_t e = 0; e < a.num_local; ++e) start[e + 1] += start[e];
-  {
-    thread_local std::vector<int64_t> fill;
-    fill.assign(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < pairs; ++p)
-      if (a.experts[p] >= 0) order[fill[a.experts[p]]++] = p;
-  }
-  float* y = scratch(0, pairs * a.hidden);    // each pair's expert output
-  float* gu = scratch(1, 4 * two_i);          // gate|up of up to 4 pairs
-  float* h = scratch(2, 4 * a.inter);         // silu(gate) * up
-  for (int64_t e = 0; e < a.num_local; ++e) {
-    const Elem* wg = w_gu + e * two_i * a.hidden;
-    const Elem* wd = w_dn + e * a.hidden * a.inter;
-    for (int64_t c = start[e]; c < start[e + 1]; c += 4) {
-      const int nx = static_cast<int>(std::min<int64_t>(4, start[e + 1] - c));
+void gate_up_items(const MoeArgs& a, const MoePlan& pl, int64_t i0, int64_t i1) {
+  using Elem = std::conditional_t<std::is_same_v<W, Fp8>, uint8_t, W>;
+  const int64_t two_i = 2 * a.inter, per_part = blocks(a.inter);
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t e = pl.items[it] / (2 * per_part), b = pl.items[it] % (2 * per_part);
+    const Elem* w = static_cast<const Elem*>(a.w_gate_up) + e * two_i * a.hidden;
+    const float* s = a.s_gate_up ? a.s_gate_up + e * 2 * per_part * blocks(a.hidden) : nullptr;
+    for (int64_t c = pl.start[e]; c < pl.start[e + 1]; c += 4) {
+      const int nx = static_cast<int>(std::min<int64_t>(4, pl.start[e + 1] - c));
       const float* xs[4];
-      const float* hs[4];
-      float* gus[4];
-      float* ys[4];
+      float* outs[4];
       for (int i = 0; i < nx; ++i) {
-        xs[i] = a.x + (order[c + i] / a.top_k) * a.hidden;
-        hs[i] = h + i * a.inter;
-        gus[i] = gu + i * two_i;
-        ys[i] = y + order[c + i] * a.hidden;
+        xs[i] = a.x + (pl.order[c + i] / a.top_k) * a.hidden;
+        outs[i] = pl.gu + (c + i) * two_i;
       }
-      if constexpr (fp8) {
-        const float* sg = a.s_gate_up + e * 2 * blocks(a.inter) * blocks(a.hidden);
-        fp8_expert_dot<V>(nx, xs, wg, sg, a.inter, 2, a.hidden, gus);
-      } else {
-        rows_dot<V>(nx, xs, wg, a.hidden, two_i, a.hidden, gus);
-      }
-      for (int i = 0; i < nx; ++i) V::silu_mul(gu + i * two_i, gu + i * two_i + a.inter, h + i * a.inter, a.inter);
-      if constexpr (fp8) {
-        fp8_expert_dot<V>(nx, hs, wd, a.s_down + e * blocks(a.hidden) * blocks(a.inter), a.hidden, 1, a.inter, ys);
-      } else {
-        rows_dot<V>(nx, hs, wd, a.inter, a.hidden, a.inter, ys);
-      }
+      expert_block<V>(nx, xs, w, s, a.inter, static_cast<int>(b / per_part), b % per_part, a.hidden, outs);
     }
   }
-  for (int64_t t = 0; t < a.tokens; ++t) {
+}
+
+// Phase 2, rows c0 .. c1 - 1 of `order`: h = silu(gate) * up
+template <class V>
+void silu_rows(const MoeArgs& a, const MoePlan& pl, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; ++c)
+    V::silu_mul(pl.gu + c * 2 * a.inter, pl.gu + c * 2 * a.inter + a.inter, pl.h + c * a.inter, a.inter);
+}
+
+// Phase 3, items i0 .. i1 - 1: block j of expert e's down rows (output features) for all of e's pairs.
+template <class V, class W>
+void down_items(const MoeArgs& a, const MoePlan& pl, int64_t i0, int64_t i1) {
+  using Elem = std::conditional_t<std::is_same_v<W, Fp8>, uint8_t, W>;
+  const int64_t per = blocks(a.hidden);
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t e = pl.items[it] / per, j = pl.items[it] % per;
+    const Elem* w = static_cast<const Elem*>(a.w_down) + e * a.hidden * a.inter;
+    const float* s = a.s_down ? a.s_down + e * per * blocks(a.inter) : nullptr;
+    for (int64_t c = pl.start[e]; c < pl.start[e + 1]; c += 4) {
+      const int nx = static_cast<int>(std::min<int64_t>(4, pl.start[e + 1] - c));
+      const float* hs[4];
+      float* ys[4];
+      for (int i = 0; i < nx; ++i) {
+        hs[i] = pl.h + (c + i) * a.inter;
+        ys[i] = pl.y + pl.order[c + i] * a.hidden;
+      }
+      expert_block<V>(nx, hs, w, s, a.hidden, 0, j, a.inter, ys);
+    }
+  }
+}
+
+// Phase 4, tokens t0 .. t1 - 1: a token's output sums its slots in slot order
+template <class V>
+void combine_tokens(const MoeArgs& a, const MoePlan& pl, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
     float* dst = a.out + t * a.hidden;
     std::fill(dst, dst + a.hidden, 0.0f);
     for (int64_t k = 0; k < a.top_k; ++k) {
       const int64_t p = t * a.top_k + k;
-      if (a.experts[p] >= 0) V::axpy(a.weights[p], y + p * a.hidden, dst, a.hidden);
+      if (a.experts[p] >= 0) V::axpy(a.weights[p], pl.y + p * a.hidden, dst, a.hidden);
     }
   }
 }
 
-MTP_ISA_KERNEL(run_experts, experts)
+// ISA kernels of their own, not lambdas inside one: an at::parallel_for body runs through OpenMP's outlined
+// function, so it would not be compiled for the ISA of the function that contains it.
+MTP_ISA_KERNEL(run_gate_up_items, gate_up_items)
+MTP_ISA_KERNEL(run_silu_rows, silu_rows)
+MTP_ISA_KERNEL(run_down_items, down_items)
+MTP_ISA_KERNEL(run_combine_tokens, combine_tokens)
+
+// Threads: four at::parallel_for phases over independent outputs: (expert, 128-row block of gate|up) items, the
+// SiLU rows, (expert, 128-row block of down's output features) items, then tokens. Splitting every expert's output
+// features (not its pairs) gives a decode step as many items as its experts have blocks, and each weight byte is
+// read by one thread once per call. Every value is computed by one item by the same operations whatever the thread
+// count (a (token, weight row) dot alone; a token's slots summed in slot order by one thread), so the results are
+// bit-identical for any thread count and batch. Grains from the work (common.h grain_for): a small call runs inline.
+// `portable` runs the Generic body whatever the ISA (FP8 scales too large for the vector conversion).
+template <class W>
+void experts(const MoeArgs& a, bool portable) {
+  const int64_t pairs = a.tokens * a.top_k, two_i = 2 * a.inter;
+  // pairs grouped by expert (counting sort; token order kept within one expert)
+  std::vector<int64_t> start(static_cast<size_t>(a.num_local + 1), 0), order(static_cast<size_t>(pairs));
+  for (int64_t p = 0; p < pairs; ++p)
+    if (a.experts[p] >= 0) ++start[a.experts[p] + 1];
+  for (int64_t e = 0; e < a.num_local; ++e) start[e + 1] += start[e];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p)
+      if (a.experts[p] >= 0) order[fill[a.experts[p]]++] = p;
+  }
+  const int64_t routed = start[a.num_local];
+  // caller-owned buffers shared with the threads: scratch slots 3..5, which no parallel body takes (common.h)
+  MoePlan pl{start.data(), order.data(), nullptr, scratch(3, routed * two_i), scratch(4, routed * a.inter),
+             scratch(5, pairs * a.hidden)};
+  std::vector<int64_t> items;
+  auto phase_items = [&](int64_t per_expert) {
+    items.clear();
+    for (int64_t e = 0; e < a.num_local; ++e)
+      if (start[e + 1] > start[e])
+        for (int64_t b = 0; b < per_expert; ++b) items.push_back(e * per_expert + b);
+    pl.items = items.data();
+    return static_cast<int64_t>(items.size());
+  };
+  auto go = [&](int64_t n, int64_t work, auto&& body) {
+    if (n > 0) at::parallel_for(0, n, grain_for(n, work), body);
+  };
+  int64_t n = phase_items(2 * blocks(a.inter));
+  go(n, routed * two_i * a.hidden, [&](int64_t i0, int64_t i1) {
+    if (portable) gate_up_items<Generic, W>(a, pl, i0, i1);
+    else run_gate_up_items<W>(a, pl, i0, i1);
+  });
+  go(routed, routed * a.inter * 8, [&](int64_t c0, int64_t c1) {  // ~8 flops per SiLU value
+    if (portable) silu_rows<Generic>(a, pl, c0, c1);
+    else run_silu_rows(a, pl, c0, c1);
+  });
+  n = phase_items(blocks(a.hidden));
+  go(n, routed * a.hidden * a.inter, [&](int64_t i0, int64_t i1) {
+    if (portable) down_items<Generic, W>(a, pl, i0, i1);
+    else run_down_items<W>(a, pl, i0, i1);
+  });
+  go(a.tokens, pairs * a.hidden, [&](int64_t t0, int64_t t1) {
+    if (portable) combine_tokens<Generic>(a, pl, t0, t1);
+    else run_combine_tokens(a, pl, t0, t1);
+  });
+}
 
 template <class T>
 void copy_to_f32(const at::Tensor& t, float* dst) {
@@ -168,7 +250,7 @@ at::Tensor moe_experts_local_cpu(const at::Tensor& x, const at::Tensor& topk_ids
   std::vector<float> out_f(fp32_out ? 0 : static_cast<size_t>(tokens * hidden));
   const MoeArgs args{xf.data(), wf.data(), local.data(), gu.data_ptr(), dn.data_ptr(),
                      fp32_out ? out.data_ptr<float>() : out_f.data(), tokens, top_k, hidden, inter, num_local};
-  dispatch_float(w_gate_up.scalar_type(), [&](auto w) { run_experts<decltype(w)>(args); });
+  dispatch_float(w_gate_up.scalar_type(), [&](auto w) { experts<decltype(w)>(args, false); });
   if (!fp32_out)
     dispatch_float(x.scalar_type(), [&](auto t) {
       using T = decltype(t);
@@ -223,10 +305,9 @@ at::Tensor moe_experts_fp8_cpu(const at::Tensor& x, const at::Tensor& topk_ids, 
                out.data_ptr<float>(), tokens, top_k, hidden, inter, num_local};
   args.s_gate_up = sg.data_ptr<float>();
   args.s_down = sd.data_ptr<float>();
-  if (fp8_scales_vector_safe(args.s_gate_up, sg.numel()) && fp8_scales_vector_safe(args.s_down, sd.numel()))
-    run_experts<Fp8>(args);
-  else
-    experts<Generic, Fp8>(args);  // a scale >= 2^120: the portable table path (see common.h)
+  // a scale >= 2^120: the portable table path (see common.h)
+  experts<Fp8>(args, !(fp8_scales_vector_safe(args.s_gate_up, sg.numel()) &&
+                       fp8_scales_vector_safe(args.s_down, sd.numel())));
   return out;
 }
 

@@ -356,28 +356,254 @@ def _thread_cpu_ticks() -> dict[int, int]:
     return ticks
 
 
-def test_kernels_run_on_the_threads_torch_is_given() -> None:
-    """The kernels split their work with at::parallel_for, a header template whose OpenMP backend is a `#pragma omp
-    parallel`: built without -fopenmp (as the library was until round 10) it ran every kernel on the calling thread
-    alone. With two threads, another thread must do a share of a weight-bound linear (it is half the work, so the
-    call cannot return without it: this holds on a loaded machine too)."""
+def _with_threads(n: int, fn):
+    """fn() with torch (and so the kernels' at::parallel_for) on n threads; the count is restored after."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _other_threads_share(call, seconds: float = 1.0) -> tuple[float, dict[int, int]]:
+    """The share of this process's CPU ticks that threads other than the caller spent while `call` ran back to back
+    for `seconds` (wall; ~100 ticks of 10 ms at full speed, so a 50 % share cannot read as < 20 % by sampling) at 2
+    threads, after one call that starts the OpenMP pool and a pause in which its spinning workers go to sleep."""
     import threading
     import time
 
-    w = torch.randn(4096, 4096).to(torch.bfloat16)
-    x = torch.randn(1, 4096)
-    before_threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        torch.ops.mtp.linear_bf16(x, w, None)  # the OpenMP pool starts
-        time.sleep(0.2)  # its spinning workers go to sleep
+    def run():
+        call()
+        time.sleep(0.2)
         me = threading.get_native_id()
         before = _thread_cpu_ticks()
-        for _ in range(60):
-            torch.ops.mtp.linear_bf16(x, w, None)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            call()
         after = _thread_cpu_ticks()
-    finally:
-        torch.set_num_threads(before_threads)
-    delta = {t: after[t] - before.get(t, 0) for t in after}
-    others = sum(d for t, d in delta.items() if t != me)
-    assert others >= 0.2 * sum(delta.values()) and others > 0, f"CPU ticks per thread during the calls: {delta}"
+        delta = {t: after[t] - before.get(t, 0) for t in after}
+        return sum(d for t, d in delta.items() if t != me) / max(sum(delta.values()), 1), delta
+
+    return _with_threads(2, run)
+
+
+def _big_attention(dtype: torch.dtype = torch.float32):
+    """GQA attention big enough to split (common.h kMinThreadWork): 4 requests of equal cost x 4 KV heads of 128,
+    group 2, 1 to 4 rows over 384 positions -> (call(q, counts, kv_lens, tables), q, metadata, pool)."""
+    geom = KVPoolGeometry(1, 1 + 4 * 25, 16, 4, 128, DTYPE_CODES[dtype])
+    pool = filled_pool(geom, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    tables = (1 + torch.randperm(100, generator=gen)).to(torch.int32).view(4, 25)
+    counts, lens = torch.tensor([1, 4, 2, 3], dtype=torch.int32), torch.tensor([384, 390, 385, 400], dtype=torch.int32)
+    q = torch.randn(11, 8, 128, generator=gen).to(dtype)
+    after = torch.zeros(1, dtype=torch.int64)
+
+    def call(qs, c, lens_, tabs):
+        return torch.ops.mtp.paged_attention(qs, c, lens_, tabs, pool_address(pool), after, 0, *geom.attrs().values(),
+                                             128**-0.5)  # fmt: skip
+
+    return call, q, (counts, lens, tables), pool
+
+
+@pytest.mark.parametrize("isa", ["generic", "best"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_does_not_depend_on_the_thread_count(isa: str, dtype: torch.dtype) -> None:
+    """Paged (GQA) and MLA attention at sizes that split over (request, KV head, query chunk): 1 and 2 threads give
+    bit-identical outputs, equal to the reference, and a request alone (one thread's item set) equals its rows in
+    the batch, the last verify row equals a decode row."""
+    call, q, (counts, lens, tables), pool = _big_attention(dtype)
+    one = _with_threads(1, lambda: call(q, counts, lens, tables))
+    two = _with_threads(2, lambda: call(q, counts, lens, tables))
+    assert torch.equal(one, two)
+    expected = paged_attention_ref(pool, q, counts, lens, tables, 0, 128**-0.5)
+    torch.testing.assert_close(two.float(), expected.float(), atol=tolerance(dtype), rtol=0)
+    alone = _with_threads(2, lambda: call(q[1:5], counts[1:2], lens[1:2], tables[1:2]))
+    assert torch.equal(alone, two[1:5])
+    decode = _with_threads(2, lambda: call(q[4:5], counts[:1], lens[1:2], tables[1:2]))
+    assert torch.equal(decode, two[4:5])
+
+    mgeom = KVPoolGeometry(1, 1 + 2 * 20, 16, 1, 576, DTYPE_CODES[dtype], kv_kind=1)
+    mpool = filled_pool(mgeom, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    mq = torch.randn(5, 16, 576, generator=gen).to(dtype)
+    mc, ml = torch.tensor([1, 4], dtype=torch.int32), torch.tensor([300, 310], dtype=torch.int32)
+    mt = (1 + torch.randperm(40, generator=gen)).to(torch.int32).view(2, 20)
+    after = torch.zeros(1, dtype=torch.int64)
+
+    def mla(qs, c, lens_, tabs):
+        return torch.ops.mtp.mla_paged_attention(qs, c, lens_, tabs, pool_address(mpool), after, 0,
+                                                 *mgeom.attrs().values(), 64, 0.05)  # fmt: skip
+
+    m1, m2 = (_with_threads(n, lambda: mla(mq, mc, ml, mt)) for n in (1, 2))
+    assert torch.equal(m1, m2)
+    torch.testing.assert_close(m2.float(), mla_paged_attention_ref(mpool, mq, mc, ml, mt, 0, 64, 0.05).float(),
+                               atol=tolerance(dtype), rtol=0)  # fmt: skip
+    assert torch.equal(_with_threads(2, lambda: mla(mq[4:5], mc[:1], ml[1:], mt[1:])), m2[4:5])
+
+
+@pytest.mark.parametrize("isa", ["generic", "best"], indirect=True)
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_moe_experts_do_not_depend_on_the_thread_count(isa: str, weights: torch.dtype) -> None:
+    """MoE at a size that splits over (expert, 128-row block): 1 and 2 threads bit-identical, equal to the
+    reference; a token alone equals its row of the batch at 2 threads; offset 2 (other ranks' experts give 0)."""
+    x, ids, w, w_gate_up, w_down = _moe_inputs(3, 6, 512, 320, 6, 3, torch.float32, weights, torch.int64, 8)
+    call = lambda xs, i, ws: torch.ops.mtp.moe_experts_local(xs, i, ws, w_gate_up, w_down, 2)  # noqa: E731
+    one, two = (_with_threads(n, lambda: call(x, ids, w)) for n in (1, 2))
+    assert torch.equal(one, two)
+    torch.testing.assert_close(two, moe_experts_ref(x, ids, w, w_gate_up, w_down, 2), atol=1e-5, rtol=1e-4)
+    for t in (0, 5):
+        alone = _with_threads(2, lambda t=t: call(x[t : t + 1], ids[t : t + 1], w[t : t + 1]))
+        assert torch.equal(alone, two[t : t + 1])
+
+
+@pytest.mark.parametrize("isa", ["generic", "best"], indirect=True)
+def test_moe_experts_fp8_do_not_depend_on_the_thread_count(isa: str) -> None:
+    from tests.plugins.test_moe_experts_fp8 import _agrees, _case
+
+    x, ids, tw, gu, sgu, dn, sdn = _case(4, 5, 6, 3, 512, 320)
+    call = lambda: torch.ops.mtp.moe_experts_fp8(x, ids, tw, gu, sgu, dn, sdn, 0)  # noqa: E731
+    one, two = _with_threads(1, call), _with_threads(2, call)
+    assert torch.equal(one, two)
+    assert _agrees(two, x, ids, tw, gu, sgu, dn, sdn)
+
+
+@pytest.mark.parametrize("shared_slots", [False, True])
+def test_kv_writes_do_not_depend_on_the_thread_count(shared_slots: bool) -> None:
+    """A 3-request prefill of 300 rows (8 KV heads x 128, roped; an MLA latent of 576) splits over rows: the pools
+    after 1 and 2 threads are bit-identical and equal to the reference (poisoned pool: nothing else is written).
+    shared_slots: the last request's table repeats the first one's blocks, so two rows go to one pool slot (outside
+    the contract): the kernel then writes in row order, and the last row wins as in the reference."""
+    gen = torch.Generator().manual_seed(21)
+    counts, starts = torch.tensor([200, 0, 100], dtype=torch.int32), torch.tensor([0, 5, 40], dtype=torch.int32)
+    tables = torch.full((3, 13), -1, dtype=torch.int32)
+    tables[0] = 1 + torch.randperm(13, generator=gen).to(torch.int32)
+    tables[2, :9] = tables[0, :9] if shared_slots else 14 + torch.arange(9, dtype=torch.int32)
+    geom = KVPoolGeometry(1, 23, 16, 8, 128, DTYPE_CODES[torch.bfloat16])
+    k, v = torch.randn(302, 8, 128, generator=gen), torch.randn(302, 8, 128, generator=gen)
+    expected = torch.full(geom.shape, float("nan"), dtype=geom.dtype)
+    n_ref = kv_write_ref(expected, k, v, counts, starts, tables, 0, 64, 1e6)
+
+    def write():
+        pool = torch.full(geom.shape, float("nan"), dtype=geom.dtype)
+        n = torch.ops.mtp.kv_write(k, v, counts, starts, tables, pool_address(pool), 0, *geom.attrs().values(), 64,
+                                   1e6)  # fmt: skip
+        return int(n[0]), pool
+
+    (n1, p1), (n2, p2) = _with_threads(1, write), _with_threads(2, write)
+    assert n1 == n2 == n_ref == 300 and torch.equal(p1.view(torch.int16), p2.view(torch.int16))
+    assert torch.equal(p2.isnan(), expected.isnan())
+    torch.testing.assert_close(p2.float().nan_to_num(), expected.float().nan_to_num(), atol=tolerance(geom.dtype),
+                               rtol=0)  # fmt: skip
+
+    mgeom = KVPoolGeometry(1, 23, 16, 1, 576, DTYPE_CODES[torch.bfloat16], kv_kind=1)
+    latent, inv_freq = torch.randn(302, 576, generator=gen), torch.rand(32, generator=gen)
+    mexpected = torch.full(mgeom.shape, float("nan"), dtype=mgeom.dtype)
+    mla_kv_write_ref(mexpected, latent, counts, starts, tables, 0, inv_freq, 64, 0.7)
+
+    def mla_write():
+        pool = torch.full(mgeom.shape, float("nan"), dtype=mgeom.dtype)
+        torch.ops.mtp.mla_kv_write(latent, counts, starts, tables, pool_address(pool), inv_freq, 0,
+                                   *mgeom.attrs().values(), 64, 0.7)  # fmt: skip
+        return pool
+
+    m1, m2 = _with_threads(1, mla_write), _with_threads(2, mla_write)
+    assert torch.equal(m1.view(torch.int16), m2.view(torch.int16)) and torch.equal(m2.isnan(), mexpected.isnan())
+    torch.testing.assert_close(m2.float().nan_to_num(), mexpected.float().nan_to_num(), atol=tolerance(mgeom.dtype),
+                               rtol=0)  # fmt: skip
+
+
+def _gdn_call(seed: int, counts, starts, reads, writes, slots: int = 8):
+    """mtp::gdn_step and gdn_step_ref at a size that splits over (request, value head): Hk 2 x Dk 64, Hv 4 x Dv 64,
+    on copies of one pool -> (op outputs, reference outputs), each (out, conv pool, ssm pool)."""
+    from plugins.gdn_pool import GDNPoolGeometry, address
+    from plugins.reference import gdn_step_ref
+
+    hk, dk, hv, dv, kk = 2, 64, 4, 64, 4
+    c = 2 * hk * dk + hv * dv
+    g = torch.Generator().manual_seed(seed)
+    n = sum(counts)
+    mixed, b, a = torch.randn(n, c, generator=g), torch.randn(n, hv, generator=g), torch.randn(n, hv, generator=g)
+    w, a_log, dt = 0.3 * torch.randn(c, kk, generator=g), 0.5 * torch.randn(hv, generator=g), torch.randn(hv)
+    conv, ssm = torch.randn(slots, c, kk - 1, generator=g), 0.1 * torch.randn(slots, hv, dk, dv, generator=g)
+    meta = [torch.tensor(v, dtype=torch.int32) for v in (counts, starts, reads, writes)]
+    geom = GDNPoolGeometry(1, slots, c, kk, hk, hv, dk, dv)
+
+    def op():
+        cp, sp = conv.clone(), ssm.clone()
+        out = torch.ops.mtp.gdn_step(mixed, b, a, *meta, address(cp), address(sp), w, a_log, dt, **geom.attrs(0))
+        return out, cp, sp
+
+    cr, sr = conv.clone(), ssm.clone()
+    ref = gdn_step_ref(mixed, b, a, *meta, cr, sr, w, a_log, dt, hk, dk, dv)
+    return op, (ref, cr, sr)
+
+
+@pytest.mark.parametrize("shared_slot", [False, True])
+def test_gdn_step_does_not_depend_on_the_thread_count(shared_slot: bool) -> None:
+    """A fresh 6-row prefill, a 3-row verify from slot 2 (every row stored) and a decode from slot 5: 1 and 2 threads
+    give bit-identical outputs and pools, equal to the reference. shared_slot: the decode reads the slot the prefill
+    writes, so requests must run in order (the reference's semantics; the kernel then splits heads only)."""
+    writes = [-1] * 5 + [0] + [3, 4, 7] + [6]
+    op, ref = _gdn_call(5, [6, 3, 1], [0, 9, 20], [1, 2, 0 if shared_slot else 5], writes)
+    one, two = _with_threads(1, op), _with_threads(2, op)
+    for a_, b_, r_ in zip(one, two, ref, strict=True):
+        assert torch.equal(a_, b_)
+        torch.testing.assert_close(b_, r_, atol=1e-5, rtol=1e-5)
+
+
+def test_kernels_run_on_the_threads_torch_is_given() -> None:
+    """The kernels split their work with at::parallel_for, a header template whose OpenMP backend is a `#pragma omp
+    parallel`: built without -fopenmp (as the library was until round 10) it ran every kernel on the calling thread
+    alone. With two threads, another thread must do a share of a weight-bound linear, of a paged attention over 4
+    equal requests x 4 KV heads, of an MLA decode row (its heads split) and of a MoE over 4 experts (each item set is about half the work, so the call
+    cannot return without it: this holds on a loaded machine too)."""
+    w = torch.randn(4096, 4096).to(torch.bfloat16)
+    x = torch.randn(1, 4096)
+    share, delta = _other_threads_share(lambda: torch.ops.mtp.linear_bf16(x, w, None))
+    assert share >= 0.2, f"linear_bf16: CPU ticks per thread during the calls: {delta}"
+
+    geom = KVPoolGeometry(1, 1 + 4 * 64, 16, 4, 128)
+    pool = filled_pool(geom, seed=1)
+    tables = torch.arange(1, 1 + 4 * 64, dtype=torch.int32).view(4, 64)
+    counts, lens = torch.full((4,), 2, dtype=torch.int32), torch.full((4,), 1024, dtype=torch.int32)
+    q, after = torch.randn(8, 8, 128), torch.zeros(1, dtype=torch.int64)
+    attend = lambda: torch.ops.mtp.paged_attention(q, counts, lens, tables, pool_address(pool), after, 0,  # noqa: E731
+                                                   *geom.attrs().values(), 0.1)  # fmt: skip
+    share, delta = _other_threads_share(attend)
+    assert share >= 0.2, f"paged_attention: CPU ticks per thread during the calls: {delta}"
+
+    # an MLA decode row: one request, one latent "KV head": the 16 heads of its group are split into parts
+    mgeom = KVPoolGeometry(1, 1 + 128, 16, 1, 576, kv_kind=1)
+    mpool = filled_pool(mgeom, seed=2)
+    mq, one = torch.randn(1, 16, 576), torch.ones(1, dtype=torch.int32)
+    mtables = torch.arange(1, 129, dtype=torch.int32).view(1, 128)
+    mla = lambda: torch.ops.mtp.mla_paged_attention(mq, one, one * 2048, mtables,  # noqa: E731
+                                                    pool_address(mpool), after, 0, *mgeom.attrs().values(), 64, 0.05)
+    share, delta = _other_threads_share(mla)
+    assert share >= 0.2, f"mla_paged_attention: CPU ticks per thread during the calls: {delta}"
+
+    xs, ids, tw, w_gate_up, w_down = _moe_inputs(2, 4, 1024, 512, 4, 2, torch.float32, torch.bfloat16, torch.int64, 4)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])  # every expert 2 pairs: equal items
+    moe = lambda: torch.ops.mtp.moe_experts(xs, ids, tw, w_gate_up, w_down, 4, 1)  # noqa: E731
+    share, delta = _other_threads_share(moe)
+    assert share >= 0.2, f"moe_experts: CPU ticks per thread during the calls: {delta}"
+
+
+def test_small_calls_stay_on_the_calling_thread() -> None:
+    """Decode of models/deep (8 q / 2 KV heads of 32 over 128 positions; 8 experts of 256 x 96, top-2) is below
+    common.h's kMinThreadWork per thread: waking a second thread would cost more than it saves, so the other
+    threads stay idle even with 2 threads."""
+    geom = KVPoolGeometry(1, 10, 16, 2, 32)
+    pool = filled_pool(geom, seed=3)
+    tables = torch.arange(1, 10, dtype=torch.int32).view(1, 9)
+    one, lens = torch.ones(1, dtype=torch.int32), torch.full((1,), 129, dtype=torch.int32)
+    q, after = torch.randn(1, 8, 32), torch.zeros(1, dtype=torch.int64)
+    xs, ids, tw, w_gate_up, w_down = _moe_inputs(2, 1, 256, 96, 8, 2, torch.float32, torch.bfloat16, torch.int64, 8)
+
+    def step():
+        torch.ops.mtp.paged_attention(q, one, lens, tables, pool_address(pool), after, 0, *geom.attrs().values(), 0.1)
+        torch.ops.mtp.moe_experts(xs, ids, tw, w_gate_up, w_down, 8, 1)
+
+    share, delta = _other_threads_share(step)
+    assert share <= 0.1 and sum(delta.values()) > 0, f"CPU ticks per thread during the calls: {delta}"
