@@ -18,11 +18,10 @@
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 
 #include "common.h"
+#include "dequant_mm.h"
 
 namespace mtp {
 namespace {
@@ -219,22 +218,6 @@ void widen(const uint16_t* src, float* dst, int64_t n) {
   }
 }
 
-// Many rows: weight rows in blocks converted into one reused fp32 tile, multiplied by MKL
-void tiled_mm(const at::Tensor& x, const uint16_t* w, const c10::optional<at::Tensor>& bias, at::Tensor& y,
-              int64_t n, int64_t k) {
-  // about 1 MiB of fp32 tile: MKL's blocking works on it from L2 while it is still warm from the conversion
-  const int64_t rows = std::min<int64_t>(n, std::max<int64_t>(64, ((1 << 18) / std::max<int64_t>(k, 1)) / 16 * 16));
-  at::Tensor tile = at::empty({rows, k}, x.options());
-  float* t = tile.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < n; n0 += rows) {
-    const int64_t nb = std::min(rows, n - n0);
-    widen(w + n0 * k, t, nb * k);
-    const at::Tensor wt = tile.narrow(0, 0, nb).t();
-    const at::Tensor part = bias ? at::addmm(bias->narrow(0, n0, nb), x, wt) : at::mm(x, wt);
-    y.narrow(1, n0, nb).copy_(part);
-  }
-}
-
 at::Tensor linear_bf16_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   constexpr const char* op = "mtp::linear_bf16";
   TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(), op, ": x and weight must be CPU tensors");
@@ -246,31 +229,18 @@ at::Tensor linear_bf16_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": weight must be contiguous [N, K] (stored row-major; call "
                     ".contiguous() once when building, not per call)");
   const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == k, op, ": x must be [..., ", k, "] for weight ", py_shape(weight),
-                    ", got ", py_shape(x));
-  if (bias) {
-    TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == c10::ScalarType::Float && bias->dim() == 1 &&
-                          bias->size(0) == n,
-                      op, ": bias must be an fp32 CPU tensor [", n, "], got ", bias->scalar_type(), " ",
-                      py_shape(*bias));
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor y = at::empty(shape, x.options());
-  if (y.numel() == 0) return y;
-  // an activation copy (M * K floats) when x is a strided view; the weight is never copied
-  const at::Tensor xc = x.contiguous().view({-1, k});
-  const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
-  at::Tensor y2 = y.view({-1, n});
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
-  if (xc.size(0) >= kTiledRows && k > 0) {
-    tiled_mm(xc, w, bias ? c10::optional<at::Tensor>(bc) : c10::nullopt, y2, n, k);
-    return y;
-  }
-  const Gemv g{xc.data_ptr<float>(), w, bias ? bc.data_ptr<float>() : nullptr, y2.data_ptr<float>(), xc.size(0), n, k};
-  // 64 output features per task: a multiple of every NR; one thread runs them all inline
-  at::parallel_for(0, (n + 63) / 64, 1, [&](int64_t b0, int64_t b1) { rows(g, b0 * 64, std::min(n, b1 * 64)); });
-  return y;
+  return weight_only_linear(op, x, weight, n, k, bias, [&](const at::Tensor& xc, const at::Tensor& bc, at::Tensor& y2) {
+    if (xc.size(0) >= kTiledRows) {
+      dequant_tile_mm(xc, bc.defined() ? c10::optional<at::Tensor>(bc) : c10::nullopt, y2, n, k,
+                      [&](int64_t n0, int64_t n1, float* dst) { widen(w + n0 * k, dst, (n1 - n0) * k); });
+      return;
+    }
+    const Gemv g{xc.data_ptr<float>(), w, bc.defined() ? bc.data_ptr<float>() : nullptr, y2.data_ptr<float>(),
+                 xc.size(0), n, k};
+    // 64 output features per task: a multiple of every NR; one thread runs them all inline
+    at::parallel_for(0, (n + 63) / 64, 1, [&](int64_t b0, int64_t b1) { rows(g, b0 * 64, std::min(n, b1 * 64)); });
+  });
 }
 
 }  // namespace

@@ -257,38 +257,19 @@ at::Tensor linear_int8_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   TORCH_CHECK_VALUE(scale.scalar_type() == c10::ScalarType::Float && scale.dim() == 1 && scale.size(0) == n, op,
                     ": scale must be fp32 [", n, "] (one per output row of weight ", py_shape(weight), "), got ",
                     scale.scalar_type(), " ", py_shape(scale));
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == k, op, ": x must be [..., ", k, "] for weight ", py_shape(weight),
-                    ", got ", py_shape(x));
-  if (bias) {
-    TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == c10::ScalarType::Float && bias->dim() == 1 &&
-                          bias->size(0) == n,
-                      op, ": bias must be an fp32 CPU tensor [", n, "], got ", bias->scalar_type(), " ",
-                      py_shape(*bias));
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor y = at::empty(shape, x.options());
-  if (y.numel() == 0) return y;
-  if (k == 0) {  // an empty sum: the bias (or 0)
-    y.zero_();
-    return bias ? y.add_(*bias) : y;
-  }
-  // an activation copy (M * K floats) when x is a strided view; the weight is never copied
-  const at::Tensor xc = x.contiguous().view({-1, k});
   const at::Tensor sc = scale.contiguous();
-  const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
-  at::Tensor y2 = y.view({-1, n});
-  const Isa isa = active_isa();
-  const Gemv g{xc.data_ptr<float>(), weight.data_ptr<int8_t>(), sc.data_ptr<float>(),
-               bias ? bc.data_ptr<float>() : nullptr, y2.data_ptr<float>(), xc.size(0), n, k};
-  if (g.m >= kTiledRows) {
-    dequant_tile_mm(xc, bias ? c10::optional<at::Tensor>(bc) : c10::nullopt, y2, n, k,
-                    [&](int64_t n0, int64_t n1, float* dst) { dequant(isa, g, n0, n1, dst); });
-    return y;
-  }
-  // 64 output features per task: a multiple of every NR
-  at::parallel_for(0, (n + 63) / 64, 1, [&](int64_t b0, int64_t b1) { rows(isa, g, b0 * 64, std::min(n, b1 * 64)); });
-  return y;
+  return weight_only_linear(op, x, weight, n, k, bias, [&](const at::Tensor& xc, const at::Tensor& bc, at::Tensor& y2) {
+    const Isa isa = active_isa();
+    const Gemv g{xc.data_ptr<float>(), weight.data_ptr<int8_t>(), sc.data_ptr<float>(),
+                 bc.defined() ? bc.data_ptr<float>() : nullptr, y2.data_ptr<float>(), xc.size(0), n, k};
+    if (g.m >= kTiledRows) {
+      dequant_tile_mm(xc, bc.defined() ? c10::optional<at::Tensor>(bc) : c10::nullopt, y2, n, k,
+                      [&](int64_t n0, int64_t n1, float* dst) { dequant(isa, g, n0, n1, dst); });
+      return;
+    }
+    // 64 output features per task: a multiple of every NR
+    at::parallel_for(0, (n + 63) / 64, 1, [&](int64_t b0, int64_t b1) { rows(isa, g, b0 * 64, std::min(n, b1 * 64)); });
+  });
 }
 
 }  // namespace
