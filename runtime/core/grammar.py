@@ -46,17 +46,28 @@ class Grammar:
         return xgr.GrammarMatcher(self.compiled)
 
 
-class GrammarCompiler:
-    """Compiles request grammars against one tokenizer (xgrammar caches compiled grammars itself)."""
+# The byte budget of xgrammar's compiled-grammar cache (its default, -1, is unbounded: 1,600 distinct 4.5 KB
+# schemas grew a server from 621 to 1,509 MiB with no plateau). vLLM's default is 512 MiB too.
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+
+class GrammarCompiler:
+    """Compiles request grammars against one tokenizer; xgrammar caches compiled grammars itself, least recently
+    used first out past `cache_limit_bytes` (-1: no bound)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 cache_limit_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES) -> None:  # fmt: skip
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
 
         hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
         info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self._xgr, self.vocab_size = xgr, vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_limit_bytes)
+
+    @property
+    def cache_size_bytes(self) -> int:
+        return int(self._compiler.get_cache_size_bytes())
 
     def _compile(self, kind: str, fn, *args, **kwargs) -> Grammar:
         try:

@@ -164,3 +164,30 @@ def test_an_engine_failure_reaches_the_client_as_an_error(client):
         for chunk in stream:
             assert chunk.choices[0].finish_reason != "stop", chunk
     assert _complete(client, "def main(", max_tokens=4).choices[0].finish_reason == "length"
+
+
+def test_the_compiled_grammar_cache_keeps_to_its_budget(mtp_off):
+    """xgrammar's cache had no bound (1,600 distinct schemas: 621 -> 1,509 MiB with no plateau). With a budget it
+    evicts; without one (-1) the same schemas keep growing it, so this test can fail."""
+    engine, _ = mtp_off
+    budget = 64 << 10
+    sizes = {}
+    for limit in (budget, -1):
+        compiler = GrammarCompiler(engine.tokenizer, engine.model_cfg.vocab_size, engine.model_cfg.eos_token_id,
+                                   cache_limit_bytes=limit)  # fmt: skip
+        for i in range(120):  # distinct schemas: nothing is a cache hit
+            compiler.json_schema({"type": "object", "properties": {f"field_{i}_{j}": {"type": "integer"} for j in range(4)},
+                                  "required": [f"field_{i}_0"]})  # fmt: skip
+        sizes[limit] = compiler.cache_size_bytes
+    assert sizes[-1] > 4 * budget, sizes  # the schemas do fill an unbounded cache
+    assert sizes[budget] <= 1.5 * budget, sizes  # "may slightly exceed" (xgrammar)
+
+
+def test_grammar_cache_flag_is_checked_before_the_engine_loads():
+    from types import SimpleNamespace
+
+    from runtime.core.config import ConfigError
+    from runtime.serving.openai.server import build_state
+
+    with pytest.raises(ConfigError, match="--grammar-cache-mb must be >= 1, got 0"):
+        build_state(SimpleNamespace(grammar_cache_mb=0))  # no engine: it would fail on anything else first

@@ -15,6 +15,9 @@ def add_openai_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: the directory name)")
     g.add_argument("--read-timeout", type=float, default=30.0,
                    help="seconds a client may take to send its whole request before the connection is closed")
+    g.add_argument("--grammar-cache-mb", type=int, default=512, metavar="MB",
+                   help="memory for compiled grammars (structured output), least recently used evicted first "
+                        "(default 512, as vLLM)")
     g.add_argument("--per-request-spec-decode-metrics", choices=("off", "summary", "detailed"), default="off",
                    help="add per-request speculative-decoding stats to every response, as vLLM's flag of the same "
                         "name: a top-level metrics.speculative_decoding object (default: off, responses unchanged)")

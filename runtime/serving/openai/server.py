@@ -53,6 +53,11 @@ def create_serving_engine(args: Any):
 
 
 def build_state(args: Any, engine=None) -> ServeState:
+    from runtime.core.config import ConfigError
+
+    grammar_cache_mb = int(getattr(args, "grammar_cache_mb", 512))
+    if grammar_cache_mb < 1:  # checked before the engine loads (seconds)
+        raise ConfigError(f"--grammar-cache-mb must be >= 1, got {grammar_cache_mb}")
     engine = engine if engine is not None else create_serving_engine(args)
     metrics = ServeMetrics()
     max_queue = args.max_queue if args.max_queue is not None else default_max_queue(engine.cfg.max_batch)
@@ -61,7 +66,8 @@ def build_state(args: Any, engine=None) -> ServeState:
     max_bytes = prompt_byte_limit(engine.cfg.max_seq_len, args.max_prompt_bytes)
     structured = None
     if engine.tokenizer is not None:
-        structured = Structured(engine.tokenizer, engine.model_cfg.vocab_size, list(engine.model_cfg.eos_token_id))
+        structured = Structured(engine.tokenizer, engine.model_cfg.vocab_size, list(engine.model_cfg.eos_token_id),
+                                grammar_cache_mb << 20)  # fmt: skip
     return ServeState(loop, metrics, engine.tokenizer, args.served_model_name or source.resolve().name,
                       engine.model_cfg.vocab_size, engine.cfg.max_seq_len, engine.k, max_bytes,
                       load_chat_template(source), structured,

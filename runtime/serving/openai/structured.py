@@ -11,7 +11,7 @@ import asyncio
 import threading
 from typing import Any
 
-from runtime.core.grammar import Grammar, GrammarCompiler, GrammarError
+from runtime.core.grammar import DEFAULT_GRAMMAR_CACHE_BYTES, Grammar, GrammarCompiler, GrammarError
 from runtime.serving.openai.protocol import ProtocolError
 
 
@@ -44,15 +44,18 @@ def constraint_of(req: Any) -> tuple[str, str, Any] | None:
 class Structured:
     """The server's grammar compiler, made on the first structured request (it needs the tokenizer)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 cache_limit_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES) -> None:  # fmt: skip
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self.cache_limit_bytes = cache_limit_bytes
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()  # compiles run on worker threads; one compiler, made once
 
     def _compile(self, kind: str, arg: Any) -> Grammar:
         with self._lock:
             if self._compiler is None:
-                self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
+                self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids,
+                                                 self.cache_limit_bytes)
             c = self._compiler
         if kind == "json_object":
             return c.json_object()
