@@ -6,8 +6,10 @@ off (K=0) under the same grammar, also at concurrency 8, and acceptance under a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema_rs
@@ -189,5 +191,66 @@ def test_grammar_cache_flag_is_checked_before_the_engine_loads():
     from runtime.core.config import ConfigError
     from runtime.serving.openai.server import build_state
 
-    with pytest.raises(ConfigError, match="--grammar-cache-mb must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match="--grammar-cache-mb must be > 0, got 0"):
         build_state(SimpleNamespace(grammar_cache_mb=0))  # no engine: it would fail on anything else first
+
+
+def _wide_schema(n: int, tag: str) -> dict:
+    """n optional string properties: xgrammar's compile time grows about as n^2 (400: 0.3 s on models/tiny's
+    vocabulary, 800: over a second on the 2-core machine); `tag` makes it a cache miss."""
+    return {"type": "object", "properties": {f"{tag}_{i}": {"type": "string"} for i in range(n)}}
+
+
+def _schema_request(schema: dict):
+    from runtime.serving.openai import protocol as P
+
+    return P.parse(P.CompletionRequest, json.dumps({"prompt": "x", "guided_json": schema}).encode())
+
+
+def test_a_constraint_over_the_byte_limit_is_400_before_compiling(client):
+    big = _wide_schema(1500, "big")  # ~40 KB, over the default 32 KiB
+    with pytest.raises(openai.BadRequestError) as e:
+        _complete(client, "hi", max_tokens=2, extra_body={"guided_json": big})
+    assert "over this server's 32768 (--grammar-max-bytes)" in e.value.message and e.value.body["param"] == "guided_json"
+
+
+def test_a_slow_compile_is_400_and_a_compile_that_cannot_start_is_503(mtp_off):
+    import asyncio
+
+    from runtime.serving.openai.protocol import ProtocolError
+    from runtime.serving.openai.structured import Structured
+
+    engine, _ = mtp_off
+    structured = Structured(engine.tokenizer, engine.model_cfg.vocab_size, list(engine.model_cfg.eos_token_id),
+                            timeout_s=0.05)  # fmt: skip
+
+    async def go():
+        jobs = [structured.grammar_of(_schema_request(_wide_schema(800, f"s{i}"))) for i in range(3)]
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    results = asyncio.run(go())
+    assert all(isinstance(r, ProtocolError) for r in results), results
+    statuses = sorted(r.status for r in results)
+    assert statuses == [400, 400, 503], [str(r) for r in results]  # two ran past the limit, one never started
+    assert all("took longer than 0.05 s (--grammar-compile-timeout)" in str(r) for r in results if r.status == 400)
+    assert all("compilers are busy" in str(r) for r in results if r.status == 503)
+
+
+def test_slow_compiles_do_not_hold_up_a_plain_request(client):
+    """Eight slow schemas in flight (two compile at a time on their own pool): a grammar-free request still gets
+    its tokens before any of them answers. With compiles on the default pool (six threads), it queued behind them."""
+    done: list[str] = []
+
+    def slow(i: int) -> None:
+        with contextlib.suppress(openai.APIError):  # timed out or busy: an answer all the same
+            _complete(client, "hi", max_tokens=2, extra_body={"guided_json": _wide_schema(800, f"w{i}")})
+        done.append(f"slow{i}")
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(slow, i) for i in range(8)]
+        time.sleep(0.3)  # the eight are in
+        assert _complete(client, "def main(", max_tokens=4).choices[0].finish_reason == "length"
+        done.append("plain")
+        for f in futures:
+            f.result()
+    assert done[0] == "plain", done

@@ -18,6 +18,10 @@ def add_openai_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-cache-mb", type=int, default=512, metavar="MB",
                    help="memory for compiled grammars (structured output), least recently used evicted first "
                         "(default 512, as vLLM)")
+    g.add_argument("--grammar-max-bytes", type=int, default=32 << 10, metavar="BYTES",
+                   help="largest output constraint (JSON schema, regex, EBNF) accepted; larger is a 400 (default 32768)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a grammar compile's time limit, queueing included: past it the request is refused (default 10)")
     g.add_argument("--per-request-spec-decode-metrics", choices=("off", "summary", "detailed"), default="off",
                    help="add per-request speculative-decoding stats to every response, as vLLM's flag of the same "
                         "name: a top-level metrics.speculative_decoding object (default: off, responses unchanged)")

@@ -22,7 +22,7 @@ from runtime.serving.openai.app import ServeState, create_app
 from runtime.serving.openai.body import DEFAULT_READ_TIMEOUT_S, read_timeout_protocol
 from runtime.serving.openai.engine_loop import AsyncEngineLoop
 from runtime.serving.openai.metrics import ServeMetrics
-from runtime.serving.openai.structured import Structured
+from runtime.serving.openai.structured import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S, Structured
 from runtime.serving.signals import DRAIN_SIGNALS
 
 GRACE_S = 5.0  # uvicorn's graceful-shutdown bound is --drain-timeout plus this: the engine loop cuts first
@@ -55,9 +55,13 @@ def create_serving_engine(args: Any):
 def build_state(args: Any, engine=None) -> ServeState:
     from runtime.core.config import ConfigError
 
-    grammar_cache_mb = int(getattr(args, "grammar_cache_mb", 512))
-    if grammar_cache_mb < 1:  # checked before the engine loads (seconds)
-        raise ConfigError(f"--grammar-cache-mb must be >= 1, got {grammar_cache_mb}")
+    cache_mb = int(getattr(args, "grammar_cache_mb", 512))  # the grammar flags: checked before the engine loads
+    grammar_bytes = int(getattr(args, "grammar_max_bytes", DEFAULT_MAX_BYTES))
+    timeout_s = float(getattr(args, "grammar_compile_timeout", DEFAULT_TIMEOUT_S))
+    for flag, value in (("--grammar-cache-mb", cache_mb), ("--grammar-max-bytes", grammar_bytes),
+                        ("--grammar-compile-timeout", timeout_s)):  # fmt: skip
+        if not value > 0:
+            raise ConfigError(f"{flag} must be > 0, got {value:g}")
     engine = engine if engine is not None else create_serving_engine(args)
     metrics = ServeMetrics()
     max_queue = args.max_queue if args.max_queue is not None else default_max_queue(engine.cfg.max_batch)
@@ -67,7 +71,7 @@ def build_state(args: Any, engine=None) -> ServeState:
     structured = None
     if engine.tokenizer is not None:
         structured = Structured(engine.tokenizer, engine.model_cfg.vocab_size, list(engine.model_cfg.eos_token_id),
-                                grammar_cache_mb << 20)  # fmt: skip
+                                cache_mb << 20, grammar_bytes, timeout_s)  # fmt: skip
     return ServeState(loop, metrics, engine.tokenizer, args.served_model_name or source.resolve().name,
                       engine.model_cfg.vocab_size, engine.cfg.max_seq_len, engine.k, max_bytes,
                       load_chat_template(source), structured,
