@@ -104,10 +104,11 @@ def leftovers(hosts: Hosts) -> list[str]:
 
 AGENT = """#!/bin/sh
 # plm_ssh_agent for namespace hosts (tests/multihost.py): called as `AGENT [options] HOST COMMAND...` like ssh;
-# runs COMMAND inside HOST's network namespace with the hostname HOST.
+# runs COMMAND inside HOST's network namespace with the hostname HOST. Not `exec`: like an ssh client, this
+# process stays on the launching host and exits non-zero when the remote side is killed.
 while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
 host=$1; shift
-exec ip netns exec "$host" {uts}"$*"
+ip netns exec "$host" {uts}"$*"
 """
 
 
