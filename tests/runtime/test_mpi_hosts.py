@@ -100,3 +100,115 @@ def test_ep2_across_two_hosts_matches_single_process(hosts, tiny_ep2_engine, k):
         assert len(a["output_ids"]) == 16
     for host in hosts.names:
         assert hosts.pids(host) == [], f"a process outlived the job in {host}"
+
+
+def _in_sleep(pid: int) -> bool:
+    """Whether process `pid`'s main thread is inside clock_nanosleep (x86-64 syscall 230: time.sleep)."""
+    try:
+        return Path(f"/proc/{pid}/syscall").read_text().split()[0] == "230"
+    except (OSError, IndexError):
+        return False
+
+
+def _rank_pid(hosts, host: str) -> int | None:
+    for pid in hosts.pids(host):
+        try:
+            if b"runtime.cli" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            pass
+    return None
+
+
+def _wait_empty(hosts, within: float) -> list[int]:
+    """Poll until no process is left in either host (or `within` s passed); the pids still there."""
+    deadline = time.monotonic() + within
+    while True:
+        left = [pid for host in hosts.names for pid in hosts.pids(host)
+                if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()]  # fmt: skip
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+TIMEOUT_S = 20  # --collective-timeout of the fault tests
+
+
+def test_host_killed_mid_decode_ends_the_job(hosts, tiny_ep2_engine):
+    """Every process of host B killed (its Open MPI daemon, the launcher agent's child, its rank) while both ranks
+    are inside decode step 3 (rank 1 held there by MTP_FAULT_STALL, so the kill lands mid-decode every time): the
+    job ends within --collective-timeout + margin, the launcher names the lost host, and nothing is left running in
+    either host. Measured with Open MPI 5.0.11 (docs/RUNTIME.md "Across hosts"): prterun exits within ~0.1 s, with
+    status 137 (the agent's, when it sees the agent die first) or 0 (when it sees the lost daemon connection
+    first), and kills rank 0 before it can print: the status-0 / no-engine-line half is an xfail, not a pass."""
+    argv = [*MTP_RUN, "--engine", str(tiny_ep2_engine), *PROMPTS, "--max-tokens", "48", "--json",
+            "--collective-timeout", str(TIMEOUT_S)]  # fmt: skip
+    env_extra = ["-x", "MTP_FAULT_STALL"]
+    cmd = [*hosts.mpirun_argv(MPIRUN, 2, *env_extra), *argv]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "MTP_FAULT_STALL": "1:3:600"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not ((pid := _rank_pid(hosts, hosts.names[1])) and _in_sleep(pid)):
+            assert proc.poll() is None, f"the job ended before step 3: {proc.communicate()}"
+            assert time.monotonic() < deadline, "rank 1 never reached decode step 3"
+            time.sleep(0.1)
+        killed = hosts.kill_all(hosts.names[1])
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=TIMEOUT_S + 30)
+        ended = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            for host in hosts.names:
+                hosts.kill_all(host)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert killed
+    assert ended < TIMEOUT_S + 30
+    assert hosts.names[1] in out + err, out + err  # the launcher's banner names the lost host
+    assert "Traceback" not in out + err and not records(out), out + err
+    assert _wait_empty(hosts, TIMEOUT_S + 10) == [], "a process outlived the job"
+    lines = our_lines(err)
+    if proc.returncode == 0 or not lines:
+        pytest.xfail(f"Open MPI's prterun ended the job with status {proc.returncode} in {ended:.2f} s and "
+                     f"{len(lines)} line(s) from the engine: it exits before its surviving rank can report")  # fmt: skip
+    assert len(lines) == 1 and "rank 1" in lines[0], err
+
+
+@pytest.fixture
+def same_hostname_hosts(tmp_path):
+    with namespace_hosts(tmp_path / "hosts", same_hostname=True) as made:
+        yield made
+    assert leftovers(made) == [], "namespace hosts not removed"
+
+
+@pytest.mark.timeout(400)
+def test_two_hosts_with_one_hostname_exit_at_start_up_with_one_line(same_hostname_hosts):
+    """Issue 31: two hosts that share one hostname (no UTS namespace) hung forever in MPI_Comm_split at start-up,
+    with nothing printed. The start-up collectives are now bounded (MTP_STARTUP_TIMEOUT here, else
+    max(--collective-timeout, 300 s)): every rank that reaches the bound prints one line naming start-up and the
+    split, the job ends non-zero, nothing is left running."""
+    hosts = same_hostname_hosts
+    argv = [*MTP_RUN, "--checkpoint", str(TINY), *PROMPTS, "--max-tokens", "8", "--collective-timeout", "10"]
+    cmd = [*hosts.mpirun_argv(MPIRUN, 2, "-x", "MTP_STARTUP_TIMEOUT"), *argv]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "MTP_STARTUP_TIMEOUT": "15"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            for host in hosts.names:
+                hosts.kill_all(host)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    secs = time.monotonic() - t0
+    assert proc.returncode != 0, out + err
+    lines = our_lines(err)
+    assert 1 <= len(lines) <= 2, err
+    for line in lines:
+        assert line.startswith("mtp-run: error: [rank ") and line.endswith(
+            "] start-up: communicator split (MPI_Comm_split over every rank) did not complete within 15 s "
+            "(another rank stalled or died); exiting"), err  # fmt: skip
+    assert "Traceback" not in err and secs < 240, (secs, err)
+    assert _wait_empty(hosts, 20) == [], "a process outlived the job"
