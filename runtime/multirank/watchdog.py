@@ -127,8 +127,11 @@ class Watchdog:
                 self._fire(what, limit)
 
     def _fire(self, what: str, limit: float | None = None) -> None:
-        print(self.message(what, limit), file=sys.stderr)
-        sys.stderr.flush()
+        try:
+            print(self.message(what, limit), file=sys.stderr)
+            sys.stderr.flush()
+        except (OSError, ValueError):  # stderr's reader (this host's Open MPI daemon) is gone: leave all the same
+            pass
         if "OMPI_COMM_WORLD_SIZE" not in os.environ:  # not Open MPI: its job-ending on a non-zero exit is not given
             from mpi4py import MPI
 

@@ -134,13 +134,17 @@ def _wait_empty(hosts, within: float) -> list[int]:
 TIMEOUT_S = 20  # --collective-timeout of the fault tests
 
 
-def test_host_killed_mid_decode_ends_the_job(hosts, tiny_ep2_engine):
-    """Every process of host B killed (its Open MPI daemon, the launcher agent's child, its rank) while both ranks
-    are inside decode step 3 (rank 1 held there by MTP_FAULT_STALL, so the kill lands mid-decode every time): the
-    job ends within --collective-timeout + margin, the launcher names the lost host, and nothing is left running in
-    either host. Measured with Open MPI 5.0.11 (docs/RUNTIME.md "Across hosts"): prterun exits within ~0.1 s, with
-    status 137 (the agent's, when it sees the agent die first) or 0 (when it sees the lost daemon connection
-    first), and kills rank 0 before it can print: the status-0 / no-engine-line half is an xfail, not a pass."""
+@pytest.mark.parametrize("target", ["host", "daemon"])
+def test_host_killed_mid_decode_ends_the_job(hosts, tiny_ep2_engine, target):
+    """host: every process of host B killed (its Open MPI daemon, the launcher agent's child, its rank); daemon:
+    only B's Open MPI daemon (prted), its rank lives on, orphaned. Both while the ranks are inside decode step 3
+    (rank 1 held there by MTP_FAULT_STALL, so the kill lands mid-decode every time): the job ends within
+    --collective-timeout + margin, the launcher names the lost host, and nothing is left running in either host
+    (the orphaned rank 1 leaves through its watchdog, whose line has no reader any more: it used to die on the
+    broken pipe and leave the rank running). Measured with Open MPI 5.0.11 (docs/RUNTIME.md "Across hosts"):
+    prterun exits within ~0.1 s, with status 137 (the agent's, when it sees the agent die first) or 0 (when it
+    sees the lost daemon connection first), and kills rank 0 before it can print: the status-0 / no-engine-line
+    half is an xfail, not a pass."""
     argv = [*MTP_RUN, "--engine", str(tiny_ep2_engine), *PROMPTS, "--max-tokens", "48", "--json",
             "--collective-timeout", str(TIMEOUT_S)]  # fmt: skip
     env_extra = ["-x", "MTP_FAULT_STALL"]
@@ -153,7 +157,12 @@ def test_host_killed_mid_decode_ends_the_job(hosts, tiny_ep2_engine):
             assert proc.poll() is None, f"the job ended before step 3: {proc.communicate()}"
             assert time.monotonic() < deadline, "rank 1 never reached decode step 3"
             time.sleep(0.1)
-        killed = hosts.kill_all(hosts.names[1])
+        if target == "host":
+            killed = hosts.kill_all(hosts.names[1])
+        else:
+            killed = [p for p in hosts.pids(hosts.names[1]) if b"prted" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            for p in killed:
+                os.kill(p, signal.SIGKILL)
         t0 = time.monotonic()
         out, err = proc.communicate(timeout=TIMEOUT_S + 30)
         ended = time.monotonic() - t0

@@ -89,6 +89,20 @@ def test_startup_timeout(monkeypatch):
         startup_timeout(60)
 
 
+def test_a_rank_whose_stderr_reader_is_gone_still_exits():
+    """Issue 31: a rank whose host's Open MPI daemon died (its stderr pipe has no reader) used to lose its watchdog
+    thread to BrokenPipeError and stay blocked forever; it must exit 1 all the same."""
+    code = SCRIPT.format(timeout=0.5, sleep=30)
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**ENV, "OMPI_COMM_WORLD_SIZE": "1"}, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    proc.stderr.close()  # no reader: the watchdog's line hits EPIPE
+    try:
+        assert proc.wait(timeout=20) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_waits_within_the_deadline_do_not_fire():
     proc = _run(timeout=2, sleep=0.2)
     assert proc.returncode == 0 and proc.stdout.strip() == "survived" and not proc.stderr, proc.stderr
