@@ -5,6 +5,7 @@ left running in either host. Every launch has a timeout (and the module a pytest
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -19,7 +20,20 @@ from tests.mpi_launch import mpirun_path
 from tests.multihost import leftovers, namespace_hosts, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
-MPIRUN = mpirun_path() or str(Path("/work/main/.venv/bin/mpirun"))
+
+
+def _mpirun() -> str:
+    """mpirun beside this Python or on PATH, else the one of the environment that holds mpi4py (a venv that
+    borrows another's packages through a .pth has no mpirun of its own)."""
+    found = mpirun_path()
+    if found:
+        return found
+    spec = importlib.util.find_spec("mpi4py")
+    origin = Path(spec.origin) if spec and spec.origin else None  # PREFIX/lib/pythonX.Y/site-packages/mpi4py/...
+    return str(origin.parents[4] / "bin" / "mpirun") if origin else "mpirun"
+
+
+MPIRUN = _mpirun()
 TINY = ROOT / "models" / "tiny"
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT),
            OMP_NUM_THREADS="1")  # fmt: skip
@@ -100,6 +114,21 @@ def test_ep2_across_two_hosts_matches_single_process(hosts, tiny_ep2_engine, k):
         assert len(a["output_ids"]) == 16
     for host in hosts.names:
         assert hosts.pids(host) == [], f"a process outlived the job in {host}"
+
+
+def test_tp2_across_two_hosts_matches_single_process(hosts):
+    """TP2 with no build (`mtp-run --checkpoint models/tiny --tp-size 2`, torch executor): every all-reduce /
+    all-gather of the sharded forwards crosses the hosts' TCP link; greedy ids equal the single process's."""
+    flags = [*PROMPTS, "--max-tokens", "16", "--json", "--num-draft-tokens", "2", "--prefill-chunk", "2"]
+    status, out, err, _ = launch(hosts, [*MTP_RUN, "--checkpoint", str(TINY), "--tp-size", "2", *flags], timeout=300)
+    assert status == 0, err[-3000:]
+    single = subprocess.run([*MTP_RUN, "--checkpoint", str(TINY), *flags], env=ENV, capture_output=True, text=True,
+                            timeout=300, cwd=ROOT)  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+    across, alone = records(out), records(single.stdout)
+    assert len(across) == 4, out
+    for a, b in zip(across[:3], alone[:3], strict=True):
+        assert a["output_ids"] == b["output_ids"] and a["accepted_per_step"] == b["accepted_per_step"]
 
 
 def _in_sleep(pid: int) -> bool:
