@@ -74,11 +74,14 @@ def exit_failed_rank(rank: int, error: BaseException, prog: str, debug: bool = F
     whole job when one process exits non-zero, and does so with a shorter banner than MPI_Abort's. Under
     another launcher, where that is not guaranteed, MPI_Abort is the fallback that always works.
     """
-    if debug:
-        traceback.print_exception(error)
-    print(f"{prog}: error: [rank {rank}] {describe(error)}", file=sys.stderr)
-    sys.stderr.flush()
-    sys.stdout.flush()
+    try:
+        if debug:
+            traceback.print_exception(error)
+        print(f"{prog}: error: [rank {rank}] {describe(error)}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except (OSError, ValueError):  # the output's reader (this host's Open MPI daemon) is gone: leave all the same
+        pass
     if "OMPI_COMM_WORLD_SIZE" not in os.environ:
         from mpi4py import MPI
 

@@ -25,7 +25,7 @@ from runtime.executors.base import Executor
 from runtime.multirank.fingerprint import settings_fingerprint
 from runtime.multirank.parallel import agree_on_settings, mpi_world
 from runtime.multirank.tp_group import STEP_END, LeaderExecutor, RankRole, run_follower
-from runtime.multirank.watchdog import Watchdog
+from runtime.multirank.watchdog import Watchdog, startup_timeout
 
 
 class Lockstep(RankStrategy):
@@ -98,13 +98,18 @@ def rank_strategy(executor: Executor, model_cfg: ModelConfig, cfg: RuntimeConfig
     if m.world != world:
         raise ConfigError(f"the mapping is for world_size={m.world} but {world} rank(s) were launched: "
                           f"use mpirun -np {m.world}")  # fmt: skip
-    tp, column = groups(m.tp)
-    # Commands travel on their own copy of the TP comm, so they never interleave with the forwards' collectives.
-    commands = tp.Dup() if m.tp > 1 else None
+    # The start-up collectives are bounded too (issue 31: a split that never returns across two hosts that share
+    # one hostname), by the longer start-up bound: here a rank also waits for the slowest rank's load.
+    dog, bound = Watchdog(collective_timeout, rank, prog), startup_timeout(collective_timeout)
+    with dog.guard("communicator split (MPI_Comm_split over every rank)", bound):
+        tp, column = groups(m.tp)
+        # Commands travel on their own copy of the TP comm, so they never interleave with the forwards' collectives.
+        commands = tp.Dup() if m.tp > 1 else None
     launch = {"parallel.world_size": m.world, "parallel.tp_size": m.tp, "parallel.ep_size": m.ep,
               "watchdog.collective_timeout": collective_timeout}  # fmt: skip
-    agree_on_settings(comm, settings_fingerprint(executor, model_cfg, cfg, launch))
-    role = RankRole(m, commands, column, Watchdog(collective_timeout, rank, prog), executor)
+    with dog.guard("settings agreement (allgather over every rank)", bound):
+        agree_on_settings(comm, settings_fingerprint(executor, model_cfg, cfg, launch))
+    role = RankRole(m, commands, column, dog, executor)
     if not m.is_leader:
         return TPFollower(role)
     return TPLeader(role) if m.tp > 1 else Lockstep(role)

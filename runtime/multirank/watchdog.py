@@ -13,7 +13,10 @@ peer), so the launcher ends the job. Arming is two attribute writes, so it costs
 Idle waits are NOT armed: a serving leader with no requests issues no collective, and its followers wait
 for the next step's first call with the deadline off (the leader tells them a step ended). A rank that
 dies while idle ends the job through the launcher (Open MPI terminates the job when a rank exits non-zero).
-Start-up (loading, the settings agreement) is not armed either: load times legitimately differ.
+Loading is not armed: load times legitimately differ. The start-up collectives after it (the communicator
+split, the settings agreement) are, with the longer `startup_timeout` (max(--collective-timeout, 300 s), or
+MTP_STARTUP_TIMEOUT seconds): a rank waits there for the slowest rank's load, but a split that never returns
+(issue 31: two hosts with one hostname) ends the job with one line naming "start-up" instead of hanging.
 
 Fault injection (tests only, docs/RELIABILITY.md): `MTP_FAULT_STALL=RANK:STEP:SECONDS` makes rank RANK sleep
 SECONDS inside the main forward of its step STEP (counted from 1), where its own deadline is armed.
@@ -28,6 +31,8 @@ import time
 from dataclasses import dataclass
 
 DEFAULT_TIMEOUT_S = 60.0
+STARTUP_MIN_S = 300.0  # the start-up collectives wait for the slowest rank's load (compiled packages: minutes)
+STARTUP_ENV = "MTP_STARTUP_TIMEOUT"
 FAULT_ENV = "MTP_FAULT_STALL"
 EXIT_CODE = 1
 
@@ -58,6 +63,17 @@ def check_timeout(seconds: float) -> float:
     return float(seconds)
 
 
+def startup_timeout(collective_timeout: float) -> float:
+    """The bound on the start-up collectives: MTP_STARTUP_TIMEOUT seconds if set, else max(collective, 300 s)."""
+    text = os.environ.get(STARTUP_ENV)
+    if text:
+        try:
+            return check_timeout(float(text))
+        except ValueError:
+            raise ValueError(f"{STARTUP_ENV}={text!r}: expected a number of seconds > 0") from None
+    return max(float(collective_timeout), STARTUP_MIN_S)
+
+
 class Watchdog:
     """One per rank. `guard(what)` arms the deadline around a wait; `step` names the step in the message."""
 
@@ -66,20 +82,22 @@ class Watchdog:
         self.rank, self.prog = rank, prog
         self.step = 0  # the step being executed (1-based; 0 = before the first step)
         self._what: str | None = None
+        self._limit = self.timeout_s  # the armed wait's bound (longer for the start-up collectives)
         self._deadline: float | None = None
         self._poll = poll_s if poll_s is not None else min(0.25, self.timeout_s / 4)
         self.stall = parse_stall(os.environ.get(FAULT_ENV))
         threading.Thread(target=self._watch, name="mtp-collective-watchdog", daemon=True).start()
 
-    def arm(self, what: str) -> None:
+    def arm(self, what: str, timeout_s: float | None = None) -> None:
         self._what = what
-        self._deadline = time.monotonic() + self.timeout_s
+        self._limit = timeout_s or self.timeout_s
+        self._deadline = time.monotonic() + self._limit
 
     def disarm(self) -> None:
         self._deadline = None
 
-    def guard(self, what: str) -> _Guard:
-        return _Guard(self, what)
+    def guard(self, what: str, timeout_s: float | None = None) -> _Guard:
+        return _Guard(self, what, timeout_s)
 
     def guarded(self, fn, what: str):
         """fn wrapped so that every call is armed (the leaders comm's allreduce / allgather)."""
@@ -96,20 +114,24 @@ class Watchdog:
         if s is not None and s.rank == self.rank and s.step == self.step:
             time.sleep(s.seconds)
 
-    def message(self, what: str) -> str:
-        return (f"{self.prog}: error: [rank {self.rank}] step {self.step}: {what} did not complete within "
-                f"{self.timeout_s:g} s (another rank stalled or died); exiting")  # fmt: skip
+    def message(self, what: str, limit: float | None = None) -> str:
+        when = f"step {self.step}" if self.step else "start-up"
+        return (f"{self.prog}: error: [rank {self.rank}] {when}: {what} did not complete within "
+                f"{limit or self.timeout_s:g} s (another rank stalled or died); exiting")  # fmt: skip
 
     def _watch(self) -> None:
         while True:
             time.sleep(self._poll)
-            deadline, what = self._deadline, self._what
+            deadline, what, limit = self._deadline, self._what, self._limit
             if deadline is not None and time.monotonic() > deadline and what is not None:
-                self._fire(what)
+                self._fire(what, limit)
 
-    def _fire(self, what: str) -> None:
-        print(self.message(what), file=sys.stderr)
-        sys.stderr.flush()
+    def _fire(self, what: str, limit: float | None = None) -> None:
+        try:
+            print(self.message(what, limit), file=sys.stderr)
+            sys.stderr.flush()
+        except (OSError, ValueError):  # stderr's reader (this host's Open MPI daemon) is gone: leave all the same
+            pass
         if "OMPI_COMM_WORLD_SIZE" not in os.environ:  # not Open MPI: its job-ending on a non-zero exit is not given
             from mpi4py import MPI
 
@@ -118,13 +140,13 @@ class Watchdog:
 
 
 class _Guard:
-    __slots__ = ("dog", "what")
+    __slots__ = ("dog", "timeout_s", "what")
 
-    def __init__(self, dog: Watchdog, what: str) -> None:
-        self.dog, self.what = dog, what
+    def __init__(self, dog: Watchdog, what: str, timeout_s: float | None = None) -> None:
+        self.dog, self.what, self.timeout_s = dog, what, timeout_s
 
     def __enter__(self) -> None:
-        self.dog.arm(self.what)
+        self.dog.arm(self.what, self.timeout_s)
 
     def __exit__(self, *exc) -> None:
         self.dog.disarm()

@@ -1,0 +1,76 @@
+"""The figures of docs/RUNTIME.md "Across hosts" fault table (issue 31), measured on two namespace hosts
+(tests/multihost.py; root). Not a test: run it against an EP2 engine of models/tiny,
+
+    mtp-build --checkpoint models/tiny --output /tmp/ep2 --compile none --world-size 2 --ep-size 2 \\
+        --num-draft-tokens 2 --max-seq-len 128 --max-batch 4
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python -m tests.runtime.host_fault_figures /tmp/ep2 host host rank stall
+
+Each fault lands while both ranks are inside decode step 3 (rank 1 held there by MTP_FAULT_STALL=1:3:600):
+host:   every process of host B killed;   daemon: only B's Open MPI daemon (prted);
+rank:   only B's rank;                    stall:  nothing killed (rank 1 stays stalled).
+Prints, per run: mpirun's exit status, seconds from the fault to mpirun's exit and until no process is left in
+either host, and the lines from the engine and the launcher's banner heads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+from tests.multihost import namespace_hosts
+from tests.runtime.test_mpi_hosts import ENV, MPIRUN, MTP_RUN, ROOT, _in_sleep, _rank_pid, _wait_empty
+
+BANNERS = ("mtp-run", "PRTE has lost", "A daemon failed to report", "prterun noticed that")
+TIMEOUT_S = 20
+
+
+def once(engine: str, mode: str) -> str:
+    with TemporaryDirectory() as tmp, namespace_hosts(Path(tmp)) as hosts:
+        cmd = [*hosts.mpirun_argv(MPIRUN, 2, "-x", "MTP_FAULT_STALL"), *MTP_RUN, "--engine", engine, "--prompt",
+               "def main(", "--prompt", "import os", "--max-tokens", "48", "--json", "--collective-timeout",
+               str(TIMEOUT_S)]  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "MTP_FAULT_STALL": "1:3:600"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 240
+        while not ((pid := _rank_pid(hosts, hosts.names[1])) and _in_sleep(pid)):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return f"{mode}: never reached decode step 3"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        b = hosts.names[1]
+        if mode == "host":
+            hosts.kill_all(b)
+        elif mode == "daemon":
+            for p in hosts.pids(b):
+                if b"prted" in Path(f"/proc/{p}/cmdline").read_bytes():
+                    os.kill(p, signal.SIGKILL)
+        elif mode == "rank":
+            os.kill(pid, signal.SIGKILL)
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT_S + 60)
+        except subprocess.TimeoutExpired:
+            for host in hosts.names:
+                hosts.kill_all(host)
+            out, err = proc.communicate()
+        ended = time.monotonic() - t0
+        left = _wait_empty(hosts, TIMEOUT_S + 30)
+        gone = time.monotonic() - t0
+        lines = [line for line in (out + err).splitlines() if line.startswith(BANNERS)]
+        return (f"{mode}: exit {proc.returncode}, mpirun over after {ended:.2f} s, all gone after {gone:.2f} s"
+                f"{f' (left: {left})' if left else ''}; lines: {lines}")  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    engine, modes = argv[0], argv[1:] or ["host", "daemon", "rank", "stall"]
+    for mode in modes:
+        print(once(engine, mode), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

