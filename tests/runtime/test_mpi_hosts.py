@@ -53,6 +53,14 @@ def hosts(tmp_path):
     assert leftovers(made) == [], "namespace hosts not removed"
 
 
+def _end_job(hosts, proc: subprocess.Popen) -> tuple[str, str]:
+    """Kill every process of both hosts and mpirun's session; (stdout, stderr) of what it printed."""
+    for host in hosts.names:
+        hosts.kill_all(host)
+    os.killpg(proc.pid, signal.SIGKILL)
+    return proc.communicate()
+
+
 def launch(hosts, argv: list[str], timeout: float) -> tuple[int, str, str, float]:
     """(exit status, stdout, stderr, seconds) of `mpirun ... argv` across the hosts; on timeout every process of
     both hosts is killed and the status is -9."""
@@ -63,10 +71,7 @@ def launch(hosts, argv: list[str], timeout: float) -> tuple[int, str, str, float
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for host in hosts.names:
-            hosts.kill_all(host)
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        out, err = _end_job(hosts, proc)
         return -9, out, err + f"\n[mpirun timed out after {timeout}s]", time.monotonic() - t0
     return proc.returncode, out, err, time.monotonic() - t0
 
@@ -197,10 +202,7 @@ def test_host_killed_mid_decode_ends_the_job(hosts, tiny_ep2_engine, target):
         ended = time.monotonic() - t0
     finally:
         if proc.poll() is None:
-            for host in hosts.names:
-                hosts.kill_all(host)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            _end_job(hosts, proc)
     assert killed
     assert ended < TIMEOUT_S + 30
     assert hosts.names[1] in out + err, out + err  # the launcher's banner names the lost host
@@ -236,10 +238,7 @@ def test_two_hosts_with_one_hostname_exit_at_start_up_with_one_line(same_hostnam
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
-            for host in hosts.names:
-                hosts.kill_all(host)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            _end_job(hosts, proc)
     secs = time.monotonic() - t0
     assert proc.returncode != 0, "the launch completed: this Open MPI tells the two hosts apart\n" + out + err
     lines = our_lines(err)
