@@ -117,3 +117,12 @@ def test_bad_collective_timeout_flag_is_one_line(prog):
                           timeout=120)  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"{prog}: error: --collective-timeout 0: must be > 0 seconds"]
+
+
+def test_bad_grammar_flag_of_mtp_serve_is_one_line():
+    """It was checked after the engine loaded, outside the start-up error handling: a traceback."""
+    proc = subprocess.run([str(Path(sys.executable).parent / "mtp-serve"), "--checkpoint", str(ROOT / "models" / "tiny"),
+                           "--frontend", "openai", "--grammar-compile-timeout", "-1"], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["mtp-serve: error: --grammar-compile-timeout must be > 0, got -1"]

@@ -52,16 +52,23 @@ def create_serving_engine(args: Any):
     return engine
 
 
-def build_state(args: Any, engine=None) -> ServeState:
+def grammar_settings(args: Any) -> tuple[int, int, float]:
+    """(cache bytes, largest constraint in bytes, compile timeout s) from the --grammar-* flags; ConfigError (one
+    line) for a value that is not > 0. mtp-serve checks them before the engine loads (seconds)."""
     from runtime.core.config import ConfigError
 
-    cache_mb = int(getattr(args, "grammar_cache_mb", 512))  # the grammar flags: checked before the engine loads
-    grammar_bytes = int(getattr(args, "grammar_max_bytes", DEFAULT_MAX_BYTES))
+    cache_mb = int(getattr(args, "grammar_cache_mb", 512))
+    max_bytes = int(getattr(args, "grammar_max_bytes", DEFAULT_MAX_BYTES))
     timeout_s = float(getattr(args, "grammar_compile_timeout", DEFAULT_TIMEOUT_S))
-    for flag, value in (("--grammar-cache-mb", cache_mb), ("--grammar-max-bytes", grammar_bytes),
+    for flag, value in (("--grammar-cache-mb", cache_mb), ("--grammar-max-bytes", max_bytes),
                         ("--grammar-compile-timeout", timeout_s)):  # fmt: skip
         if not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value:g}")
+    return cache_mb << 20, max_bytes, timeout_s
+
+
+def build_state(args: Any, engine=None) -> ServeState:
+    grammar = grammar_settings(args)
     engine = engine if engine is not None else create_serving_engine(args)
     metrics = ServeMetrics()
     max_queue = args.max_queue if args.max_queue is not None else default_max_queue(engine.cfg.max_batch)
@@ -71,7 +78,7 @@ def build_state(args: Any, engine=None) -> ServeState:
     structured = None
     if engine.tokenizer is not None:
         structured = Structured(engine.tokenizer, engine.model_cfg.vocab_size, list(engine.model_cfg.eos_token_id),
-                                cache_mb << 20, grammar_bytes, timeout_s)  # fmt: skip
+                                *grammar)  # fmt: skip
     return ServeState(loop, metrics, engine.tokenizer, args.served_model_name or source.resolve().name,
                       engine.model_cfg.vocab_size, engine.cfg.max_seq_len, engine.k, max_bytes,
                       load_chat_template(source), structured,
@@ -85,6 +92,7 @@ def run(args: Any) -> int:
 
     _, rank, world = mpi_world()
     try:
+        grammar_settings(args)
         engine = create_serving_engine(args)
     except EveryRankError as e:  # raised alike on every rank: all exit 2, rank 0 says why
         if rank == 0:
