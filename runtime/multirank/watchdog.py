@@ -19,7 +19,8 @@ MTP_STARTUP_TIMEOUT seconds): a rank waits there for the slowest rank's load, bu
 (issue 31: two hosts with one hostname) ends the job with one line naming "start-up" instead of hanging.
 
 Fault injection (tests only, docs/RELIABILITY.md): `MTP_FAULT_STALL=RANK:STEP:SECONDS` makes rank RANK sleep
-SECONDS inside the main forward of its step STEP (counted from 1), where its own deadline is armed.
+SECONDS inside the main forward of its step STEP (counted from 1), where its own deadline is armed, one timeout
+later than the ranks that wait on it.
 """
 
 from __future__ import annotations
@@ -112,6 +113,11 @@ class Watchdog:
         """The test-only fault: sleep inside an armed main forward of the configured rank and step."""
         s = self.stall
         if s is not None and s.rank == self.rank and s.step == self.step:
+            # The ranks waiting on this one are the watchdog's point: this rank's own deadline (armed at about the
+            # same moment) moves one timeout later, so theirs fire first - otherwise which rank reports is a race
+            # (whichever exits first, the launcher kills the rest). It still leaves on its own if nobody ends it.
+            if self._deadline is not None:
+                self._deadline += self._limit
             time.sleep(s.seconds)
 
     def message(self, what: str, limit: float | None = None) -> str:

@@ -161,8 +161,8 @@ WATCHDOG_LINE = re.compile(r"^mpi_tp_worker: error: \[rank (\d)\] step 3: (.+) d
 @pytest.mark.parametrize("np_,tp,ep,stalled", [(2, 2, 2, 1), (4, 2, 4, 2)], ids=["TP2-follower", "DP2xTP2-leader"])
 def test_forced_stall_becomes_the_watchdogs_error(checkpoint, tmp_path, np_, tp, ep, stalled):
     """MTP_FAULT_STALL makes one rank sleep 60 s inside its step-3 main forward; with --collective-timeout 3 the
-    ranks waiting on it (and the stalled rank itself, armed around its forward) print the watchdog's line
-    and the job ends non-zero within timeout + slack, long before the stall is over."""
+    ranks waiting on it print the watchdog's line (the stalled rank's own deadline is one timeout later, so they
+    report first) and the job ends non-zero within timeout + slack, long before the stall is over."""
     env = {"MTP_TEST_COLLECTIVE_TIMEOUT": "3", "MTP_FAULT_STALL": f"{stalled}:3:60"}
     cmd = [str(MPIRUN), "-np", str(np_), "--oversubscribe", sys.executable, str(WORKER), str(checkpoint),
            str(tmp_path / "out.json"), "ok", str(tp), str(ep), "1"]  # fmt: skip
