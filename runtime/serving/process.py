@@ -36,6 +36,7 @@ SHM_PREFIX = "triton_python_backend_shm_region"
 STUB_COMM = "triton_python_b"  # /proc/<pid>/comm of triton_python_backend_stub (truncated to 15 chars)
 CONTROL_ENV = "MTP_SERVE_CONTROL_DIR"  # the model reads drain requests from here, and reports "drained"
 WORKDIR_PREFIX = "mtp_serve_"
+EXIT_TIMEOUT_LINE = "Exit timeout expired"  # tritonserver's log when its models did not unload in --exit-timeout-secs
 # Log lines that mean the server will never become ready (or is not ours): stop waiting at once.
 FAILURE_STRINGS = (
     "error while loading shared libraries",  # stub cannot start: the server would hang in "loading"
@@ -210,6 +211,7 @@ class TritonServer:
         self.shm_prefix = f"{SHM_PREFIX}_mtp{os.getpid()}x{uuid.uuid4().hex[:8]}"  # ours only: cleaned by prefix
         self.proc: subprocess.Popen | None = None
         self.stub_pids: list[int] = []
+        self.held_after_drain = False  # stop(): killed after a finished drain (see _wait_exit)
 
     @property
     def url(self) -> str:
@@ -312,15 +314,12 @@ class TritonServer:
         """Drain (if asked), SIGTERM, wait, SIGKILL if needed; then kill what is left in the process group and
         remove our shared-memory regions and work dir."""
         rc = None
+        self.held_after_drain = False
         if self.proc is not None:
             if self.proc.poll() is None:
-                self.drain(drain_timeout_s)
+                drained = self.drain(drain_timeout_s)
                 self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=timeout_s if timeout_s is not None else self.exit_timeout_s + 15)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(timeout=10)
+                self.held_after_drain = self._wait_exit(timeout_s or self.exit_timeout_s + 15.0, drained)
             rc = self.proc.returncode
             with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is empty after a clean stop
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -335,6 +334,29 @@ class TritonServer:
         if self.log_path.parent != self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         return rc
+
+    def _wait_exit(self, timeout_s: float, drained: bool) -> bool:
+        """Wait for tritonserver to exit after SIGTERM; SIGKILL it past timeout_s. True when it was killed although
+        the drain had ended every request: Triton 2.51 then waits for its model to unload, which never happens
+        while a client holds an idle gRPC stream open (its gRPC frontend has no shutdown deadline before Triton
+        2.55); its own --exit-timeout-secs expires and it still does not exit. That case is killed 2 s after
+        its log says so instead of at timeout_s: nothing is lost, every request already had its last response."""
+        deadline, held = time.monotonic() + timeout_s, False
+        while self.proc is not None and self.proc.poll() is None and time.monotonic() < deadline:
+            if drained and not held and EXIT_TIMEOUT_LINE in self._log_text():
+                held, deadline = True, min(deadline, time.monotonic() + 2.0)
+            time.sleep(0.1)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            return held
+        return False
+
+    def _log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def leftover_shm(self) -> list[str]:
         return glob.glob(f"/dev/shm/{self.shm_prefix}*")

@@ -190,6 +190,10 @@ def serve(server: TritonServer, ready_timeout: float, drain_timeout: float) -> i
         rc = server.stop(drain_timeout_s=drain)
         for s, h in old.items():
             signal.signal(s, h)
+    if server.held_after_drain:  # see TritonServer._wait_exit: nothing was lost, so this is a clean stop
+        print(f"mtp-serve: stopped (every request had ended; tritonserver {server.exit_timeout_s} s after SIGTERM "
+              f"still waited for its model, held by clients' open gRPC streams, so it was killed)", flush=True)
+        return code
     print(f"mtp-serve: stopped (tritonserver exit code {rc})", flush=True)
     return code if rc == 0 else 1
 
