@@ -98,12 +98,29 @@ def test_corrupted_engine_is_refused_at_load(engine, tmp_path):
 
     copy = tmp_path / "copy"
     shutil.copytree(engine, copy)
-    data = copy / "rank0" / "main.ort.onnx.data"
+    data = copy / "rank0" / "main.onnx.data"  # the weights the ORT-optimized graph runs with (one copy)
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with pytest.raises(EngineDirError, match="main.ort.onnx.data .*corrupted"):
+    with pytest.raises(EngineDirError, match="main.onnx.data .*corrupted"):
         OrtExecutor(copy)
+
+
+def test_optimized_graphs_share_the_original_weights(engine):
+    """ORT writes nearly all of its optimized copy's weights unchanged; the build points the copy at the original
+    graph's weights file and keeps only what ORT changed (the tiny model: a few hundred bytes of `main`), so an
+    onnxruntime engine's weights cost their size once on disk, not twice."""
+    import onnx
+
+    for graph in ("main", "mtp_draft", "mtp_commit"):
+        optimized = engine / "rank0" / f"{graph}.ort.onnx"
+        own = optimized.with_name(optimized.name + ".data")
+        original = engine / "rank0" / f"{graph}.onnx.data"
+        assert not own.exists() or own.stat().st_size < original.stat().st_size / 20, graph
+        model = onnx.load(str(optimized), load_external_data=False)
+        external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+        shared = [t for t in external for e in t.external_data if e.key == "location" and e.value == original.name]
+        assert external and len(shared) >= len(external) - 2, (graph, len(shared), len(external))
 
 
 def test_rank_outside_world_is_refused(engine):
