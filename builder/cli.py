@@ -80,8 +80,8 @@ def parser() -> argparse.ArgumentParser:
                    "it can be built (CPU backend, not a hybrid model); none: ONNX graphs only (a quick build)")  # fmt: skip
     p.add_argument("--quantize", default="none", choices=QUANTIZES,
                    help="int8: the compiled engine stores its dense linears (attention, dense MLPs, shared experts; "
-                   "not the embeddings, LM head or router) as weight-only int8 with per-channel scales (lossy, half "
-                   "the bytes of bf16); single rank, float checkpoints only")  # fmt: skip
+                   "not the embeddings, LM head or router) and its routed experts as weight-only int8 with "
+                   "per-channel scales (lossy, half the bytes of bf16); single rank, float checkpoints only")  # fmt: skip
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     return p
 

@@ -15,7 +15,8 @@ weights it would still upcast per step (uses no bf16-reading op serves) overflow
 (docs/PERFORMANCE.md "Compiled engine" and "Realistic size": an upcast from DRAM is ruinous).
 
 FP8 checkpoints keep their FP8 dense weights (read by `mtp::linear_fp8` / `mtp::moe_experts_fp8`) and `--quantize int8`
-stores the dense linears int8 (`mtp::linear_int8`): builder/quantized_weights.py.
+stores the dense linears and the routed experts int8 (`mtp::linear_int8` / `mtp::moe_experts_int8`):
+builder/quantized_weights.py.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
                   quantize: str = "none") -> dict[str, Any]:  # fmt: skip
     """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json).
     fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them.
-    quantize "int8": the dense linears' weights stored int8 (`int8_weights`)."""
+    quantize "int8": the dense linears' and routed experts' weights stored int8 (`int8_weights`)."""
 
     def convert(program: torch.export.ExportedProgram, bf16: bool) -> dict[str, Any]:
         stats: dict[str, Any] = (fp8_weights(program, fp8) if fp8
@@ -242,5 +243,7 @@ def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, 
         record["fp8"] = {**FP8_FORMAT, "ops": ops}
     int8_names = sorted({w for g in info.values() for w in g.pop("int8_names", [])})
     if int8_names:
-        record["int8"] = {**INT8_FORMAT, "ops": ["linear_int8"], "weights": int8_names}
+        ops = [op for op, n in (("linear_int8", "int8_linears"), ("moe_experts_int8", "int8_experts"))
+               if any(g.get(n) for g in info.values())]  # fmt: skip
+        record["int8"] = {**INT8_FORMAT, "ops": ops, "weights": int8_names}
     return record

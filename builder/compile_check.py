@@ -123,7 +123,8 @@ def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
 
 def as_built(cfg: EngineConfig, model):
     """The torch model the packages implement: with `--quantize int8` (build.compiled.int8), each weight it names
-    replaced, in place, by its int8 dequantization (the values mtp::linear_int8 multiplies by)."""
+    replaced, in place, by its int8 dequantization (the values mtp::linear_int8 and mtp::moe_experts_int8 multiply
+    by; quantize_int8 scales an expert's rows on their own, as the build did)."""
     int8 = (compiled_info(cfg) or {}).get("int8")
     if int8:
         params = dict(model.named_parameters())

@@ -22,8 +22,9 @@ BACKENDS = ("onnxruntime", "tensorrt")
 # --compile: "aoti" adds AOTInductor packages per graph (builder/compile_aoti.py), the fastest CPU executor; "auto"
 # (the default) is "aoti" wherever the packages can be built (`resolve_compile`), "none" writes the ONNX graphs only.
 COMPILES = ("auto", "none", "aoti")
-# --quantize: "int8" stores the compiled engine's dense linears as weight-only int8 (builder/quantized_weights.py
-# int8_weights, mtp::linear_int8); "none" keeps the checkpoint's weights.
+# --quantize: "int8" stores the compiled engine's dense linears and routed experts as weight-only int8
+# (builder/quantized_weights.py int8_weights, mtp::linear_int8, mtp::moe_experts_int8); "none" keeps the checkpoint's
+# weights.
 QUANTIZES = ("none", "int8")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

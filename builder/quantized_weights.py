@@ -6,9 +6,10 @@ the 128 x 128 block scales (`fp8_weights`, given the raw weights models.checkpoi
 `mtp::linear_fp8`, which converts in registers with fp32 math: exact up to summation order, 1 byte per weight;
 single-rank routed experts call `mtp::moe_experts_fp8`.
 
-`--quantize int8` (`int8_weights`): the dense linears' fp32 weights are quantized at build time, symmetric per output
-channel (plugins/reference.py quantize_int8), stored int8 + fp32 scales and read by `mtp::linear_int8` (fp32 math):
-1 byte per weight, lossy (the engine decodes its own quantized model, which `mtp-build --check` probes against).
+`--quantize int8` (`int8_weights`): the dense linears' and the single-rank routed experts' fp32 weights are quantized
+at build time, symmetric per output channel (plugins/reference.py quantize_int8; each expert's rows on their own),
+stored int8 + fp32 scales and read by `mtp::linear_int8` / `mtp::moe_experts_int8` (fp32 math): 1 byte per weight,
+lossy (the engine decodes its own quantized model, which `mtp-build --check` probes against).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def fp8_weights(program: torch.export.ExportedProgram, fp8: Mapping[str, Fp8Weig
                else dequantize_fp8_experts_ref(raw.weight, raw.scale_inv, raw.parts))  # fmt: skip
         if uses(node) and torch.equal(deq, value.detach()):  # else not the checkpoint's FP8 values: keep it
             chosen[node] = (key, raw)
-    while drop := [n for n in chosen if not all(_fp32_linear(u, n) or _fp8_experts(u, n, chosen) for u in uses(n))]:
+    while drop := [n for n in chosen if not all(_fp32_linear(u, n) or _experts_of(u, n, chosen) for u in uses(n))]:
         for n in drop:  # an experts node whose other weight is not FP8 keeps both float
             del chosen[n]
     scales = _store_quantized(program, {node: (key, raw.weight, raw.scale_inv, "_scale_inv")
@@ -124,38 +125,58 @@ INT8_KEPT_FLOAT = ("embed_tokens.weight", "lm_head.weight", ".mlp.gate.weight")
 
 
 def int8_weights(program: torch.export.ExportedProgram, prefix: str = "model.") -> dict[str, Any]:
-    """`mtp-build --quantize int8`: store every fp32 weight [N, K] whose uses are all fp32 linears (attention
-    projections, dense MLPs, shared experts, eh_proj) as int8 + one fp32 scale per output row (plugins/reference.py
-    quantize_int8; the constant `<weight>_int8_scale`) and rewrite those linears into `mtp::linear_int8`; the
-    embeddings, the LM head and the router stay float (INT8_KEPT_FLOAT), as do the routed experts (no int8 experts
-    op yet). Run it before `bf16_weights`. Returns {"int8_weights": count, "int8_linears": linears rewritten,
-    "int8_names": the quantized weights' names less `prefix` (the checkpoint's), for `mtp-build --check`}."""
+    """`mtp-build --quantize int8`: store as int8 + one fp32 scale per output row (plugins/reference.py quantize_int8;
+    the constant `<weight>_int8_scale`) every fp32 weight [N, K] whose uses are all fp32 linears (attention
+    projections, dense MLPs, shared experts, eh_proj), rewritten into `mtp::linear_int8`, and every routed-experts
+    pair (w_gate_up [E, 2I, H], w_down [E, H, I]; scales [E, 2I], [E, H]) of a single-rank `mtp::moe_experts` over
+    fp32 x, rewritten into `mtp::moe_experts_int8` (an experts node whose other weight cannot be quantized keeps
+    both float; the EP / TP exchange reads float weights). The embeddings, the LM head and the router stay float
+    (INT8_KEPT_FLOAT). Run it before `bf16_weights`. Returns {"int8_weights": count, "int8_linears": linears
+    rewritten, "int8_experts": experts nodes rewritten, "int8_names": the quantized weights' names less `prefix` (the
+    checkpoint's), for `mtp-build --check`}."""
     sig, graph = program.graph_signature, program.graph_module.graph
-    stored: dict[torch.fx.Node, tuple[str, torch.Tensor, torch.Tensor, str]] = {}
+    chosen: dict[torch.fx.Node, tuple[str, torch.Tensor]] = {}
     for node in [n for n in graph.nodes if n.op == "placeholder"]:
         key = sig.inputs_to_parameters.get(node.name)
         value = program.state_dict.get(key) if key else None
-        if value is None or value.dtype != torch.float32 or value.dim() != 2 or key.endswith(INT8_KEPT_FLOAT):
+        if value is None or value.dtype != torch.float32 or value.dim() not in (2, 3) or key.endswith(INT8_KEPT_FLOAT):
             continue
-        if _uses(node) and all(_fp32_linear(u, node) for u in _uses(node)):
-            stored[node] = (key, *quantize_int8(value.detach()), "_int8_scale")
-    scales = _store_quantized(program, stored)
-    linears = 0
+        if _uses(node):
+            chosen[node] = (key, value.detach())
+
+    def readable(use: torch.fx.Node, node: torch.fx.Node) -> bool:  # what the int8 ops compute
+        return _fp32_linear(use, node) if chosen[node][1].dim() == 2 else _experts_of(use, node, chosen)
+
+    while drop := [n for n in chosen if not all(readable(u, n) for u in _uses(n))]:
+        for n in drop:  # an experts node whose other weight is not quantized keeps both float
+            del chosen[n]
+    scales = _store_quantized(program, {node: (key, *quantize_int8(value), "_int8_scale")
+                                        for node, (key, value) in chosen.items()})  # fmt: skip
+    linears = experts = 0
     for node in list(graph.nodes):
+        args: tuple[Any, ...]
         if node.target is LINEAR and node.args[1] in scales:
             w = node.args[1]
             assert isinstance(w, torch.fx.Node)
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            with graph.inserting_before(node):
-                new = graph.call_function(torch.ops.mtp.linear_int8.default, (node.args[0], w, scales[w], bias))
-            new.meta["val"] = node.meta["val"]
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
+            args, op = (node.args[0], w, scales[w], bias), torch.ops.mtp.linear_int8.default
             linears += 1
+        elif node.target is _EXPERTS and node.args[3] in scales:
+            x, ids, tw, gu, dn = node.args[:5]
+            assert isinstance(gu, torch.fx.Node) and isinstance(dn, torch.fx.Node)
+            args, op = (x, ids, tw, gu, scales[gu], dn, scales[dn], 0), torch.ops.mtp.moe_experts_int8.default
+            experts += 1
+        else:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(op, args)
+        new.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
     graph.lint()
     program.graph_module.recompile()
-    names = sorted(key.removeprefix(prefix) for key, *_ in stored.values())
-    return {"int8_weights": len(stored), "int8_linears": linears, "int8_names": names}
+    names = sorted(key.removeprefix(prefix) for key, _ in chosen.values())
+    return {"int8_weights": len(chosen), "int8_linears": linears, "int8_experts": experts, "int8_names": names}
 
 
 def _fp32_linear(node: torch.fx.Node, weight: torch.fx.Node) -> bool:
@@ -169,9 +190,10 @@ def _fp32_linear(node: torch.fx.Node, weight: torch.fx.Node) -> bool:
                             and bias.meta["val"].dtype == torch.float32)  # fmt: skip
 
 
-def _fp8_experts(node: torch.fx.Node, weight: torch.fx.Node, chosen: Mapping[torch.fx.Node, Any]) -> bool:
+def _experts_of(node: torch.fx.Node, weight: torch.fx.Node, chosen: Mapping[torch.fx.Node, Any]) -> bool:
     """node is a single-rank mtp::moe_experts over fp32 x whose w_gate_up and w_down (weight among them) are both
-    FP8: what mtp::moe_experts_fp8 computes (the EP / TP exchange reads float weights)."""
+    `chosen` (to be stored quantized): what mtp::moe_experts_fp8 / mtp::moe_experts_int8 compute (the EP / TP
+    exchange reads float weights)."""
     if node.target is not _EXPERTS or len(node.args) < 7 or node.kwargs:
         return False
     x, _, _, gu, dn, _, ep_size, *tp = node.args

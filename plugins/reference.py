@@ -294,27 +294,30 @@ def moe_experts_fp8_ref(
     return moe_experts_ref(x, topk_ids, topk_weights, gate_up, down, expert_offset)
 
 
-# Weight-only int8 (`mtp-build --quantize int8`, mtp::linear_int8): symmetric, one fp32 scale per output channel.
+# Weight-only int8 (`mtp-build --quantize int8`, mtp::linear_int8, mtp::moe_experts_int8): symmetric, one fp32 scale
+# per output channel (per row of each expert's matrices for the routed experts).
 # The quantizer lives here, beside its dequantization, as the one definition of the format: the builder
 # (builder/quantized_weights.py) imports quantize_int8 from here, and the tests and benches quantize with it too.
 INT8_MAX = 127  # symmetric: -128 is never produced, so q and -q are both representable
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [N, K], scale float32 [N]) with weight[n] ~ q[n] * scale[n]: scale = max|weight[n]| / 127 (fp32),
-    q = round(weight / scale) (half to even) clamped to [-127, 127]. An all-zero row gets scale 1 (q = 0: exactly 0
-    again, where scale 0 would give 0 / 0). The division is fp32, so an element of magnitude max|weight[n]| maps to
-    +-127 exactly and every element's error is at most scale / 2 (plus fp32 rounding)."""
+    """(q int8 [..., N, K], scale float32 [..., N]) with weight[..., n, :] ~ q[..., n, :] * scale[..., n]: one scale
+    per row (a linear's output channel; for stacked experts [E, N, K], each expert's rows on their own), scale =
+    max|row| / 127 (fp32), q = round(weight / scale) (half to even) clamped to [-127, 127]. An all-zero row gets
+    scale 1 (q = 0: exactly 0 again, where scale 0 would give 0 / 0). The division is fp32, so an element of magnitude
+    max|row| maps to +-127 exactly and every element's error is at most scale / 2 (plus fp32 rounding)."""
     w = weight.float()
-    amax = w.abs().amax(dim=1) if w.shape[1] else torch.zeros(w.shape[0])
+    amax = w.abs().amax(dim=-1) if w.shape[-1] else torch.zeros(w.shape[:-1])
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    q = torch.round(w / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
 
 def dequantize_int8_ref(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32(weight[n, k]) * scale[n]: one fp32 rounding per element (weight [N, K] int8, scale [N] float32)."""
-    return weight.float() * scale.float()[:, None]
+    """fp32(weight[..., n, k]) * scale[..., n]: one fp32 rounding per element (weight [..., N, K] int8, scale
+    [..., N] float32)."""
+    return weight.float() * scale.float()[..., None]
 
 
 def linear_int8_ref(
@@ -326,3 +329,20 @@ def linear_int8_ref(
     """x @ dequantize_int8_ref(weight, scale)^T + bias in fp32 (mtp::linear_int8's semantics)."""
     y = x.float() @ dequantize_int8_ref(weight, scale).T
     return y if bias is None else y + bias.float()
+
+
+def moe_experts_int8_ref(
+    x: torch.Tensor,  # [T, H] float32
+    topk_ids: torch.Tensor,  # [T, K] global expert ids
+    topk_weights: torch.Tensor,  # [T, K]
+    w_gate_up: torch.Tensor,  # [E, 2*I, H] int8: gate rows, then up rows
+    w_gate_up_scale: torch.Tensor,  # [E, 2*I] float32, one per row
+    w_down: torch.Tensor,  # [E, H, I] int8
+    w_down_scale: torch.Tensor,  # [E, H] float32, one per row
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """moe_experts_ref over the dequantized experts (mtp::moe_experts_int8's semantics; quantize_int8 makes the
+    weights and scales from float experts)."""
+    gate_up = dequantize_int8_ref(w_gate_up, w_gate_up_scale)
+    down = dequantize_int8_ref(w_down, w_down_scale)
+    return moe_experts_ref(x, topk_ids, topk_weights, gate_up, down, expert_offset)

@@ -815,7 +815,7 @@ MTP_AVX512_TARGET inline void fp8_tile_avx512(const float* const* x, const uint8
   }
 }
 
-// A Tile (the FP8 ones here, linear_int8.cpp's int8 ones) computes out[r * NR + j] = x[r] . dequant(w[j]) for MR
+// A Tile (the FP8 ones here, the int8 ones below) computes out[r * NR + j] = x[r] . dequant(w[j]) for MR
 // activation rows and NR weight rows k apart: run<MR, NR>(x, w, s, k, out), with s the block's FP8 scale row or the
 // NR rows' own scales (kRowScales: per-output-channel int8), and has_nan(w, k) for a weight row that must give NaN.
 struct Fp8GenericTile {
@@ -874,6 +874,138 @@ MTP_INLINE void quant_rows(int64_t m, const float* const* x, const W* w, const f
   for (; o + NR <= rows; o += NR) quant_block<Tile, MR, NR>(m, x, w + o * k, Tile::kRowScales ? s + o : s, k, out, o);
   for (; o < rows; ++o) quant_block<Tile, MR, 1>(m, x, w + o * k, Tile::kRowScales ? s + o : s, k, out, o);
 }
+
+// ---- int8 weight-row tiles: weight-only int8 with one fp32 scale per weight row (linear_int8, moe_experts_int8) ---
+// `mtp-build --quantize int8`'s format (plugins/reference.py quantize_int8): dequant(w[j]) = fp32(q[j]) * s[j], each
+// weight rounded once as the reference rounds it, fp32 math. out[r * NR + j] = x[r] . dequant(w[j]) for MR activation
+// rows and NR weight rows k apart.
+// Accumulator lane l of (r, j) sums the columns i with i % width == l in column order, then a fixed reduction (the
+// FP8 tiles' trees), so a (row, output) value does not depend on MR, NR or the batch.
+
+// portable: 8 partial sums per dot, (0+1)+(2+3) + (4+5)+(6+7), then the tail (linear_bf16's / linear_fp8's order)
+template <int MR, int NR>
+inline void int8_tile_generic(const float* const* x, const int8_t* w, const float* s, int64_t k, float* out) {
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      const int8_t* wj = w + j * k;
+      const float sj = s[j];
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 8 <= k; i += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += x[r][i + l] * (static_cast<float>(wj[i + l]) * sj);
+      float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+      for (; i < k; ++i) sum += x[r][i] * (static_cast<float>(wj[i]) * sj);
+      out[r * NR + j] = sum;
+    }
+}
+
+MTP_AVX2_TARGET inline __m256 int8x8_avx2(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+
+template <int MR, int NR>
+MTP_AVX2_TARGET inline void int8_tile_avx2(const float* const* x, const int8_t* w, const float* s, int64_t k,
+                                           float* out) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    if (i % 64 == 0)
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kFp8Prefetch), _MM_HINT_T0);
+    for (int j = 0; j < NR; ++j) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + i));
+      const __m256 sv = _mm256_set1_ps(s[j]);
+      const __m256 lo = _mm256_mul_ps(int8x8_avx2(b), sv), hi = _mm256_mul_ps(int8x8_avx2(_mm_srli_si128(b, 8)), sv);
+      for (int r = 0; r < MR; ++r) {
+        acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), lo, acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i + 8), hi, acc[r][j]);
+      }
+    }
+  }
+  if (i + 8 <= k) {
+    for (int j = 0; j < NR; ++j) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * k + i));
+      const __m256 wv = _mm256_mul_ps(int8x8_avx2(b), _mm256_set1_ps(s[j]));
+      for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), wv, acc[r][j]);
+    }
+    i += 8;
+  }
+  // fewer than 8 columns left: scalar, in column order
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      float sum = fp8_hsum8(acc[r][j]);
+      for (int64_t t = i; t < k; ++t) sum += x[r][t] * (static_cast<float>(w[j * k + t]) * s[j]);
+      out[r * NR + j] = sum;
+    }
+}
+
+// 16 int8 (the first lanes of mask m, zeros after) -> 16 fp32 times the scale; masked-off lanes stay 0 (not 0 * s,
+// NaN for an infinite scale)
+MTP_AVX512_TARGET inline __m512 int8x16_avx512(const int8_t* p, __mmask16 m, __m512 sv) {
+  return _mm512_maskz_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p))), sv);
+}
+
+template <int MR, int NR>
+MTP_AVX512_TARGET inline void int8_tile_avx512(const float* const* x, const int8_t* w, const float* s, int64_t k,
+                                               float* out) {
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  auto step = [&](int64_t i, __mmask16 m, auto masked) MTP_AVX512_TARGET {
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      const __m512 sv = _mm512_set1_ps(s[j]);
+      if constexpr (masked) {
+        wv[j] = int8x16_avx512(w + j * k + i, m, sv);
+      } else {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + i));
+        wv[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sv);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = masked ? _mm512_maskz_loadu_ps(m, x[r] + i) : _mm512_loadu_ps(x[r] + i);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    if (i % 64 == 0)
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kFp8Prefetch), _MM_HINT_T0);
+    step(i, 0, std::false_type{});
+  }
+  if (i < k) step(i, Avx512::tail(k - i), std::true_type{});
+  for (int r = 0; r < MR; ++r) {
+    float sums[4];
+    static_assert(NR == 1 || NR == 4, "reduce4 takes 4 accumulators");
+    const __m512 z = _mm512_setzero_ps();
+    if constexpr (NR == 4) Avx512::reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
+    else Avx512::reduce4(acc[r][0], z, z, z, sums);
+    for (int q = 0; q < NR; ++q) out[r * NR + q] = sums[q];
+  }
+}
+
+// common.h's Tile interface: one scale per weight row (quant_rows passes s + o), no NaN weights
+struct Int8Tile {
+  static constexpr bool kRowScales = true;
+  static MTP_INLINE bool has_nan(const int8_t*, int64_t) { return false; }
+};
+struct Int8GenericTile : Int8Tile {
+  template <int MR, int NR>
+  static MTP_INLINE void run(const float* const* x, const int8_t* w, const float* s, int64_t k, float* out) {
+    int8_tile_generic<MR, NR>(x, w, s, k, out);
+  }
+};
+struct Int8Avx2Tile : Int8Tile {
+  template <int MR, int NR>
+  static MTP_INLINE void run(const float* const* x, const int8_t* w, const float* s, int64_t k, float* out) {
+    int8_tile_avx2<MR, NR>(x, w, s, k, out);
+  }
+};
+struct Int8Avx512Tile : Int8Tile {
+  template <int MR, int NR>
+  static MTP_INLINE void run(const float* const* x, const int8_t* w, const float* s, int64_t k, float* out) {
+    int8_tile_avx512<MR, NR>(x, w, s, k, out);
+  }
+};
 
 // A per-thread scratch buffer of at least n floats (kernels run often with small sizes: no allocation).
 // thread_local, so each OpenMP thread of an at::parallel_for has its own (keyed by the OS thread, which is what an

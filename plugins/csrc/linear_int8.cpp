@@ -7,10 +7,11 @@
 // differently from the reference and from the tiled path, whose fp32 tile must hold the dequantized values.)
 //
 // linear_fp8.cpp's structure: few rows (M < kTiledRows: decode, verify, draft) run common.h's quant_rows driver
-// over this file's int8 tiles, NR weight rows x MR activation rows in registers, every m-tile of a weight-row block
-// back to back (each weight byte comes from DRAM once whatever M is); a row's result is computed by the same
-// operations whatever the rest of the batch is (one accumulator per (row, output), one reduction tree), so a decode
-// row equals the same row inside a verify. Many rows: dequant_mm.h (a dequantized fp32 tile times MKL).
+// over common.h's int8 tiles (moe_experts_int8 reads its experts with the same ones), NR weight rows x MR activation
+// rows in registers, every m-tile of a weight-row block back to back (each weight byte comes from DRAM once whatever M
+// is); a row's result is computed by the same operations whatever the rest of the batch is (one accumulator per (row,
+// output), one reduction tree), so a decode row equals the same row inside a verify. Many rows: dequant_mm.h (a
+// dequantized fp32 tile times MKL).
 //
 // Paths: AVX-512, AVX2 + FMA, portable C++, chosen at run time by active_isa(). at::parallel_for over blocks of 64
 // output features. int8 has no NaN or infinity: a weight is never NaN by itself (the scale can be, as in the reference).
@@ -34,135 +35,6 @@ struct Gemv {
   const float* bias;  // [N] or nullptr
   float* y;           // [M, N] fp32
   int64_t m, n, k;
-};
-
-// ---- tiles: out[r * NR + j] = x[r] . (fp32(w[j]) * s[j]) for MR activation rows, NR weight rows k apart -----------
-// Accumulator lane l of (r, j) sums the columns i with i % width == l in column order, then a fixed reduction (the
-// FP8 tiles' trees), so a (row, output) value does not depend on MR, NR or the batch.
-
-// portable: 8 partial sums per dot, (0+1)+(2+3) + (4+5)+(6+7), then the tail (linear_bf16's / linear_fp8's order)
-template <int MR, int NR>
-inline void int8_tile_generic(const float* const* x, const int8_t* w, const float* s, int64_t k, float* out) {
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) {
-      const int8_t* wj = w + j * k;
-      const float sj = s[j];
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t i = 0;
-      for (; i + 8 <= k; i += 8)
-        for (int l = 0; l < 8; ++l) acc[l] += x[r][i + l] * (static_cast<float>(wj[i + l]) * sj);
-      float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      for (; i < k; ++i) sum += x[r][i] * (static_cast<float>(wj[i]) * sj);
-      out[r * NR + j] = sum;
-    }
-}
-
-MTP_AVX2_TARGET inline __m256 int8x8_avx2(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
-
-template <int MR, int NR>
-MTP_AVX2_TARGET inline void int8_tile_avx2(const float* const* x, const int8_t* w, const float* s, int64_t k,
-                                           float* out) {
-  __m256 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= k; i += 16) {
-    if (i % 64 == 0)
-      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kFp8Prefetch), _MM_HINT_T0);
-    for (int j = 0; j < NR; ++j) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + i));
-      const __m256 sv = _mm256_set1_ps(s[j]);
-      const __m256 lo = _mm256_mul_ps(int8x8_avx2(b), sv), hi = _mm256_mul_ps(int8x8_avx2(_mm_srli_si128(b, 8)), sv);
-      for (int r = 0; r < MR; ++r) {
-        acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), lo, acc[r][j]);
-        acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i + 8), hi, acc[r][j]);
-      }
-    }
-  }
-  if (i + 8 <= k) {
-    for (int j = 0; j < NR; ++j) {
-      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * k + i));
-      const __m256 wv = _mm256_mul_ps(int8x8_avx2(b), _mm256_set1_ps(s[j]));
-      for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), wv, acc[r][j]);
-    }
-    i += 8;
-  }
-  // fewer than 8 columns left: scalar, in column order
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) {
-      float sum = fp8_hsum8(acc[r][j]);
-      for (int64_t t = i; t < k; ++t) sum += x[r][t] * (static_cast<float>(w[j * k + t]) * s[j]);
-      out[r * NR + j] = sum;
-    }
-}
-
-// 16 int8 (the first lanes of mask m, zeros after) -> 16 fp32 times the scale; masked-off lanes stay 0 (not 0 * s,
-// NaN for an infinite scale)
-MTP_AVX512_TARGET inline __m512 int8x16_avx512(const int8_t* p, __mmask16 m, __m512 sv) {
-  return _mm512_maskz_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p))), sv);
-}
-
-template <int MR, int NR>
-MTP_AVX512_TARGET inline void int8_tile_avx512(const float* const* x, const int8_t* w, const float* s, int64_t k,
-                                               float* out) {
-  __m512 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
-  auto step = [&](int64_t i, __mmask16 m, auto masked) MTP_AVX512_TARGET {
-    __m512 wv[NR];
-    for (int j = 0; j < NR; ++j) {
-      const __m512 sv = _mm512_set1_ps(s[j]);
-      if constexpr (masked) {
-        wv[j] = int8x16_avx512(w + j * k + i, m, sv);
-      } else {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + i));
-        wv[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sv);
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m512 xv = masked ? _mm512_maskz_loadu_ps(m, x[r] + i) : _mm512_loadu_ps(x[r] + i);
-      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
-    }
-  };
-  int64_t i = 0;
-  for (; i + 16 <= k; i += 16) {
-    if (i % 64 == 0)
-      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kFp8Prefetch), _MM_HINT_T0);
-    step(i, 0, std::false_type{});
-  }
-  if (i < k) step(i, Avx512::tail(k - i), std::true_type{});
-  for (int r = 0; r < MR; ++r) {
-    float sums[4];
-    static_assert(NR == 1 || NR == 4, "reduce4 takes 4 accumulators");
-    const __m512 z = _mm512_setzero_ps();
-    if constexpr (NR == 4) Avx512::reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
-    else Avx512::reduce4(acc[r][0], z, z, z, sums);
-    for (int q = 0; q < NR; ++q) out[r * NR + q] = sums[q];
-  }
-}
-
-// common.h's Tile interface: one scale per weight row (quant_rows passes s + o), no NaN weights
-struct Int8Tile {
-  static constexpr bool kRowScales = true;
-  static MTP_INLINE bool has_nan(const int8_t*, int64_t) { return false; }
-};
-struct Int8GenericTile : Int8Tile {
-  template <int MR, int NR>
-  static MTP_INLINE void run(const float* const* x, const int8_t* w, const float* s, int64_t k, float* out) {
-    int8_tile_generic<MR, NR>(x, w, s, k, out);
-  }
-};
-struct Int8Avx2Tile : Int8Tile {
-  template <int MR, int NR>
-  static MTP_INLINE void run(const float* const* x, const int8_t* w, const float* s, int64_t k, float* out) {
-    int8_tile_avx2<MR, NR>(x, w, s, k, out);
-  }
-};
-struct Int8Avx512Tile : Int8Tile {
-  template <int MR, int NR>
-  static MTP_INLINE void run(const float* const* x, const int8_t* w, const float* s, int64_t k, float* out) {
-    int8_tile_avx512<MR, NR>(x, w, s, k, out);
-  }
 };
 
 // Weight rows [n0, n1) against the M (< kTiledRows) activation rows

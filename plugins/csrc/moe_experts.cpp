@@ -13,6 +13,11 @@
 // by common.h's FP8 tiles (converted in registers, each weight rounded once, fp32 math: exact up to summation
 // order against plugins/reference.py moe_experts_fp8_ref). fp32 activations; the compiled engine's single-rank
 // MoE (builder/compile_aoti.py).
+//
+// mtp::moe_experts_int8 is the same over `mtp-build --quantize int8`'s experts: int8 with one fp32 scale per output
+// row of each expert (plugins/reference.py quantize_int8 per expert matrix), read by common.h's int8 tiles, the ones
+// mtp::linear_int8 reads its weights with (1 byte per weight, each weight rounded once as the reference rounds it,
+// fp32 math: exact up to summation order against moe_experts_int8_ref).
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
@@ -32,36 +37,55 @@ struct MoeArgs {
   const void* w_down;     // [E, H, I]
   float* out;             // [T, H] fp32
   int64_t tokens, top_k, hidden, inter, num_local;
-  const float* s_gate_up = nullptr;  // FP8: [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's)
-  const float* s_down = nullptr;     // FP8: [E, ceil(H/128), ceil(I/128)]
+  // FP8: [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)];
+  // int8: [E, 2I] and [E, H]
+  const float* s_gate_up = nullptr;
+  const float* s_down = nullptr;
 };
 
-struct Fp8 {};  // the weight type of moe_experts_fp8: e4m3 bytes + block scales
+struct Fp8 {};   // the weight type of moe_experts_fp8: e4m3 bytes + block scales
+struct Int8 {};  // the weight type of moe_experts_int8: int8 + one scale per output row
 
-template <class V> struct Fp8TileOf { using T = Fp8GenericTile; };
-template <> struct Fp8TileOf<Avx2> { using T = Fp8Avx2Tile; };
-template <> struct Fp8TileOf<Avx512> { using T = Fp8Avx512Tile; };
+// A weight type's stored element and its common.h tile for ISA V (the quantized types; a float type is its own
+// element and is read by rows_dot)
+template <class W> struct Quant { static constexpr bool kQuantized = false; using Elem = W; };
+template <> struct Quant<Fp8> { static constexpr bool kQuantized = true; using Elem = uint8_t; };
+template <> struct Quant<Int8> { static constexpr bool kQuantized = true; using Elem = int8_t; };
+template <class W, class V> struct TileOf;
+template <> struct TileOf<Fp8, Generic> { using T = Fp8GenericTile; };
+template <> struct TileOf<Fp8, Avx2> { using T = Fp8Avx2Tile; };
+template <> struct TileOf<Fp8, Avx512> { using T = Fp8Avx512Tile; };
+template <> struct TileOf<Int8, Generic> { using T = Int8GenericTile; };
+template <> struct TileOf<Int8, Avx2> { using T = Int8Avx2Tile; };
+template <> struct TileOf<Int8, Avx512> { using T = Int8Avx512Tile; };
 
 MTP_INLINE int64_t blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+
+// The scales of one expert matrix of `parts` parts of part_rows x cols each: FP8, each part's 128 x 128 blocks;
+// int8, one per row.
+template <class W>
+MTP_INLINE int64_t expert_scales(int64_t parts, int64_t part_rows, int64_t cols) {
+  return std::is_same_v<W, Int8> ? parts * part_rows : parts * blocks(part_rows) * blocks(cols);
+}
 
 // The output-row blocks the threads split an expert matrix into: 128 rows, the FP8 scale block (a block never
 // straddles two scale rows, nor gate and up), and a multiple of every micro-kernel's tile of weight rows.
 constexpr int64_t kRowBlock = kFp8Block;
 
 // out[i][o] = x[i] . w[o] for nx <= 4 tokens and rows o in block j of part p (gate 0, up 1; down has one part) of
-// one expert matrix [parts * part_rows, k]: out[i] points at the pair's row of the whole matrix's outputs. FP8:
-// the parts are blocked on their own (as the per-expert tensors ship): block j of part p uses scale row
-// s[p * blocks(part_rows) + j]. A value does not depend on nx or on which rows share its block (common.h:
-// rows_dot and the FP8 tiles compute every (token, weight row) dot alone).
-template <class V, class Elem>
-MTP_INLINE void expert_block(int nx, const float* const* x, const Elem* w, const float* s, int64_t part_rows, int p,
-                             int64_t j, int64_t k, float* const* out) {
+// one expert matrix [parts * part_rows, k] (s: that matrix's scales): out[i] points at the pair's row of the whole
+// matrix's outputs. FP8: the parts are blocked on their own (as the per-expert tensors ship): block j of part p uses
+// scale row s[p * blocks(part_rows) + j]; int8: row r its own s[r]. A value does not depend on nx or on which rows
+// share its block (common.h: rows_dot and the quantized tiles compute every (token, weight row) dot alone).
+template <class V, class W>
+MTP_INLINE void expert_block(int nx, const float* const* x, const typename Quant<W>::Elem* w, const float* s,
+                             int64_t part_rows, int p, int64_t j, int64_t k, float* const* out) {
   const int64_t r0 = p * part_rows + j * kRowBlock, n = std::min(kRowBlock, part_rows - j * kRowBlock);
   float* shifted[4];
   for (int i = 0; i < nx; ++i) shifted[i] = out[i] + r0;
-  if constexpr (std::is_same_v<Elem, uint8_t>) {
-    using Tile = typename Fp8TileOf<V>::T;
-    const float* srow = s + (p * blocks(part_rows) + j) * blocks(k);
+  if constexpr (Quant<W>::kQuantized) {
+    using Tile = typename TileOf<W, V>::T;  // the register tiles linear_fp8 / linear_int8 choose for this ISA
+    const float* srow = Tile::kRowScales ? s + r0 : s + (p * blocks(part_rows) + j) * blocks(k);
     if constexpr (std::is_same_v<V, Avx512>) quant_rows<Tile, 4, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
     else if constexpr (std::is_same_v<V, Avx2>) {
       if (nx <= 2) quant_rows<Tile, 2, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
@@ -85,12 +109,12 @@ struct MoePlan {
 // Phase 1, items i0 .. i1 - 1: block (part, j) of expert e's gate|up rows for all of e's pairs, 4 pairs at a time.
 template <class V, class W>
 void gate_up_items(const MoeArgs& a, const MoePlan& pl, int64_t i0, int64_t i1) {
-  using Elem = std::conditional_t<std::is_same_v<W, Fp8>, uint8_t, W>;
+  using Elem = typename Quant<W>::Elem;
   const int64_t two_i = 2 * a.inter, per_part = blocks(a.inter);
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t e = pl.items[it] / (2 * per_part), b = pl.items[it] % (2 * per_part);
     const Elem* w = static_cast<const Elem*>(a.w_gate_up) + e * two_i * a.hidden;
-    const float* s = a.s_gate_up ? a.s_gate_up + e * 2 * per_part * blocks(a.hidden) : nullptr;
+    const float* s = a.s_gate_up ? a.s_gate_up + e * expert_scales<W>(2, a.inter, a.hidden) : nullptr;
     for (int64_t c = pl.start[e]; c < pl.start[e + 1]; c += 4) {
       const int nx = static_cast<int>(std::min<int64_t>(4, pl.start[e + 1] - c));
       const float* xs[4];
@@ -99,7 +123,7 @@ void gate_up_items(const MoeArgs& a, const MoePlan& pl, int64_t i0, int64_t i1) 
         xs[i] = a.x + (pl.order[c + i] / a.top_k) * a.hidden;
         outs[i] = pl.gu + (c + i) * two_i;
       }
-      expert_block<V>(nx, xs, w, s, a.inter, static_cast<int>(b / per_part), b % per_part, a.hidden, outs);
+      expert_block<V, W>(nx, xs, w, s, a.inter, static_cast<int>(b / per_part), b % per_part, a.hidden, outs);
     }
   }
 }
@@ -114,12 +138,12 @@ void silu_rows(const MoeArgs& a, const MoePlan& pl, int64_t c0, int64_t c1) {
 // Phase 3, items i0 .. i1 - 1: block j of expert e's down rows (output features) for all of e's pairs.
 template <class V, class W>
 void down_items(const MoeArgs& a, const MoePlan& pl, int64_t i0, int64_t i1) {
-  using Elem = std::conditional_t<std::is_same_v<W, Fp8>, uint8_t, W>;
+  using Elem = typename Quant<W>::Elem;
   const int64_t per = blocks(a.hidden);
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t e = pl.items[it] / per, j = pl.items[it] % per;
     const Elem* w = static_cast<const Elem*>(a.w_down) + e * a.hidden * a.inter;
-    const float* s = a.s_down ? a.s_down + e * per * blocks(a.inter) : nullptr;
+    const float* s = a.s_down ? a.s_down + e * expert_scales<W>(1, a.hidden, a.inter) : nullptr;
     for (int64_t c = pl.start[e]; c < pl.start[e + 1]; c += 4) {
       const int nx = static_cast<int>(std::min<int64_t>(4, pl.start[e + 1] - c));
       const float* hs[4];
@@ -128,7 +152,7 @@ void down_items(const MoeArgs& a, const MoePlan& pl, int64_t i0, int64_t i1) {
         hs[i] = pl.h + (c + i) * a.inter;
         ys[i] = pl.y + pl.order[c + i] * a.hidden;
       }
-      expert_block<V>(nx, hs, w, s, a.hidden, 0, j, a.inter, ys);
+      expert_block<V, W>(nx, hs, w, s, a.hidden, 0, j, a.inter, ys);
     }
   }
 }
@@ -260,10 +284,14 @@ at::Tensor moe_experts_local_cpu(const at::Tensor& x, const at::Tensor& topk_ids
   return out;
 }
 
-at::Tensor moe_experts_fp8_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                               const at::Tensor& w_gate_up, const at::Tensor& w_gate_up_scale, const at::Tensor& w_down,
-                               const at::Tensor& w_down_scale, int64_t expert_offset) {
-  constexpr const char* op = "mtp::moe_experts_fp8";
+// What moe_experts_fp8 and moe_experts_int8 share: the checks of x, the routing and the two weights' shapes (their
+// dtype must pass `dtype_ok`, else `dtype_error`), then the call (fp32 out) over the weights' checked scales.
+template <class W>
+at::Tensor quantized_experts(const char* op, const at::Tensor& x, const at::Tensor& topk_ids,
+                             const at::Tensor& topk_weights, const at::Tensor& w_gate_up,
+                             const at::Tensor& w_gate_up_scale, const at::Tensor& w_down,
+                             const at::Tensor& w_down_scale, int64_t expert_offset, bool dtype_ok,
+                             const char* dtype_error) {
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == c10::ScalarType::Float && x.dim() == 2, op,
                     ": x must be an fp32 CPU tensor [T, H], got ", x.scalar_type(), " ", py_shape(x));
   check_float(topk_weights, op, "topk_weights");
@@ -271,23 +299,27 @@ at::Tensor moe_experts_fp8_cpu(const at::Tensor& x, const at::Tensor& topk_ids, 
   TORCH_CHECK_VALUE(topk_ids.dim() == 2 && topk_ids.size(0) == tokens && topk_weights.sizes() == topk_ids.sizes(), op,
                     ": topk_ids and topk_weights must be [", tokens, ", K], got ", py_shape(topk_ids), " and ",
                     py_shape(topk_weights));
-  const auto dt = w_gate_up.scalar_type();
-  TORCH_CHECK_VALUE((dt == c10::ScalarType::Float8_e4m3fn || dt == c10::ScalarType::Byte) && w_down.scalar_type() == dt,
-                    op, ": w_gate_up and w_down must both be float8_e4m3fn (or uint8 bits), got ", dt, " and ",
-                    w_down.scalar_type());
+  TORCH_CHECK_VALUE(dtype_ok, op, ": w_gate_up and w_down must both be ", dtype_error, ", got ",
+                    w_gate_up.scalar_type(), " and ", w_down.scalar_type());
   TORCH_CHECK_VALUE(w_gate_up.dim() == 3 && w_gate_up.size(2) == hidden && w_gate_up.size(1) % 2 == 0 &&
                         w_gate_up.is_contiguous(),
                     op, ": w_gate_up must be contiguous [E, 2*I, ", hidden, "], got ", py_shape(w_gate_up));
   const int64_t num_local = w_gate_up.size(0), inter = w_gate_up.size(1) / 2, top_k = topk_ids.size(1);
   TORCH_CHECK_VALUE(w_down.dim() == 3 && w_down.size(0) == num_local && w_down.size(1) == hidden &&
                         w_down.size(2) == inter && w_down.is_contiguous(),
-                    op, ": w_down must be contiguous [", num_local, ", ", hidden, ", ", inter, "], got ", py_shape(w_down));
-  const std::vector<int64_t> sgu{num_local, 2 * blocks(inter), blocks(hidden)}, sdn{num_local, blocks(hidden), blocks(inter)};
+                    op, ": w_down must be contiguous [", num_local, ", ", hidden, ", ", inter, "], got ",
+                    py_shape(w_down));
+  const bool fp8 = std::is_same_v<W, Fp8>;
+  const std::vector<int64_t> sgu = fp8 ? std::vector<int64_t>{num_local, 2 * blocks(inter), blocks(hidden)}
+                                       : std::vector<int64_t>{num_local, 2 * inter};
+  const std::vector<int64_t> sdn = fp8 ? std::vector<int64_t>{num_local, blocks(hidden), blocks(inter)}
+                                       : std::vector<int64_t>{num_local, hidden};
   TORCH_CHECK_VALUE(w_gate_up_scale.scalar_type() == c10::ScalarType::Float && w_gate_up_scale.sizes() == sgu, op,
-                    ": w_gate_up_scale must be fp32 [", sgu[0], ", ", sgu[1], ", ", sgu[2], "] (gate's 128-row blocks, "
-                    "then up's, per expert), got ", w_gate_up_scale.scalar_type(), " ", py_shape(w_gate_up_scale));
+                    ": w_gate_up_scale must be fp32 ", at::IntArrayRef(sgu),
+                    fp8 ? " (gate's 128-row blocks, then up's, per expert)" : " (one per row of w_gate_up)", ", got ",
+                    w_gate_up_scale.scalar_type(), " ", py_shape(w_gate_up_scale));
   TORCH_CHECK_VALUE(w_down_scale.scalar_type() == c10::ScalarType::Float && w_down_scale.sizes() == sdn, op,
-                    ": w_down_scale must be fp32 [", sdn[0], ", ", sdn[1], ", ", sdn[2], "], got ",
+                    ": w_down_scale must be fp32 ", at::IntArrayRef(sdn), fp8 ? "" : " (one per row of w_down)", ", got ",
                     w_down_scale.scalar_type(), " ", py_shape(w_down_scale));
   const Ints ids = ints(topk_ids, op, "topk_ids");
   const int64_t pairs = tokens * top_k;
@@ -305,10 +337,28 @@ at::Tensor moe_experts_fp8_cpu(const at::Tensor& x, const at::Tensor& topk_ids, 
                out.data_ptr<float>(), tokens, top_k, hidden, inter, num_local};
   args.s_gate_up = sg.data_ptr<float>();
   args.s_down = sd.data_ptr<float>();
-  // a scale >= 2^120: the portable table path (see common.h)
-  experts<Fp8>(args, !(fp8_scales_vector_safe(args.s_gate_up, sg.numel()) &&
-                       fp8_scales_vector_safe(args.s_down, sd.numel())));
+  // FP8, a scale >= 2^120: the portable table path (see common.h); int8's tiles take any scale
+  const bool portable = fp8 && !(fp8_scales_vector_safe(args.s_gate_up, sg.numel()) &&
+                                 fp8_scales_vector_safe(args.s_down, sd.numel()));
+  experts<W>(args, portable);
   return out;
+}
+
+at::Tensor moe_experts_fp8_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                               const at::Tensor& w_gate_up, const at::Tensor& w_gate_up_scale, const at::Tensor& w_down,
+                               const at::Tensor& w_down_scale, int64_t expert_offset) {
+  const auto dt = w_gate_up.scalar_type();
+  const bool ok = (dt == c10::ScalarType::Float8_e4m3fn || dt == c10::ScalarType::Byte) && w_down.scalar_type() == dt;
+  return quantized_experts<Fp8>("mtp::moe_experts_fp8", x, topk_ids, topk_weights, w_gate_up, w_gate_up_scale, w_down,
+                                w_down_scale, expert_offset, ok, "float8_e4m3fn (or uint8 bits)");
+}
+
+at::Tensor moe_experts_int8_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                                const at::Tensor& w_gate_up, const at::Tensor& w_gate_up_scale,
+                                const at::Tensor& w_down, const at::Tensor& w_down_scale, int64_t expert_offset) {
+  const bool ok = w_gate_up.scalar_type() == c10::ScalarType::Char && w_down.scalar_type() == c10::ScalarType::Char;
+  return quantized_experts<Int8>("mtp::moe_experts_int8", x, topk_ids, topk_weights, w_gate_up, w_gate_up_scale,
+                                 w_down, w_down_scale, expert_offset, ok, "int8");
 }
 
 at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
@@ -334,4 +384,5 @@ TORCH_LIBRARY_IMPL(mtp, CPU, m) {
   m.impl("moe_experts", &mtp::moe_experts_cpu);
   m.impl("moe_experts_local", &mtp::moe_experts_local_cpu);
   m.impl("moe_experts_fp8", &mtp::moe_experts_fp8_cpu);
+  m.impl("moe_experts_int8", &mtp::moe_experts_int8_cpu);
 }

@@ -48,6 +48,10 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
   // fp32 x, fp32 out (moe_experts.cpp)
   m.def("moe_experts_fp8(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_gate_up_scale, "
         "Tensor w_down, Tensor w_down_scale, int expert_offset) -> Tensor");
+  // moe_experts_local over `mtp-build --quantize int8`'s experts: int8 [E, 2I, H] / [E, H, I] with one fp32 scale per
+  // output row, [E, 2I] / [E, H] (plugins/reference.py quantize_int8 per expert); fp32 x, fp32 out (moe_experts.cpp)
+  m.def("moe_experts_int8(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_gate_up_scale, "
+        "Tensor w_down, Tensor w_down_scale, int expert_offset) -> Tensor");
   // ep_size > 1 or tp_size > 1: implemented in Python (plugins/moe_ep.py, mpi4py); moe_experts' CPU kernel
   // calls it through the dispatcher.
   m.def("moe_experts_exchange(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "

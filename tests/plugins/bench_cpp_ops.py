@@ -11,7 +11,7 @@ Checkouts run at 1 thread; OMP_WAIT_POLICY is PASSIVE unless set, as the runtime
 moe_intermediate 96, block 16) at batch 1 and 8 with 1, 2 and 4 rows per request over a 128-token context,
 a 256-token prefill, and an MLA layer of GLM-4.7-Flash's latent width (512 + 64 rope, 20 heads). --big adds shapes
 where the kernels split over threads (common.h kMinThreadWork): GQA 32 q / 8 KV heads of 128 over 2048 positions,
-MoE hidden 2048 x moe_intermediate 768 with 16 experts top-8 (bf16 and FP8 weights), a GDN layer of Qwen3-Next's
+MoE hidden 2048 x moe_intermediate 768 with 16 experts top-8 (bf16, FP8 and int8 weights), a GDN layer of Qwen3-Next's
 geometry (16 k / 32 v heads of 128), a 512-row KV write of 8 heads x 128. Metadata is the same at every call, as for
 the layers of one forward.
 """
@@ -86,6 +86,7 @@ def _big_cases():
     from models.fp8 import quantize
     from plugins.gdn_pool import GDNPoolGeometry, address
     from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
+    from plugins.reference import quantize_int8
 
     gen = torch.Generator().manual_seed(1)
     cases = {}
@@ -108,6 +109,7 @@ def _big_cases():
         (qg, sg), (qu, su) = quantize(gu[e, :inter].float()), quantize(gu[e, inter:].float())
         fp8.append((torch.cat([qg, qu]), torch.cat([sg, su]), *quantize(dn[e].float())))
     fgu, fsgu, fdn, fsdn = (torch.stack([f[i] for f in fp8]) for i in range(4))
+    (igu, isgu), (idn, isdn) = quantize_int8(gu), quantize_int8(dn)  # what `mtp-build --quantize int8` stores
     for tokens in (1, 4, 32):
         x = torch.randn(tokens, hidden, generator=gen)
         ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
@@ -115,6 +117,8 @@ def _big_cases():
         cases[f"moe_experts big t{tokens} bf16 w"] = (torch.ops.mtp.moe_experts, (x, ids, w, gu, dn, experts, 1), None)
         cases[f"moe_experts_fp8 big t{tokens}"] = (torch.ops.mtp.moe_experts_fp8, (x, ids, w, fgu, fsgu, fdn, fsdn, 0),
                                                    None)  # fmt: skip
+        cases[f"moe_experts_int8 big t{tokens}"] = (torch.ops.mtp.moe_experts_int8, (x, ids, w, igu, isgu, idn, isdn,
+                                                    0), None)  # fmt: skip
     hk, dk, hv, dv, kk = 16, 128, 32, 128, 4
     c = 2 * hk * dk + hv * dv
     for batch, rows in ((1, 1), (4, 1), (4, 4)):

@@ -14,9 +14,15 @@ for every shape, row count and thread count asked. Rounds rotate the order; a ca
 time per matrix (wall, or process CPU with --clock cpu) over `--iters` passes over its weights. Prints microseconds per matrix, the weight read rate
 (GB/s of the bytes each candidate stores, scales included) and the ratios fp8 / fp32, fp8 / bf16, int8 / fp8, int8 / bf16.
 
-`--moe` times the routed experts instead, GLM-4.5-Air-like (hidden 4096, expert width 1408, `--experts` local
-experts, top-`--top-k` per token): mtp::moe_experts_fp8 on e4m3 experts + scales against mtp::moe_experts_local on
-bf16 and on fp32 experts, `--layers` distinct expert sets in turn (cold), same routing for all.
+`--moe` times the routed experts instead, GLM-4.5-Air-like by default (`--hidden` 4096, `--inter` 1408, `--experts`
+local experts, top-`--top-k` per token): mtp::moe_experts_int8 on int8 experts + row scales (`mtp-build --quantize
+int8`'s) and mtp::moe_experts_fp8 on e4m3 experts + block scales against mtp::moe_experts_local on bf16 and on fp32
+experts, `--layers` distinct expert sets in turn (cold), same routing for all, at each `--threads` count; GB/s of the
+bytes the routed experts store in each form, scales included. Only the routed experts get memory, so `--experts 64`
+costs what the routing touches:
+
+    PYTHONPATH=$PWD .venv/bin/python -m tests.plugins.bench_linear_fp8 --moe --threads 1 --experts 64 --top-k 8 \
+        --layers 1 --inter 1536 --clock cpu --rounds 7
 
 `--conversions` compiles and runs a standalone C++ microbenchmark (g++, the library's flags) of three ways to turn
 e4m3 bytes into scaled fp32 inside a one-row dot product, on AVX-512 and AVX2 (each only if the CPU has it):
@@ -104,51 +110,79 @@ def bench_ops(a: argparse.Namespace) -> None:
                       " | ".join(f"{med[a] / med[b]:.2f}" for a, b in ratios) + " |", flush=True)  # fmt: skip
 
 
-def _quantize_experts(w: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each expert's parts (gate, up) quantized on their own, as the releases ship them."""
-    per = [[_quantize(p) for p in e.chunk(parts)] for e in w]
-    return (torch.stack([torch.cat([q for q, _ in e]) for e in per]),
-            torch.stack([torch.cat([s for _, s in e]) for e in per]))  # fmt: skip
+def _expert_set(e: int, h: int, inter: int, used: list[int]) -> dict[str, tuple[torch.Tensor, ...]]:
+    """One layer's e experts in every stored form: fp8 (e4m3 bits + 128 x 128 block scales, gate and up each blocked on
+    their own, as the releases ship them), int8 (plugins/reference.py quantize_int8 of the fp8 experts' values: what
+    `mtp-build --quantize int8` would store), and bf16 / fp32 of the fp8 values. Only the `used` experts (the ones the
+    routing picks) get values: the kernels read no other expert, so the rest stay allocated but untouched (no memory)
+    and e can be a real model's. Their scales are 1, so the fp8 kernel's scale scan passes as for a real layer."""
+    b = lambda n: -(-n // 128)  # noqa: E731
+    out = {
+        "fp8": (torch.empty(e, 2 * inter, h, dtype=torch.uint8), torch.ones(e, 2 * b(inter), b(h)),
+                torch.empty(e, h, inter, dtype=torch.uint8), torch.ones(e, b(h), b(inter))),
+        "int8": (torch.empty(e, 2 * inter, h, dtype=torch.int8), torch.ones(e, 2 * inter),
+                 torch.empty(e, h, inter, dtype=torch.int8), torch.ones(e, h)),
+        "bf16": (torch.empty(e, 2 * inter, h, dtype=torch.bfloat16), torch.empty(e, h, inter, dtype=torch.bfloat16)),
+        "fp32": (torch.empty(e, 2 * inter, h), torch.empty(e, h, inter)),
+    }  # fmt: skip
+    for x in used:
+        parts = [_quantize(torch.randn(r, c) * 0.02) for r, c in ((inter, h), (inter, h), (h, inter))]
+        gu_q, gu_s = torch.cat([parts[0][0], parts[1][0]]), torch.cat([parts[0][1], parts[1][1]])
+        full_gu = torch.cat([dequantize_fp8_ref(q, s) for q, s in parts[:2]])
+        full_dn = dequantize_fp8_ref(*parts[2])
+        for form, values in (("fp8", (gu_q.view(torch.uint8), gu_s, parts[2][0].view(torch.uint8), parts[2][1])),
+                             ("int8", (*quantize_int8(full_gu), *quantize_int8(full_dn))),
+                             ("bf16", (full_gu.bfloat16(), full_dn.bfloat16())), ("fp32", (full_gu, full_dn))):
+            for dst, v in zip(out[form], values, strict=True):
+                dst[x] = v
+    return out
 
 
 def bench_moe(a: argparse.Namespace) -> None:
-    from plugins.reference import dequantize_fp8_experts_ref
-
     torch.manual_seed(0)
-    h, inter, e = 4096, 1408, a.experts
+    h, inter, e = a.hidden, a.inter, a.experts
     print(f"isa {plugins.cpp_ops.cpu_isa()}, {a.clock} time, load average {os.getloadavg()[0]:.1f}; hidden {h}, "
           f"expert width {inter}, {e} experts, top-{a.top_k}, {a.layers} expert sets")  # fmt: skip
-    sets = []
-    for _ in range(a.layers):
-        gu, sgu = _quantize_experts(torch.randn(e, 2 * inter, h) * 0.02, 2)
-        dn, sdn = _quantize_experts(torch.randn(e, h, inter) * 0.02, 1)
-        full = (dequantize_fp8_experts_ref(gu, sgu, 2), dequantize_fp8_experts_ref(dn, sdn))
-        sets.append({"fp8": (gu, sgu, dn, sdn), "bf16": tuple(t.bfloat16() for t in full), "fp32": full})
+    routes = {t: (torch.randn(t, h), torch.stack([torch.randperm(e)[: a.top_k] for _ in range(t)]),
+                  torch.rand(t, a.top_k)) for t in a.rows}  # fmt: skip
+    used = sorted(set(torch.cat([ids.flatten() for _, ids, _ in routes.values()]).tolist()))
+    sets = [_expert_set(e, h, inter, used) for _ in range(a.layers)]
     clock = time.perf_counter if a.clock == "wall" else time.process_time
     calls = {
+        "int8": lambda x, ids, tw, w: torch.ops.mtp.moe_experts_int8(x, ids, tw, *w, 0),
         "fp8": lambda x, ids, tw, w: torch.ops.mtp.moe_experts_fp8(x, ids, tw, *w, 0),
         "bf16": lambda x, ids, tw, w: torch.ops.mtp.moe_experts_local(x, ids, tw, *w, 0),
         "fp32": lambda x, ids, tw, w: torch.ops.mtp.moe_experts_local(x, ids, tw, *w, 0),
     }
-    print("| tokens | fp8 us | bf16 us | fp32 us | fp8 / bf16 | fp8 / fp32 |\n|---:|---:|---:|---:|---:|---:|")
-    for t in a.rows:
-        x = torch.randn(t, h)
-        ids = torch.stack([torch.randperm(e)[: a.top_k] for _ in range(t)])
-        tw = torch.rand(t, a.top_k)
-        times: dict[str, list[float]] = {c: [] for c in calls}
-        names = list(calls)
-        for r in range(a.rounds):
-            for c in names[r % 3:] + names[: r % 3]:
-                per = []
-                for _ in range(a.iters):
-                    t0 = clock()
-                    for s in sets:
-                        calls[c](x, ids, tw, s[c])
-                    per.append((clock() - t0) / len(sets))
-                times[c].append(statistics.median(per))
-        med = {c: statistics.median(v) * 1e6 for c, v in times.items()}
-        print(f"| {t} | {med['fp8']:.0f} | {med['bf16']:.0f} | {med['fp32']:.0f} | {med['fp8'] / med['bf16']:.2f} | "
-              f"{med['fp8'] / med['fp32']:.2f} |", flush=True)  # fmt: skip
+    # bytes one expert stores in each form, scales included (what a call reads per expert it routes to)
+    weights = 3 * h * inter
+    per_expert = {"int8": weights + 4 * (2 * inter + h), "fp8": weights + 4 * int(sets[0]["fp8"][1][0].numel() +
+                                                                                    sets[0]["fp8"][3][0].numel()),
+                  "bf16": 2 * weights, "fp32": 4 * weights}  # fmt: skip
+    ratios = [("int8", "fp8"), ("int8", "bf16"), ("int8", "fp32"), ("fp8", "bf16")]
+    print("| threads | tokens | experts read | " + " | ".join(f"{c} us (GB/s)" for c in calls) + " | " +
+          " | ".join(f"{x} / {y}" for x, y in ratios) + " |\n|" + "---:|" * (3 + len(calls) + len(ratios)))  # fmt: skip
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        for t, (x, ids, tw) in routes.items():
+            for c in calls:  # warm-up: first calls allocate the kernels' scratch
+                calls[c](x, ids, tw, sets[0][c])
+            times: dict[str, list[float]] = {c: [] for c in calls}
+            names = list(calls)
+            for r in range(a.rounds):
+                for c in names[r % len(names):] + names[: r % len(names)]:
+                    per = []
+                    for _ in range(a.iters):
+                        t0 = clock()
+                        for s in sets:
+                            calls[c](x, ids, tw, s[c])
+                        per.append((clock() - t0) / len(sets))
+                    times[c].append(statistics.median(per))
+            med = {c: statistics.median(v) for c, v in times.items()}
+            read = len(set(ids.flatten().tolist()))
+            cells = [f"{med[c] * 1e6:.0f} ({read * per_expert[c] / med[c] / 1e9:.1f})" for c in calls]
+            print(f"| {threads} | {t} | {read} | " + " | ".join(cells) + " | " +
+                  " | ".join(f"{med[x] / med[y]:.2f}" for x, y in ratios) + " |", flush=True)  # fmt: skip
 
 
 CONVERSIONS_CPP = r"""
@@ -397,8 +431,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="wall time (what threads buy) or process CPU time (steadier on a loaded machine, 1 thread)")
     p.add_argument("--conversions", action="store_true", help="the e4m3 -> fp32 conversion microbenchmark (C++)")
     p.add_argument("--moe", action="store_true", help="the routed experts (rows = tokens) instead of the linears")
-    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--experts", type=int, default=8, help="--moe: experts per layer (only the routed ones get memory)")
     p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=4096, help="--moe: hidden size (GLM-4.5-Air's by default)")
+    p.add_argument("--inter", type=int, default=1408, help="--moe: expert width (GLM-4.5-Air's by default)")
     p.add_argument("--layers", type=int, default=2, help="--moe: distinct expert sets (2 x 8 experts: 277 MB fp8)")
     a = p.parse_args(argv)
     if a.conversions:

@@ -47,16 +47,23 @@ def _case(seed: int, tokens: int, experts: int, top_k: int, hidden: int, inter: 
 
 def _agrees(got, x, ids, tw, gu, sgu, dn, sdn, offset: int = 0) -> bool:
     """got equals the experts' output up to fp32 rounding (a bound propagated in fp64); NaN where it is NaN."""
-    w_gu = dequantize_fp8_experts_ref(gu, sgu, 2).double()
-    w_dn = dequantize_fp8_experts_ref(dn, sdn).double()
-    hidden, inter = x.shape[1], dn.shape[2]
+    return experts_agree(got, x, ids, tw, dequantize_fp8_experts_ref(gu, sgu, 2), dequantize_fp8_experts_ref(dn, sdn),
+                         offset)  # fmt: skip
+
+
+def experts_agree(got, x, ids, tw, w_gu, w_dn, offset: int = 0) -> bool:
+    """got equals the output of the experts whose dequantized weights are w_gu [E, 2I, H] / w_dn [E, H, I] up to fp32
+    rounding (the module docstring's bound, propagated in fp64); NaN where it is NaN. test_moe_experts_int8.py's
+    check too."""
+    w_gu, w_dn = w_gu.double(), w_dn.double()
+    hidden, inter = x.shape[1], w_dn.shape[2]
     want = torch.zeros(x.shape, dtype=torch.float64)
     bound = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         terms = []
         for k in range(ids.shape[1]):
             e = int(ids[t, k]) - offset
-            if not 0 <= e < gu.shape[0]:
+            if not 0 <= e < w_gu.shape[0]:
                 continue
             xt = x[t].double()
             g, u = (w_gu[e] @ xt).split(inter)
