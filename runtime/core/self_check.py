@@ -8,9 +8,16 @@ requests change nothing later requests see (verification is lossless; the prefix
 
 from __future__ import annotations
 
+import sys
 import time
 
-from runtime.core.acceptance_guard import SELF_CHECK_MAX_TOKENS, SelfCheckResult, evaluate_self_check, self_check_prompts
+from runtime.core.acceptance_guard import (
+    SELF_CHECK_MAX_TOKENS,
+    SelfCheckResult,
+    evaluate_self_check,
+    self_check_prompts,
+)
+from runtime.core.config import ConfigError
 from runtime.core.engine import LLMEngine
 from runtime.core.ranks import SINGLE_RANK
 from runtime.core.sampling import SamplingParams
@@ -32,3 +39,19 @@ def run_self_check(engine: LLMEngine) -> tuple[SelfCheckResult, float] | None:
     result = evaluate_self_check(list(m.proposed_per_position), list(m.accepted_per_position))
     engine.reset_metrics()  # the served statistics (and the running detector) start after the check
     return result, time.perf_counter() - t0
+
+
+def start_up_check(engine: LLMEngine, mode: str, prog: str) -> SelfCheckResult | None:
+    """The applications' start-up step (`--acceptance-check warn|strict|off`): run the check; when acceptance is
+    implausibly low print one line on stderr (warn) or raise ConfigError with it (strict)."""
+    if mode not in MODES:
+        raise ConfigError(f"--acceptance-check {mode!r}: choose one of {', '.join(MODES)}")
+    ran = None if mode == "off" else run_self_check(engine)
+    if ran is None:
+        return None
+    result, _ = ran
+    if result.verdict == "low":
+        if mode == "strict":
+            raise ConfigError(result.line(prog).replace(": warning:", ":", 1))
+        print(result.line(prog), file=sys.stderr, flush=True)
+    return result
