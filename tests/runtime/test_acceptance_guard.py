@@ -16,7 +16,7 @@ from runtime.core.acceptance_guard import POSITION_FLOORS, CollapseDetector, eva
 from runtime.core.config import ConfigError, RuntimeConfig
 from runtime.core.engine import LLMEngine
 from runtime.core.sampling import SamplingParams
-from runtime.core.self_check import run_self_check, start_up_check
+from runtime.core.self_check import start_up_check
 from runtime.executors.torch_executor import TorchExecutor
 from runtime.factory import load_tokenizer
 
