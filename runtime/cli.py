@@ -26,6 +26,7 @@ from pathlib import Path
 from runtime.core.admission import RequestError, validate_params
 from runtime.core.config import ConfigError
 from runtime.core.sampling import SamplingParams
+from runtime.core.self_check import MODES, start_up_check
 from runtime.factory import EXECUTORS, create_engine
 from runtime.multirank.parallel import EveryRankError, describe, exit_failed_rank, mpi_world
 from runtime.multirank.strategies import lead_or_follow
@@ -70,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--no-prefix-caching", action="store_true")
     r.add_argument("--tp-size", type=int, default=None,
                    help="--checkpoint under mpirun: tensor-parallel group size (an engine records its own)")
+    r.add_argument("--acceptance-check", choices=MODES, default="warn",
+                   help="start-up self-check of MTP acceptance on built-in prompts: warn (one line when implausibly "
+                        "low), strict (exit instead), off (skip; saves ~1 s on models/deep)")
     r.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="under mpirun: a rank blocked this long in a collective exits with one line (default 60)")
     p.add_argument("--json", action="store_true", help="JSON Lines output (see README)")
@@ -127,6 +131,7 @@ def run(args, rank: int = 0, world: int = 1) -> int:
         commit_pass=False if args.no_commit_pass else None, collective_timeout=args.collective_timeout, prog=PROG,
         tp_size=args.tp_size,
     )  # fmt: skip
+    start_up_check(engine, args.acceptance_check, PROG)  # single process only (skipped under mpirun)
     return lead_or_follow(engine.ranks, lambda: _lead(engine, args, params, prompts, world), PROG, args.debug)
 
 

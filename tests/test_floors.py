@@ -1,6 +1,6 @@
 """The floors of the code base (docs/ARCHITECTURE.md §2), read from the source: which room may import which,
-no import cycles, no production module over 400 lines, a torch-free control plane, and nothing outside the
-engine assigning to an engine's attributes. Each check is also run against a planted violation, so it can fail.
+no import cycles, no production module over 400 lines, a torch-free control plane, nothing outside the
+engine assigning to an engine's attributes, and nothing outside runtime/core reading the engine's request table. Each check is also run against a planted violation, so it can fail.
 """
 
 from __future__ import annotations
@@ -170,6 +170,27 @@ def _names_engine(expr: ast.expr) -> bool:
         isinstance(expr, ast.Attribute) and expr.attr == "engine")  # fmt: skip
 
 
+def engine_request_reads(root: Path) -> list[str]:
+    """Production code outside runtime/core reading an engine's request table (`engine.requests`,
+    `self.engine.requests`, `getattr(engine, "requests")`, or any `<x>.requests[...]`): the table holds the
+    engine's live Request objects, which only the engine may touch; outside code asks the engine's public methods
+    (e.g. `awaiting_first_token`, `abort`). Tests are white-box and may read it."""
+    bad = []
+    core = root / "runtime" / "core"
+    for path in sorted(p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")):
+        if path.is_relative_to(core):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            hit = (isinstance(node, ast.Attribute) and node.attr == "requests" and _names_engine(node.value)) or (
+                isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "requests") or (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "requests")
+            if hit:
+                bad.append(f"{path.relative_to(root)}:{node.lineno} reads {ast.unparse(node)}")  # type: ignore[attr-defined]
+    return bad
+
+
 def long_modules(root: Path) -> list[str]:
     return [f"{p.relative_to(root)}: {n} lines" for p in modules(root).values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES]  # fmt: skip
@@ -187,6 +208,11 @@ def planted(tmp_path_factory) -> Path:
         f.write("\nfrom models import layers  # planted: models.layers imports plugins.kv_pool\n")
     with (root / "runtime" / "factory.py").open("a") as f:
         f.write("\n\ndef planted(engine):\n    engine.executor = None\n")
+    with (root / "runtime" / "bench" / "runners.py").open("a") as f:  # what runners.py `_drive` did before issue 27
+        f.write("\n\ndef planted(engine, ids):\n    mine = [engine.requests[i] for i in ids]\n"
+                "    for i in ids:\n        engine.requests.pop(i, None)\n    return mine\n")
+    with (root / "runtime" / "serving" / "stats.py").open("a") as f:
+        f.write("\n\ndef planted(loop, rid):\n    return loop.engine.requests.get(rid), loop.table.requests[rid]\n")
     (root / "models" / "too_long.py").write_text("x = 1\n" * (MAX_LINES + 1))
     return root
 
@@ -207,11 +233,19 @@ def test_nothing_outside_the_engine_assigns_to_it():
     assert engine_assignments(ROOT) == []
 
 
+def test_nothing_outside_the_engine_reads_its_request_table():
+    assert engine_request_reads(ROOT) == []
+
+
 def test_each_check_finds_its_planted_violation(planted):
     assert any(b.startswith("plugins.rope imports runtime.core.engine") for b in upward_imports(planted))
     assert any({"plugins.kv_pool", "models.layers"} <= set(c) for c in cycles(planted))
     assert any("runtime/factory.py" in b and "engine.executor" in b for b in engine_assignments(planted))
     assert any("too_long.py" in b for b in long_modules(planted))
+    reads = [b for b in engine_request_reads(planted) if b.startswith(("runtime/bench/runners.py", "runtime/serving"))]
+    assert {b.split(" reads ")[1] for b in reads} == {"engine.requests", "engine.requests[i]", "loop.engine.requests",
+                                                      "loop.table.requests[rid]"}  # fmt: skip
+    assert len({b.split(" reads ")[0] for b in reads}) == 3  # both lines of runners.py, the line of stats.py
 
 
 def test_control_plane_imports_no_torch():

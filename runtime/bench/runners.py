@@ -104,12 +104,11 @@ def make_workload(checkpoint: Path, n: int, chars: int, vocab_size: int, tokeniz
 def _drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> tuple:
     """Run prompts together to completion; split time into decode-only steps and steps carrying prefill."""
     ids = [engine.add_request(p, params, req_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
-    mine = [engine.requests[i] for i in ids]
     finals: dict[str, list[int]] = {}
     dec_tokens = total = dec_steps = 0
     dec_seconds = dec_cpu = 0.0
     while engine.has_unfinished():
-        decode_only = all(r.output_ids for r in mine if not r.is_finished)  # nothing left to prefill
+        decode_only = not engine.awaiting_first_token(ids)  # nothing left to prefill
         t0, c0 = time.perf_counter(), time.process_time()
         outs = engine.step()
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
@@ -123,8 +122,6 @@ def _drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, 
         for o in outs:
             if o.finished:
                 finals[o.req_id] = o.output_ids
-    for i in ids:  # keep the engine's request table small across repeats
-        engine.requests.pop(i, None)
     return [finals[i] for i in ids], dec_tokens, dec_seconds, total, dec_steps, dec_cpu
 
 

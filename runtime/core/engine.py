@@ -30,6 +30,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from runtime.core import grammar, logprobs, mtp_plan
+from runtime.core.acceptance_guard import CollapseDetector
 from runtime.core.admission import RequestError, validate_params, validate_prompt, validate_request_id
 from runtime.core.config import ConfigError, RuntimeConfig
 from runtime.core.draft_length import DraftLengthController, StepSample, combine
@@ -58,13 +59,14 @@ class LLMEngine:
     def __init__(self, executor: Executor, model_cfg: ModelConfig, cfg: RuntimeConfig, tokenizer=None,
                  seed: int = 0, ranks: RankStrategy = SINGLE_RANK,
                  draft_length: DraftLengthController | None = None, draft_clock=time.perf_counter,
-                 executor_name: str = "") -> None:  # fmt: skip
+                 executor_name: str = "", acceptance_watch: CollapseDetector | None = None) -> None:  # fmt: skip
         """seed: engine seed; an unseeded request samples from a generator derived from (seed, request id).
         ranks: this rank's part in an mpirun job (runtime/core/ranks.py); the default is a rank alone.
         draft_length: the controller of `auto` (default: DraftLengthController(K) when cfg asks for auto).
         draft_clock: auto's clock; wall time (the objective) by default, time.process_time for CPU executors,
             whose wall time on shared cores mostly measures the other jobs (create_engine picks).
-        executor_name: which executor runs (compiled, onnxruntime, torch, tensorrt), for the summaries."""
+        executor_name: which executor runs (compiled, onnxruntime, torch, tensorrt), for the summaries.
+        acceptance_watch: the acceptance-collapse detector (default sizes: acceptance_guard.CollapseDetector)."""
         if cfg.num_draft_tokens > 0 and model_cfg.num_mtp_modules == 0:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
         # Hybrid models: K+2 recurrent-state slots per running request beside the KV pool; no prefix caching (a
@@ -72,15 +74,14 @@ class LLMEngine:
         self.state_slots = StateSlots(cfg.max_batch, cfg.num_draft_tokens) if model_cfg.is_hybrid else None
         cfg = hybrid_runtime_config(cfg, executor) if model_cfg.is_hybrid else cfg
         self.model_cfg, self.cfg, self.tokenizer = model_cfg, cfg, tokenizer
-        self.ranks = ranks
-        self.executor = ranks.executor(executor)
+        self.ranks, self.executor = ranks, ranks.executor(executor)
         self.executor_name = executor_name
-        self.k = cfg.num_draft_tokens
-        self.seed = seed
+        self.k, self.seed = cfg.num_draft_tokens, seed
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                  mtp_cow=cfg.prefix_cache_cow, draft_kv=self.k > 0)  # fmt: skip
         self.scheduler = Scheduler(cfg, self.kv)
         self.metrics = Metrics(self.k)
+        self.acceptance_watch = acceptance_watch or CollapseDetector()  # warns once when acceptance collapses
         self.requests: dict[str, Request] = {}  # unfinished requests only: a finished one leaves with its output
         self._arrivals = itertools.count()
         self.width = cfg.max_blocks_per_request
@@ -120,11 +121,16 @@ class LLMEngine:
             self._finish(req, "abort")
 
     def reset_metrics(self) -> None:
-        """Fresh counters (the benchmarks measure each run apart)."""
+        """Fresh counters (the benchmarks measure each run apart), and a fresh running average of acceptance."""
         self.metrics = Metrics(self.k)
+        self.acceptance_watch.reset()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def awaiting_first_token(self, req_ids: Iterable[str]) -> bool:
+        """Whether one of these requests is unfinished with no output token yet (still prefilling)."""
+        return any(not self.requests[i].output_ids for i in req_ids if i in self.requests)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -370,6 +376,7 @@ class LLMEngine:
             s.req.num_proposed += s.num_drafts
             s.req.accepted_per_step.append(a)
             self.metrics.record_verify(s.num_drafts, a, a + 1)
+            self.acceptance_watch.feed(s.num_drafts, a)
 
     def _update_metrics(self, step_seconds: float, exec_seconds: float) -> None:
         m = self.metrics
@@ -389,8 +396,5 @@ class LLMEngine:
     def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run prompts to completion; returns the final output of each, in prompt order."""
         ids = [self.add_request(p, params) for p in prompts]
-        final: dict[str, RequestOutput] = {}
-        for out in self.stream():
-            if out.finished:
-                final[out.req_id] = out
+        final = {out.req_id: out for out in self.stream() if out.finished}
         return [final[i] for i in ids]

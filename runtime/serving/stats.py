@@ -37,6 +37,7 @@ class LoopStats:
     mean_acceptance_length: float = 0.0
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    acceptance_collapse_warnings: int = 0  # the engine's running collapse detector (runtime/core/acceptance_guard.py)
     outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
 
     @property
@@ -51,4 +52,5 @@ def take(engine: Any, num_pending: int, num_active: int, counts: Counts) -> Loop
     return LoopStats(len(sched.running), len(sched.waiting) + num_pending, num_active, kv.num_used_blocks,
                      kv.num_free_blocks, kv.stats.num_hit_tokens, m.num_generated_tokens, m.num_verify_steps,
                      m.num_preemptions, m.mean_acceptance_length, list(m.proposed_per_position),
-                     list(m.accepted_per_position), dict(counts.by_outcome))  # fmt: skip
+                     list(m.accepted_per_position), engine.acceptance_watch.num_warnings,
+                     dict(counts.by_outcome))  # fmt: skip

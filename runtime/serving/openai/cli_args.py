@@ -22,6 +22,9 @@ def add_openai_args(p: argparse.ArgumentParser) -> None:
                    help="largest output constraint (JSON schema, regex, EBNF) accepted; larger is a 400 (default 32768)")
     g.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="a grammar compile's time limit, queueing included: past it the request is refused (default 10)")
+    g.add_argument("--acceptance-check", choices=("warn", "strict", "off"), default="warn",
+                   help="start-up self-check of MTP acceptance on built-in prompts (single process): warn (one "
+                        "line when implausibly low), strict (exit instead), off (skip; saves ~1 s on models/deep)")
     g.add_argument("--per-request-spec-decode-metrics", choices=("off", "summary", "detailed"), default="off",
                    help="add per-request speculative-decoding stats to every response, as vLLM's flag of the same "
                         "name: a top-level metrics.speculative_decoding object (default: off, responses unchanged)")

@@ -58,6 +58,9 @@ class _EngineCollector(Collector):
         yield proposed
         yield accepted
         yield rate
+        yield CounterMetricFamily("mtp_spec_acceptance_collapse_warnings",
+                                  "Windows whose draft acceptance fell below a third of the running average (each "
+                                  "logged once; docs/RUNTIME.md, Acceptance guards)", value=s.acceptance_collapse_warnings)
 
 
 class ServeMetrics:

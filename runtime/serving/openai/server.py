@@ -49,6 +49,9 @@ def create_serving_engine(args: Any):
     if engine.ranks.dp_size > 1:
         raise EveryRankError(f"mtp-serve serves one TP group; this engine has {engine.ranks.dp_size} data-parallel "
                              "groups: rebuild it with --world-size equal to --tp-size, or use mtp-run")  # fmt: skip
+    from runtime.core.self_check import start_up_check
+
+    start_up_check(engine, getattr(args, "acceptance_check", "warn"), "mtp-serve")  # before the port opens
     return engine
 
 

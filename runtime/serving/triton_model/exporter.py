@@ -44,6 +44,8 @@ class MetricsExporter:
             active = family("mtp_requests_active", fam.GAUGE, "requests in the engine loop")
             generated = family("mtp_generated_tokens_total", fam.COUNTER,
                                "output tokens the engine generated (also those of requests cancelled later)")  # fmt: skip
+            collapses = family("mtp_acceptance_collapse_warnings_total", fam.COUNTER,
+                               "windows whose draft acceptance fell below a third of the running average")  # fmt: skip
             labels = [{"model": model, "position": str(i)} for i in range(k)]
             self._proposed = [proposed.Metric(labels=lab) for lab in labels]
             self._accepted = [accepted.Metric(labels=lab) for lab in labels]
@@ -54,8 +56,9 @@ class MetricsExporter:
             self._blocks = blocks.Metric(labels={"model": model})
             self._active = active.Metric(labels={"model": model})
             self._generated = generated.Metric(labels={"model": model})
+            self._collapses = collapses.Metric(labels={"model": model})
             self._metrics = [*self._proposed, *self._accepted, *self._rate, self._length, *self._requests.values(),
-                             self._preempt, self._blocks, self._active, self._generated]  # fmt: skip
+                             self._preempt, self._blocks, self._active, self._generated, self._collapses]  # fmt: skip
             self._last: dict[str, int] = {}
             self.ok = True
         except Exception as e:
@@ -86,6 +89,7 @@ class MetricsExporter:
             self._blocks.set(s.kv_blocks_used)
             self._active.set(s.active)
             self._count(self._generated, "generated", s.generated_tokens)
+            self._count(self._collapses, "collapses", s.acceptance_collapse_warnings)
         except Exception as e:
             self.ok = False
             return f"metrics update failed, disabling it: {e}"
