@@ -41,16 +41,25 @@ def settings_fingerprint(executor, model_cfg, runtime_cfg, extra: dict[str, Any]
     return out
 
 
-def first_difference(fingerprints: list[dict[str, Any]]) -> str | None:
-    """One line naming the first key (sorted) where some rank differs from rank 0, or None when all agree."""
+def first_difference(fingerprints: list[dict[str, Any]], hosts: list[str] | None = None) -> str | None:
+    """One line naming the first key (sorted) where some rank differs from rank 0, or None when all agree. With
+    `hosts` (each rank's hostname) spanning more than one host, the line names the two ranks' hosts too."""
     ref = fingerprints[0]
-    for key in sorted(set().union(*fingerprints)):
+    named = hosts if hosts is not None and len(set(hosts)) > 1 else None
+    # host.* first: a host's installation or CPU explains the differences that follow from it (another executor)
+    for key in sorted(set().union(*fingerprints), key=lambda k: (not k.startswith("host."), k)):
         for rank, fp in enumerate(fingerprints[1:], start=1):
             a, b = ref.get(key, "<missing>"), fp.get(key, "<missing>")
             if a != b:
-                return (f"ranks disagree on {key}: rank 0 has {_short(a)}, rank {rank} has {_short(b)}; "
-                        "launch every rank with the same engine and flags")  # fmt: skip
+                at = (lambda r: f"rank {r} ({named[r]})") if named else (lambda r: f"rank {r}")
+                return f"ranks disagree on {key}: {at(0)} has {_short(a)}, {at(rank)} has {_short(b)}; {_advice(key)}"
     return None
+
+
+def _advice(key: str) -> str:
+    from runtime.multirank.host_facts import ADVICE
+
+    return next((v for k, v in ADVICE.items() if key.startswith(k)), "launch every rank with the same engine and flags")
 
 
 def _short(value: Any) -> str:

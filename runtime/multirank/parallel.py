@@ -27,6 +27,7 @@ from typing import NoReturn, TypeVar
 
 from runtime.core.config import ConfigError
 from runtime.multirank.fingerprint import first_difference
+from runtime.multirank.host_facts import hostname, rank_tag
 
 T = TypeVar("T")
 # Set by every launcher we support: Open MPI (mpirun / prterun), PMIx launchers (srun --mpi=pmix), MPICH hydra.
@@ -62,7 +63,8 @@ def agree_on_settings(comm, fingerprint: dict) -> None:
     every rank if any differs. Called once at start-up over COMM_WORLD (followers included)."""
     if comm is None or comm.Get_size() == 1:
         return
-    problem = first_difference(comm.allgather(fingerprint))
+    gathered = comm.allgather((hostname(), fingerprint))
+    problem = first_difference([fp for _, fp in gathered], [host for host, _ in gathered])
     if problem is not None:
         raise RanksDisagree(problem)
 
@@ -77,7 +79,7 @@ def exit_failed_rank(rank: int, error: BaseException, prog: str, debug: bool = F
     try:
         if debug:
             traceback.print_exception(error)
-        print(f"{prog}: error: [rank {rank}] {describe(error)}", file=sys.stderr)
+        print(f"{prog}: error: [{rank_tag(rank)}] {describe(error)}", file=sys.stderr)
         sys.stderr.flush()
         sys.stdout.flush()
     except (OSError, ValueError):  # the output's reader (this host's Open MPI daemon) is gone: leave all the same

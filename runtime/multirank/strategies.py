@@ -23,6 +23,7 @@ from runtime.core.config import ConfigError, RuntimeConfig
 from runtime.core.ranks import SINGLE_RANK, RankStrategy
 from runtime.executors.base import Executor
 from runtime.multirank.fingerprint import settings_fingerprint
+from runtime.multirank.host_facts import host_facts
 from runtime.multirank.parallel import agree_on_settings, mpi_world
 from runtime.multirank.tp_group import STEP_END, LeaderExecutor, RankRole, run_follower
 from runtime.multirank.watchdog import Watchdog, startup_timeout
@@ -106,13 +107,22 @@ def rank_strategy(executor: Executor, model_cfg: ModelConfig, cfg: RuntimeConfig
         # Commands travel on their own copy of the TP comm, so they never interleave with the forwards' collectives.
         commands = tp.Dup() if m.tp > 1 else None
     launch = {"parallel.world_size": m.world, "parallel.tp_size": m.tp, "parallel.ep_size": m.ep,
-              "watchdog.collective_timeout": collective_timeout}  # fmt: skip
+              "watchdog.collective_timeout": collective_timeout, **host_facts(_has_packages(executor))}  # fmt: skip
     with dog.guard("settings agreement (allgather over every rank)", bound):
         agree_on_settings(comm, settings_fingerprint(executor, model_cfg, cfg, launch))
     role = RankRole(m, commands, column, dog, executor)
     if not m.is_leader:
         return TPFollower(role)
     return TPLeader(role) if m.tp > 1 else Lockstep(role)
+
+
+def _has_packages(executor: Executor) -> bool:
+    """The engine has compiled packages, native code for one CPU ISA: then every host must have that ISA (a host
+    without it would fall back to another executor, or fail)."""
+    from models.engine_format.compiled import compiled_info
+
+    cfg = getattr(executor, "config", None)
+    return cfg is not None and hasattr(cfg, "build") and compiled_info(cfg) is not None
 
 
 def lead_or_follow(ranks: RankStrategy, lead, prog: str, debug: bool = False) -> int:

@@ -31,6 +31,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from runtime.multirank.host_facts import rank_tag
+
 DEFAULT_TIMEOUT_S = 60.0
 STARTUP_MIN_S = 300.0  # the start-up collectives wait for the slowest rank's load (compiled packages: minutes)
 STARTUP_ENV = "MTP_STARTUP_TIMEOUT"
@@ -122,7 +124,7 @@ class Watchdog:
 
     def message(self, what: str, limit: float | None = None) -> str:
         when = f"step {self.step}" if self.step else "start-up"
-        return (f"{self.prog}: error: [rank {self.rank}] {when}: {what} did not complete within "
+        return (f"{self.prog}: error: [{rank_tag(self.rank)}] {when}: {what} did not complete within "
                 f"{limit or self.timeout_s:g} s (another rank stalled or died); exiting")  # fmt: skip
 
     def _watch(self) -> None:

@@ -33,3 +33,46 @@ def test_the_launch_mapping_is_part_of_the_fingerprint():
     b = fingerprint(engine, {"parallel.tp_size": 2, "watchdog.collective_timeout": 5.0})
     assert first_difference([a, b]) == ("ranks disagree on watchdog.collective_timeout: rank 0 has 60.0, rank 1 "
                                         "has 5.0; launch every rank with the same engine and flags")  # fmt: skip
+
+
+def test_a_host_fact_is_named_first_with_both_hosts_and_its_advice():
+    """Across hosts the line names each rank's host; a host fact (installation, CPU ISA) comes before the settings
+    it explains (a host without the packages' ISA picks another executor)."""
+    from runtime.multirank.host_facts import host_facts
+
+    engine = make_engine(2)
+    a = fingerprint(engine, {**host_facts(True), "executor": "CompiledExecutor"})
+    b = fingerprint(engine, {**host_facts(True), "executor": "OrtExecutor", "host.cpu_isa": "avx2"})
+    line = first_difference([a, b], ["node-a", "node-b"])
+    assert line is not None and line.startswith(
+        f"ranks disagree on host.cpu_isa: rank 0 (node-a) has {a['host.cpu_isa']!r}, rank 1 (node-b) has 'avx2'; "
+        "the engine's compiled packages are native code for one CPU ISA"), line  # fmt: skip
+    assert first_difference([a, a], ["node-a", "node-b"]) is None
+    one_host = first_difference([a, {**a, "host.plugin_library": "0" * 16}], ["node-a", "node-a"])
+    assert one_host is not None and "rank 0 has" in one_host and "make install" in one_host, one_host
+
+
+def test_host_facts_see_the_installation_and_the_cpu_isa():
+    """The facts are read from this installation: every pinned package's version, our kernels' digest, and the
+    vector ISA torch would compile for, which ATEN_CPU_CAPABILITY lowers as a CPU without it would (subprocess:
+    torch reads it once)."""
+    import importlib.metadata
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from runtime.multirank.host_facts import PACKAGES, host_facts
+
+    facts = host_facts(False)
+    assert facts["host.packages.torch"] == importlib.metadata.version("torch") and "host.cpu_isa" not in facts
+    assert set(PACKAGES) <= {k.split(".")[-1] for k in facts} and len(facts["host.plugin_library"]) == 16
+    code = "import json; from runtime.multirank.host_facts import host_facts; print(json.dumps(host_facts(True)))"
+    isa = {}
+    for capability in ("", "default"):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        isa[capability] = json.loads(out.stdout.strip().splitlines()[-1])["host.cpu_isa"]
+    assert isa[""] != isa["default"], isa

@@ -251,3 +251,53 @@ def test_two_hosts_with_one_hostname_exit_at_start_up_with_one_line(same_hostnam
             "(another rank stalled or died); exiting"), err  # fmt: skip
     assert "Traceback" not in err and secs < 240, (secs, err)
     assert _wait_empty(hosts, 20) == [], "a process outlived the job"
+
+
+def _launch_per_host(hosts, argv_a: list[str], argv_b: list[str], timeout: float) -> tuple[int, str, str]:
+    """mpirun with one app context per host (MPMD: `A : B`, --map-by node puts the first on host A), so the two
+    ranks can differ in what they run with; on timeout every process of both hosts is killed (status -9)."""
+    cmd = [*hosts.mpirun_argv(MPIRUN, 1), *argv_a, ":", "-np", "1", *argv_b]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = _end_job(hosts, proc)
+        return -9, out, err + f"\n[mpirun timed out after {timeout}s]"
+    return proc.returncode, out, err
+
+
+def test_hosts_that_differ_end_at_start_up_with_one_line_naming_them(hosts, tiny_ep2_engine, tmp_path):
+    """Issue 31, start-up agreement across hosts. (1) Host B's installation has another numpy (its metadata first
+    on B's path, as an install there would be): the ranks' fingerprints differ in host.packages.numpy, and the job
+    ends with one line naming both hosts and both versions, before any step. (2) Host B's copy of the engine has
+    one byte flipped in its rank's weights: that rank refuses it at load with one line naming its host."""
+    import importlib.metadata
+
+    other = tmp_path / "other_site"
+    (other / "numpy-0.0.1.dist-info").mkdir(parents=True)
+    (other / "numpy-0.0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: numpy\nVersion: 0.0.1\n")
+    run = [*MTP_RUN, *PROMPTS, "--max-tokens", "4", "--collective-timeout", "60"]
+    engine = ["--engine", str(tiny_ep2_engine)]
+    b_env = ["env", f"PYTHONPATH={other}:{ROOT}"]
+    status, out, err = _launch_per_host(hosts, [*run, *engine], [*b_env, *run, *engine], timeout=300)
+    assert status != 0 and not records(out), out + err
+    mine = importlib.metadata.version("numpy")
+    assert our_lines(err) == [
+        f"mtp-run: error: ranks disagree on host.packages.numpy: rank 0 ({hosts.names[0]}) has {mine!r}, rank 1 "
+        f"({hosts.names[1]}) has '0.0.1'; install the same versions on every host"], err  # fmt: skip
+
+    import shutil
+
+    copy = tmp_path / "engine_b"
+    shutil.copytree(tiny_ep2_engine, copy)
+    data = copy / "rank1" / "main.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[200] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    status, out, err = _launch_per_host(hosts, [*run, *engine], [*run, "--engine", str(copy)], timeout=300)
+    assert status != 0 and not records(out), out + err
+    lines = our_lines(err)
+    assert len(lines) == 1 and lines[0].startswith(f"mtp-run: error: [rank 1 on {hosts.names[1]}] "), err
+    assert "rank1/main.onnx.data" in lines[0] and "Traceback" not in err, err
+    assert _wait_empty(hosts, 20) == [], "a process outlived the job"
