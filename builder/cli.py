@@ -23,7 +23,7 @@ from rich.table import Table
 from builder.compile_check import check_compiled
 from builder.options import BACKENDS, COMPILES, DTYPES, QUANTIZES, BuildError, BuildOptions, default_ep_size
 from builder.pipeline import BuildInterrupted, build
-from builder.validate import check_tokenizer_config
+from builder.validate import check_engine_tokenizer, check_tokenizer_config
 from models.checkpoint import CheckpointError
 from models.engine_format import MANIFEST_NAME, EngineConfig, EngineDirError, load_engine_config
 
@@ -151,6 +151,7 @@ def _run(args: argparse.Namespace, err: Console) -> int:
         t0 = time.perf_counter()
         cfg = load_engine_config(args.check)
         check_tokenizer_config(args.check)  # mtp-serve loads it: a broken one must fail here, not at its start-up
+        check_engine_tokenizer(args.check, cfg.model.vocab_size)  # so do mtp-run and mtp-serve
         console.print(summary(cfg, None))
         console.print(f"[green]ok[/]: {check_compiled(cfg)}")
         console.print(f"[green]ok[/]: schema {cfg.schema_version}, plugins {cfg.plugins['nodes']}, "

@@ -26,8 +26,8 @@ import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from builder.graphs import WRAPPERS
 from builder.options import BuildError
-from models.engine_format import EngineConfig
-from models.engine_format.compiled import AOTI_KIND, compiled_info, compiled_problem
+from models.engine_format import EngineConfig, EngineDirError
+from models.engine_format.compiled import AOTI_KIND, compiled_info, compiled_problem, load_package
 from plugins.kv_pool import allocate_pool, pool_address
 from plugins.reference import dequantize_int8_ref, quantize_int8
 
@@ -106,8 +106,10 @@ def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
             path = cfg.graph_file(rank, name, AOTI_KIND)
             assert path is not None
             try:
-                package = torch._inductor.aoti_load_package(str(path))
+                package = load_package(cfg, path)
                 got = package(*inputs, pool_address(ours))
+            except EngineDirError as e:  # damaged, or no room to unpack it: its own line says which
+                raise BuildError(str(e)) from None
             except Exception as e:  # a package that does not load or run here: one line naming it
                 raise BuildError(f"compiled package {_rel(cfg, path)} of {cfg.path} does not run here "
                                  f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); rebuild with "
@@ -150,7 +152,9 @@ def _load_all(cfg: EngineConfig) -> None:
             path = cfg.graph_file(rank, name, AOTI_KIND)
             assert path is not None
             try:
-                torch._inductor.aoti_load_package(str(path))
+                load_package(cfg, path)
+            except EngineDirError as e:
+                raise BuildError(str(e)) from None
             except Exception as e:
                 raise BuildError(f"compiled package {_rel(cfg, path)} of {cfg.path} does not load here "
                                  f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); rebuild with "

@@ -26,7 +26,7 @@ from models.engine_format import (
     looks_like_engine_dir,
     manifest_files,
 )
-from models.tokenizer_config import TokenizerConfigError, check_chat_template
+from models.tokenizer_config import TokenizerConfigError, check_chat_template, load_tokenizer_file
 from plugins.kv_pool import KVPoolGeometry
 
 # Files an engine directory holds besides those its checksum table lists (the tables themselves).
@@ -113,6 +113,19 @@ def check_tokenizer_config(directory: Path) -> None:
         check_chat_template(directory)
     except TokenizerConfigError as e:
         raise BuildError(str(e)) from None
+
+
+def check_engine_tokenizer(engine_dir: Path, vocab_size: int) -> None:
+    """`--check`: the engine's tokenizer.json (when it has one) loads and fits the vocabulary, as mtp-run and
+    mtp-serve load it (a resealed or hand-edited one used to pass and then crash their start-up)."""
+    try:
+        tok = load_tokenizer_file(engine_dir)
+    except TokenizerConfigError as e:
+        raise BuildError(str(e)) from None
+    n = 0 if tok is None else tok.get_vocab_size(with_added_tokens=True)
+    if n > vocab_size:
+        raise BuildError(f"{engine_dir / 'tokenizer.json'} has {n} tokens but the model's vocab_size is {vocab_size}; "
+                         "copy tokenizer.json again from the model's original checkpoint")  # fmt: skip
 
 
 def check_tokenizer(checkpoint: Path, vocab_size: int) -> str:

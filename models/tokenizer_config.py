@@ -1,6 +1,6 @@
-"""A checkpoint's (or engine directory's) tokenizer_config.json and its chat template, read and checked in one
-place: `mtp-build` (and `--check`) refuse a broken file with one line, and `mtp-serve` loads the template with
-the same code, so a file that passed the build cannot crash the server's start-up with a traceback."""
+"""A checkpoint's (or engine directory's) tokenizer_config.json and its chat template, and its tokenizer.json, read
+and checked in one place: `mtp-build` (and `--check`) refuse a broken file with one line, and `mtp-run` /
+`mtp-serve` load them with the same code, so a file that passed the check cannot crash a start-up with a traceback."""
 
 from __future__ import annotations
 
@@ -64,3 +64,19 @@ def check_chat_template(directory: Path) -> None:
     except ImportError:
         return
     compile_chat_template(source, directory)
+
+
+def load_tokenizer_file(directory: Path) -> Any:
+    """directory/tokenizer.json as a `tokenizers.Tokenizer`, None when there is none; TokenizerConfigError (one line)
+    when it does not load (the tokenizers library raises a bare Exception: "key must be a string at line 1 ...")."""
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises Exception itself
+        why = " ".join(str(e).split())[:200]
+        raise TokenizerConfigError(f"{path} does not load ({type(e).__name__}: {why}); copy tokenizer.json again "
+                                   "from the model's original checkpoint, or rebuild the engine") from None  # fmt: skip

@@ -26,13 +26,11 @@ EXECUTORS = ("auto", "compiled", "onnxruntime", "torch", "tensorrt")
 
 
 def load_tokenizer(directory: Path):
-    """tokenizer.json via the `tokenizers` library, or None when the directory has none."""
-    path = directory / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
+    """tokenizer.json via the `tokenizers` library, or None when the directory has none; one that does not load is
+    a TokenizerConfigError (a ValueError: one line and exit 2 from mtp-run and mtp-serve)."""
+    from models.tokenizer_config import load_tokenizer_file
 
-    return Tokenizer.from_file(str(path))
+    return load_tokenizer_file(directory)
 
 
 def create_engine(

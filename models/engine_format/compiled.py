@@ -4,14 +4,22 @@
 `aoti` in `graphs`) and records `build.compiled`: the Inductor settings, the torch version and the CPU's
 vector ISA it was compiled for. A package is native code for one torch build and one ISA: `compiled_problem`
 says why this installation cannot run it (the runtime then refuses with one line, or `auto` falls back to
-ONNX Runtime). The ONNX graphs stay in the directory either way (the interchange for TensorRT).
+ONNX Runtime). The ONNX graphs stay in the directory either way (the interchange for TensorRT). `load_package` is
+the one place a package is loaded (the compiled executor, `mtp-build --check`): a failure is one line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import shutil
+import zipfile
+from pathlib import Path
 from typing import Any
 
 from models.engine_format.config import EngineConfig
+from models.engine_format.paths import EngineDirError
 
 AOTI_KIND = "aoti"  # graph kind in config.json's `graphs`, and the package name suffix (main.aoti.pt2)
 # `build.compiled.fp8` of an engine whose packages store FP8 release weights as released (absent otherwise): this
@@ -65,3 +73,66 @@ def compiled_problem(cfg: EngineConfig) -> str | None:
                     "installation does not have; install the mtp-engine version that built it, or rebuild with "
                     "`mtp-build --compile aoti --force`")
     return None
+
+
+def extraction_dir() -> Path:
+    """Where AOTInductor unpacks a package to load it: the C++ loader's temporary directory (libstdc++'s
+    temp_directory_path: $TMPDIR, $TMP, $TEMP, $TEMPDIR, else /tmp), not Python's tempfile (which skips a bad one)."""
+    for var in ("TMPDIR", "TMP", "TEMP", "TEMPDIR"):
+        if os.environ.get(var):
+            return Path(os.environ[var])
+    return Path("/tmp")
+
+
+def load_package(cfg: EngineConfig, path: Path) -> Any:
+    """The AOTInductor package at `path` (a torch AOTICompiledModel), or EngineDirError in one line: a damaged
+    package (it is not a readable zip: rebuild), or one that could not be unpacked (a full or unwritable
+    temporary directory: the line names it and TMPDIR). The loader unpacks every package into a fresh
+    aotinductor_* folder there and, when that fails, leaves the folder behind (twice: torch retries once);
+    those are removed here. Only folders that appeared during this call and hold nothing but this package's
+    own folder are touched."""
+    import torch
+
+    rel = str(path.relative_to(cfg.path)) if path.is_relative_to(cfg.path) else path.name
+    tmp = extraction_dir()
+    before = _aoti_folders(tmp)
+    quiet = logging.getLogger("torch._inductor.package.package")  # "Loading outdated pt2 file" before its retry
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return torch._inductor.aoti_load_package(str(path))
+    except RuntimeError as e:
+        own = path.name.removesuffix(".pt2")
+        for folder in _aoti_folders(tmp) - before:
+            with contextlib.suppress(OSError):
+                if {p.name for p in folder.iterdir()} <= {own}:
+                    shutil.rmtree(folder)
+        reason = " ".join(str(e).split())
+        reason = reason if len(reason) <= 160 else f"{reason[:80]} ... {reason[-70:]}"  # both ends say what failed
+        damaged = _zip_problem(path)
+        if damaged is not None:
+            raise EngineDirError(f"engine file {rel} in {cfg.path} is damaged ({damaged}); rebuild it with "
+                                 f"`mtp-build --checkpoint CKPT --output {cfg.path} --force`") from None  # fmt: skip
+        size_mb = max(1, -(-path.stat().st_size // (1 << 20)))
+        raise EngineDirError(f"engine file {rel} could not be unpacked into the temporary directory {tmp} ({reason}); "
+                             f"the package is intact: free space there (it needs about {size_mb} MB per package) or "
+                             "point TMPDIR at a writable directory with room") from None  # fmt: skip
+    finally:
+        quiet.setLevel(level)
+
+
+def _aoti_folders(tmp: Path) -> set[Path]:
+    try:
+        return {p for p in tmp.iterdir() if p.name.startswith("aotinductor_") and p.is_dir()}
+    except OSError:  # not a directory (then nothing was unpacked there either)
+        return set()
+
+
+def _zip_problem(path: Path) -> str | None:
+    """Why the package is not an intact zip (a .pt2 is one), or None."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        return f"not a readable package: {' '.join(str(e).split())[:120]}"
+    return None if bad is None else f"its member {bad} fails its CRC check"

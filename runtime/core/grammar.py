@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from runtime.core.schema_support import unsupported_keyword
+
 if TYPE_CHECKING:
     from runtime.core.request import Request
 
@@ -78,6 +80,9 @@ class GrammarCompiler:
             raise GrammarError(f"{kind} does not compile: {first}") from None
 
     def json_schema(self, schema: dict | str, strict: bool = True) -> Grammar:
+        unsupported = unsupported_keyword(schema)
+        if unsupported is not None:  # xgrammar would drop it with a log warning and the output could break it
+            raise GrammarError(f"json_schema: {unsupported.message}")
         text = schema if isinstance(schema, str) else json.dumps(schema)
         # no free whitespace: a model may otherwise emit whitespace until max_tokens and never close the object
         return self._compile("json_schema", self._compiler.compile_json_schema, text, any_whitespace=False,

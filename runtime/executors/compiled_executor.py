@@ -29,7 +29,7 @@ import plugins.collectives  # noqa: F401  (registers the ops the packages call b
 import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from models.engine_format import EngineConfig, EngineDirError, load_engine_config
-from models.engine_format.compiled import AOTI_KIND, compiled_problem
+from models.engine_format.compiled import AOTI_KIND, compiled_problem, load_package
 from models.engine_format.graph_io import SPECS, GraphSpec
 from plugins.kv_pool import allocate_pool, pool_address
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
@@ -85,7 +85,7 @@ class CompiledExecutor:
         cfg, spec = self.config, SPECS[name]
         path = cfg.graph_file(rank, name, AOTI_KIND)
         assert path is not None
-        loader = torch._inductor.aoti_load_package(str(path)).loader
+        loader = load_package(cfg, path).loader
         lim, width = cfg.limits, cfg.kv.table_width
         rows = {"tokens": lim.max_num_tokens, "logit_rows": lim.max_num_tokens, "rows": lim.max_num_tokens,
                 "requests": lim.max_batch, "max_blocks": width, "H": cfg.model.hidden_size}  # fmt: skip

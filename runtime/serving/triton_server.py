@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from string import Template
 
+from models.tokenizer_config import TokenizerConfigError, load_tokenizer_file
 from runtime.core.draft_length import parse_num_draft_tokens
 from runtime.factory import EXECUTORS
 from runtime.multirank.parallel import launched_by_mpi, mpi_world
@@ -54,6 +55,10 @@ def write_model_repo(out: Path, *, engine: Path | None = None, checkpoint: Path 
     for label, path in (("--engine", engine), ("--checkpoint", checkpoint)):
         if path is not None and not Path(path).is_dir():
             raise ServeError(f"{label} {path} is not a directory")
+    try:  # the model loads it inside tritonserver, where a bad one is a traceback in its log: say it here, in one line
+        load_tokenizer_file(Path(engine if engine is not None else checkpoint or ""))
+    except TokenizerConfigError as e:
+        raise ServeError(str(e)) from None
     executor = executor or "auto"  # the engine picks: runtime/factory.py resolve_executor
     if executor not in EXECUTORS:
         raise ServeError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")

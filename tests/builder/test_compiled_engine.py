@@ -174,6 +174,71 @@ def test_check_refuses_a_resealed_wrong_package(compiled, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "main.aoti.pt2" in err
 
 
+def _start_up_lines(capsys, argv_tail: list[str]) -> dict[str, tuple[int, list[str]]]:
+    """(exit code, stderr lines) of mtp-run and `mtp-serve --frontend openai` started on an engine (in process)."""
+    from runtime import cli as run_cli
+    from runtime.serving.process import free_ports
+    from runtime.serving.triton_server import main as serve_main
+
+    out = {}
+    capsys.readouterr()
+    rc = run_cli.main([*argv_tail, "--prompt", "x", "--max-tokens", "2"])
+    out["mtp-run"] = rc, capsys.readouterr().err.strip().splitlines()
+    rc = serve_main(["--frontend", "openai", *argv_tail, "--port", str(free_ports(1)[0])])
+    out["mtp-serve"] = rc, capsys.readouterr().err.strip().splitlines()
+    return out
+
+
+def test_a_damaged_package_is_one_line_at_start_up(compiled, tmp_path, capsys):
+    """A truncated .pt2 sealed in the manifest: mtp-run said "RuntimeError: Failed to initialize zip archive ... rerun
+    with --debug" (exit 1) after torch's "Loading outdated pt2 file" warning, mtp-serve a 35-line traceback."""
+    copy = tmp_path / "copy"
+    shutil.copytree(compiled, copy)
+    pkg = copy / "rank0" / "main.aoti.pt2"
+    pkg.write_bytes(pkg.read_bytes()[: pkg.stat().st_size // 2])
+    write_engine_config(load_engine_config(copy, verify_checksums=False))
+    for prog, (rc, lines) in _start_up_lines(capsys, ["--engine", str(copy), "--executor", "compiled"]).items():
+        assert rc == 2 and len(lines) == 1, (prog, lines)
+        assert lines[0].startswith(f"{prog}: error: engine file rank0/main.aoti.pt2 in {copy} is damaged (")
+        assert f"rebuild it with `mtp-build --checkpoint CKPT --output {copy} --force`" in lines[0]
+
+
+@contextlib.contextmanager
+def _full_disk(limit_bytes: int):
+    """Every write past `limit_bytes` into a file fails (EFBIG) while inside, as on a full disk (ENOSPC): the soft
+    RLIMIT_FSIZE, with SIGXFSZ ignored so that the write fails instead of killing the process. Restored after."""
+    import resource
+    import signal
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+
+
+def test_no_room_to_unpack_the_packages_is_one_line_and_leaves_nothing(compiled, tmp_path, capsys, monkeypatch):
+    """The packages are unpacked into $TMPDIR to load. With no room there (each .so is ~1.7 MB; writes past 512 KiB
+    fail) mtp-serve printed a 30-line traceback and two empty aotinductor_* folders stayed behind per start; with
+    TMPDIR naming a file, the same. Now one line naming the directory and the fix, exit 2, and no folder left."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    with _full_disk(512 << 10):
+        started = _start_up_lines(capsys, ["--engine", str(compiled), "--executor", "compiled"])
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "a-file"))
+    started["TMPDIR=file"] = _start_up_lines(capsys, ["--engine", str(compiled), "--executor", "compiled"])["mtp-run"]
+    for prog, (rc, lines) in started.items():
+        assert rc == 2 and len(lines) == 1, (prog, lines)
+        assert "could not be unpacked into the temporary directory" in lines[0] and "point TMPDIR at" in lines[0]
+    assert f"directory {tmp} (" in started["mtp-run"][1][0] and f"{tmp_path / 'a-file'} (" in started["TMPDIR=file"][1][0]
+    assert not list(tmp.glob("aotinductor_*")), list(tmp.iterdir())
+
+
 def test_compile_needs_onnxruntime(checkpoint, tmp_path, capsys):
     """Multi-rank compiled engines are tests/runtime/test_mpi_tp.py's; TensorRT engines have no CPU packages."""
     argv = ["--checkpoint", str(checkpoint), "--output", str(tmp_path / "e"), "--compile", "aoti", "--backend",

@@ -1,5 +1,6 @@
 """A broken tokenizer_config.json or chat template is refused by `mtp-build` and `mtp-build --check` with one line
-(mtp-serve --frontend openai loads both at start-up: it used to crash there with a 26-line traceback)."""
+(mtp-serve --frontend openai loads both at start-up: it used to crash there with a 26-line traceback), and so is a
+tokenizer.json that does not load, by `--check`, `mtp-run` and both `mtp-serve` frontends."""
 
 from __future__ import annotations
 
@@ -60,3 +61,25 @@ def test_a_good_chat_template_passes(engine, tmp_path, capsys):
     (copy / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0].content }}"}))
     reseal_manifest(copy, **{"tokenizer_config.json": sha256_file(copy / "tokenizer_config.json")})
     assert cli.main(["--check", str(copy)]) == 0
+
+
+def test_a_tokenizer_json_that_does_not_load_is_one_line_everywhere(engine, tmp_path, capsys):
+    """Sealed in the manifest, `--check` passed it, and `mtp-serve --frontend openai` crashed with a 22-line traceback
+    (mtp-run: a line ending "rerun with --debug", exit 1). Now one line naming the file and the fix, exit 2, from
+    `--check`, mtp-run, the OpenAI frontend and the Triton frontend's model-repository step."""
+    from runtime import cli as run_cli
+    from runtime.serving.process import free_ports
+    from runtime.serving.triton_server import main as serve_main
+
+    copy = copy_engine(engine, tmp_path)
+    (copy / "tokenizer.json").write_text('{"model": {"type": "WordLevel", "vocab": [1, 2]')
+    reseal_manifest(copy, **{"tokenizer.json": sha256_file(copy / "tokenizer.json")})
+    why = re.escape(str(copy / "tokenizer.json")) + r" does not load \(.+\); copy tokenizer.json again from"
+    assert cli.main(["--check", str(copy)]) == 2
+    _one_line(capsys, "check failed: " + why)
+    assert run_cli.main(["--engine", str(copy), "--prompt", "w1", "--max-tokens", "2"]) == 2
+    _one_line(capsys, "mtp-run: error: " + why)
+    assert serve_main(["--frontend", "openai", "--engine", str(copy), "--port", str(free_ports(1)[0])]) == 2
+    _one_line(capsys, "mtp-serve: error: " + why)
+    assert serve_main(["--model-repo", str(tmp_path / "repo"), "--engine", str(copy), "--generate-only"]) == 2
+    _one_line(capsys, "mtp-serve: error: " + why)

@@ -20,6 +20,7 @@ from runtime.core.grammar import GrammarCompiler
 from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
 from tests.runtime.openai_helpers import TINY, client_fixture, server_fixture
+from tests.runtime.test_schema_support import REFUSED
 
 pytestmark = pytest.mark.timeout(600)
 MAX_TOKENS = 96
@@ -152,11 +153,33 @@ def test_bad_constraints_are_400(client, extra, needle, param):
     assert "/project/cpp" not in e.value.message
 
 
+@pytest.mark.parametrize("schema, keyword, path", [case[:3] for case in REFUSED],
+                         ids=[f"{k}@{p}" for _, k, p, _ in REFUSED])  # fmt: skip
+def test_a_schema_keyword_the_grammar_cannot_enforce_is_400_naming_it(client, schema, keyword, path):
+    """xgrammar drops these with a log warning only: outputs broke the schema (or an unsatisfiable one got 200 and a
+    number) with finish_reason "stop". Now the request is refused before anything compiles, naming keyword and path."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as e:
+        _complete(client, "hi", max_tokens=2, extra_body={"response_format": fmt})
+    assert f"`{keyword}` at {path} is not enforced" in e.value.message and e.value.body["param"] == "response_format"
+
+
+def test_guided_json_and_chat_refuse_the_same_keywords(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        _complete(client, "hi", max_tokens=2, extra_body={"guided_json": json.dumps({"not": {}})})
+    assert "`not` at # is not enforced" in e.value.message and e.value.body["param"] == "guided_json"
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(openai.BadRequestError, match="`uniqueItems` at # is not enforced"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       response_format=fmt)  # fmt: skip
+
+
 def test_an_engine_failure_reaches_the_client_as_an_error(client):
-    """`{"$ref": "#"}` compiles to a grammar that admits no token: the engine aborts that request alone ("the grammar
-    refused emitted token ..."). The client used to get 200, empty text and finish_reason "stop"; now a 500 naming
-    the failure, or an error event in a stream, and the server goes on serving."""
-    bad = {"response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}}
+    """A grammar that admits no token (a left recursion with no way out): the engine aborts that request alone ("the
+    grammar refused emitted token ..."). The client used to get 200, empty text and finish_reason "stop"; now a 500
+    naming the failure, or an error event in a stream, and the server goes on serving. (The JSON schema that did
+    this, {"$ref": "#"}, is now refused up front: test_a_schema_keyword_the_grammar_cannot_enforce_is_400_naming_it.)"""
+    bad = {"guided_grammar": 'root ::= root "a"'}
     with pytest.raises(openai.InternalServerError) as e:
         _complete(client, "hi", max_tokens=8, extra_body=bad)
     assert "grammar refused" in e.value.message, e.value.message

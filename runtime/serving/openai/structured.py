@@ -4,7 +4,8 @@
 At most one constraint per request. Compiling runs off the event loop on a pool of its own (COMPILE_THREADS), so
 a slow compile never holds the default pool that tokenizes plain requests: a 67 KB schema took 29 s to compile,
 and eight at once made a grammar-free request wait 396 s. A constraint over `max_bytes` is a 400 naming the limit
-before anything compiles; a compile that runs past `timeout_s` is a 400 (the schema is too complex), one that
+before anything compiles, and so is a schema keyword the grammar would not enforce (runtime/core/schema_support.py:
+never relaxed silently); a compile that runs past `timeout_s` is a 400 (the schema is too complex), one that
 could not start within it a 503 (the compilers are busy); more than MAX_PENDING waiting is a 429. xgrammar caches
 compiled grammars (within a byte budget), so a schema sent again compiles once. The engine applies the grammar
 (runtime/core/grammar.py), with MTP too.
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from runtime.core.grammar import DEFAULT_GRAMMAR_CACHE_BYTES, Grammar, GrammarCompiler, GrammarError
+from runtime.core.schema_support import unsupported_keyword
 from runtime.serving.openai.protocol import ProtocolError
 
 
@@ -95,6 +97,9 @@ class Structured:
         if size > self.max_bytes:
             raise ProtocolError(f"{name} is {size} bytes, over this server's {self.max_bytes} (--grammar-max-bytes)",
                                 name)  # fmt: skip
+        unsupported = unsupported_keyword(arg) if kind == "json_schema" else None
+        if unsupported is not None:  # what the grammar would not enforce is refused, never silently relaxed
+            raise ProtocolError(f"{name}: {unsupported.message}", name)
         if self._pending >= MAX_PENDING:
             raise ProtocolError(f"{name}: {self._pending} grammars are compiling; retry later", name, status=429)
         started: list[float] = []
