@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from builder.options import BuildError
 
 T = TypeVar("T")
+EXIT_GRACE_S = 60.0  # how long a child that reported its result may take to exit before it is killed
 
 
 class _PipeReporter:
@@ -67,6 +68,7 @@ def run_in_child(fn: Callable[..., T], args: tuple, rep, what: str) -> T:
     proc = ctx.Process(target=_child, args=(sender, fn, args), daemon=True)
     proc.start()
     sender.close()
+    reported = False  # the child sent its result or its error: it is exiting on its own
     try:
         while True:
             try:
@@ -79,11 +81,15 @@ def run_in_child(fn: Callable[..., T], args: tuple, rep, what: str) -> T:
                 rep.step(msg[1])
             elif msg[0] == "done":
                 rep.done(msg[1], msg[2])
-            elif msg[0] == "ok":
-                return msg[1]
             else:
+                reported = True
+                if msg[0] == "ok":
+                    return msg[1]
                 raise msg[1]
     finally:
+        # A child that reported is let finish: killed while it exits, it leaves the semaphores its libraries made
+        # to the resource tracker, which then warns of "leaked semaphore objects" after every multi-rank build.
+        proc.join(timeout=EXIT_GRACE_S if reported else 0)
         if proc.is_alive():
             proc.kill()
         proc.join()
