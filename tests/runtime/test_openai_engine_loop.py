@@ -117,6 +117,10 @@ def test_bad_request_at_admission_is_an_error_event(engine):
 def test_protocol_refuses_unknown_fields_by_name_and_strict_types():
     with pytest.raises(P.ProtocolError, match="'frequency_penalty' is not supported"):
         P.parse(P.CompletionRequest, b'{"prompt": "x", "frequency_penalty": 2}')
+    # issue 31 item 9: LangChain's function calling sends parallel_tool_calls first; the refusal names `tools`
+    body = b'{"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": false, "tools": [{"type": "function"}]}'
+    with pytest.raises(P.ProtocolError, match=r"'tools' is not supported by this server \(no tool calling\)"):
+        P.parse(P.ChatCompletionRequest, body)
     with pytest.raises(P.ProtocolError, match="max_tokens"):
         P.parse(P.CompletionRequest, b'{"prompt": "x", "max_tokens": "3"}')
     req = P.parse(P.CompletionRequest, b'{"prompt": "x", "stop": "\\n", "temperature": 0, "presence_penalty": null}')

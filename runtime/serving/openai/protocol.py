@@ -113,6 +113,12 @@ class ChatCompletionRequest(_Common):
 SUPPORTED = sorted(set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields))
 
 
+# Unsupported features a client sends together with their modifiers (LangChain's function calling sends `tools`
+# with `parallel_tool_calls`): the refusal names the feature.
+FEATURES = {"tools": " (no tool calling)", "tool_choice": " (no tool calling)", "functions": " (no function calling)",
+            "function_call": " (no function calling)"}  # fmt: skip
+
+
 def parse(model: type[_Common], body: bytes) -> Any:
     """Validate a JSON body; raise ProtocolError naming the first bad field."""
     try:
@@ -123,8 +129,10 @@ def parse(model: type[_Common], body: bytes) -> Any:
         where = f"{loc}: " if loc else ""
         raise ProtocolError(f"{where}{err['msg']}", param=loc) from None
     extra = [k for k, v in (req.model_extra or {}).items() if v is not None]
+    extra.sort(key=lambda k: k not in FEATURES)  # name the feature, not a modifier of it (parallel_tool_calls)
     if extra:
-        raise ProtocolError(f"parameter {extra[0]!r} is not supported by this server; supported: "
+        what = FEATURES.get(extra[0], "")
+        raise ProtocolError(f"parameter {extra[0]!r} is not supported by this server{what}; supported: "
                             f"{', '.join(SUPPORTED)}", param=extra[0])  # fmt: skip
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise ProtocolError(f"n={req.n}: must be an int in [1, {MAX_N}] (choices per prompt)", param="n")
