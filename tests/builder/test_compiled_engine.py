@@ -203,6 +203,20 @@ def test_a_damaged_package_is_one_line_at_start_up(compiled, tmp_path, capsys):
         assert f"rebuild it with `mtp-build --checkpoint CKPT --output {copy} --force`" in lines[0]
 
 
+def test_a_flipped_byte_in_a_package_is_refused_before_serving(compiled, tmp_path, capsys):
+    """Issue 31 item 9: a package with one byte flipped (its manifest not resealed) is refused by mtp-run and
+    mtp-serve at start-up against the manifest's checksums, in one line, not served."""
+    copy = tmp_path / "copy"
+    shutil.copytree(compiled, copy)
+    pkg = copy / "rank0" / "main.aoti.pt2"
+    raw = bytearray(pkg.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    pkg.write_bytes(bytes(raw))
+    for prog, (rc, lines) in _start_up_lines(capsys, ["--engine", str(copy), "--executor", "compiled"]).items():
+        assert rc != 0 and len(lines) == 1, (prog, lines)
+        assert lines[0].startswith(f"{prog}: error: ") and "main.aoti.pt2" in lines[0] and "corrupted" in lines[0]
+
+
 @contextlib.contextmanager
 def _full_disk(limit_bytes: int):
     """Every write past `limit_bytes` into a file fails (EFBIG) while inside, as on a full disk (ENOSPC): the soft
