@@ -20,6 +20,19 @@ from models.config_hybrid import hybrid_fields, validate_hybrid
 
 # Gated DeltaNet + gated attention: Qwen3-Next, Qwen3.5 MoE and dense (text model, or the multimodal release)
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_5_text", "qwen3_5")
+# MTP families users ask for that the engine cannot run yet, each with what is missing (docs/MODELS.md).
+_DSA = ("DeepSeek Sparse Attention (the lightning indexer, its cached keys and per-query top-k) and the MTP layer's "
+        "own indexer are not implemented")  # fmt: skip
+NAMED_REFUSALS = {
+    "deepseek_v4": "DeepSeek-V4's MTP adds e_proj(embedding) + h_proj(hidden) instead of concatenating them, its hidden "
+                   "state has 4 hyper-connection lanes collapsed by hc_head, and its attention is compressed "
+                   "(C4A/C128A); none of these is implemented",
+    "deepseek_v32": f"DeepSeek-V3.2 is MLA plus sparse attention: {_DSA}",
+    "glm_moe_dsa": f"GLM-5 is MLA plus sparse attention: {_DSA}",
+    "glm5_next": f"GLM-5.3-Flash is MLA plus sparse attention with hyper-connections: {_DSA}, nor is hc_head",
+    "mimo_v2_flash": "MiMo-V2-Flash needs sliding-window attention with sinks, a per-layer window/full pattern and its "
+                     "three MTP modules (one per draft depth); none is implemented",
+}
 SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "mimo", *HYBRID_MODEL_TYPES)
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
 ROPE_TYPES = ("default", "yarn")
@@ -143,6 +156,9 @@ class ModelConfig:
             cfg = cls(**hybrid_fields(hf))
             cfg.validate()
             return cfg
+        if model_type in NAMED_REFUSALS:
+            raise ConfigError(f"model_type {model_type!r} is not supported: {NAMED_REFUSALS[model_type]} "
+                              "(docs/MODELS.md \"Not supported\")")  # fmt: skip
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"

@@ -59,6 +59,24 @@ def test_unsupported_architecture(checkpoint, tmp_path):
     assert not (tmp_path / "engine").exists()
 
 
+@pytest.mark.parametrize("model_type, missing", [("deepseek_v4", "hc_head"), ("deepseek_v32", "own indexer"),
+                                                  ("glm_moe_dsa", "lightning indexer"), ("glm5_next", "hc_head"),
+                                                  ("mimo_v2_flash", "three MTP modules")])  # fmt: skip
+def test_2026_families_are_refused_by_name_with_what_is_missing(tmp_path, capsys, model_type, missing):
+    """The config.json transformers writes for each family (its own defaults), as mtp-build meets it: one line
+    naming the family and what the engine lacks, nothing written."""
+    import transformers
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    transformers.AutoConfig.for_model(model_type).save_pretrained(ckpt)
+    out = tmp_path / "engine"
+    assert cli.main(["--checkpoint", str(ckpt), "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"model_type {model_type!r} is not supported: " in err[0] and missing in err[0], err
+    assert not out.exists()
+
+
 def test_output_that_is_not_an_engine_is_refused_even_with_force(checkpoint, tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
