@@ -1,0 +1,84 @@
+"""What weight quantization costs in output and buys in speed: two engines of one checkpoint, side by side.
+
+    python -m runtime.bench.quant_quality --checkpoint models/deep --engines ENGINE_FP32 ENGINE_INT8 \
+        --num-prompts 8 --max-tokens 64 --rounds 3 --k 0 2
+
+Greedy on held-out prompts (runners.make_workload, the bench's own workload). Quality, against the first engine:
+the fraction of generated tokens equal to its tokens at the same position, and the tokens generated before the
+first difference (greedy decoding diverges for good after one different token, so this is the stricter figure).
+MTP: the mean acceptance length at each K (a quantized main model drafts against itself through the commit
+pass; what changes is how well the float MTP head predicts the quantized main model). Speed: end-to-end
+generated tokens/s per engine and K, medians of interleaved rounds (engine A, engine B, A, B, ...), 1 thread
+unless --threads. Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from runtime.api import LLM, SamplingParams
+from runtime.bench.runners import make_workload
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
+    """Position-wise token agreement and the mean run of equal tokens before the first difference (pure)."""
+    same = total = 0
+    runs = []
+    for a, b in zip(reference, other, strict=True):
+        n = min(len(a), len(b))
+        same += sum(x == y for x, y in zip(a[:n], b[:n], strict=True))
+        total += max(len(a), len(b))
+        run = next((i for i in range(n) if a[i] != b[i]), n)
+        runs.append(run)
+    return {"token_agreement": same / max(total, 1), "mean_tokens_before_first_difference": statistics.mean(runs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint the engines were built from")
+    p.add_argument("--engines", type=Path, nargs=2, required=True, metavar=("REFERENCE", "OTHER"))
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--prompt-chars", type=int, default=400)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--k", type=int, nargs="+", default=[0, 2], help="K values (at most the engines' built K)")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    llms = {(str(e), k): LLM(e, executor="compiled", threads=args.threads, num_draft_tokens=k)
+            for e in args.engines for k in args.k}  # fmt: skip
+    first = next(iter(llms.values()))
+    work = make_workload(args.checkpoint, args.num_prompts, args.prompt_chars, first.engine.model_cfg.vocab_size,
+                         first.engine.tokenizer)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)  # end_id None: every request runs its length
+    seconds: dict[tuple[str, int], list[float]] = {}
+    tokens: dict[tuple[str, int], list[list[int]]] = {}
+    accept: dict[tuple[str, int], float] = {}
+    for _ in range(args.rounds):
+        for key, llm in llms.items():  # interleaved: every engine and K once per round
+            t0 = time.perf_counter()
+            outs = llm.generate(work.prompts, params, use_tqdm=False)
+            seconds.setdefault(key, []).append(time.perf_counter() - t0)
+            tokens[key] = [o.token_ids for o in outs]
+            accept[key] = statistics.mean(o.mean_acceptance_length for o in outs)
+    ref, other = (str(e) for e in args.engines)
+    generated = sum(len(t) for t in tokens[(ref, args.k[0])])
+    report = {
+        "workload": {"files": work.sources, "heldout": work.heldout, "max_tokens": args.max_tokens},
+        "quality_k0": agreement(tokens[(ref, args.k[0])], tokens[(other, args.k[0])]),
+        "tokens_per_s": {f"{Path(n).name} K={k}": generated / statistics.median(s) for (n, k), s in seconds.items()},
+        "acceptance_length": {f"{Path(n).name} K={k}": round(a, 3) for (n, k), a in accept.items() if k},
+        "threads": args.threads,
+    }
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        raise SystemExit(main())
+    except ValueError as e:  # ConfigError and the loaders' errors: a bad path or option, in one line
+        raise SystemExit(f"quant_quality: error: {e}") from None
