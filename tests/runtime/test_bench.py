@@ -166,3 +166,11 @@ def test_auto_guard_pairs_auto_with_k0_and_records_both_clocks(tmp_path):
     assert "| tiny | torch | 2 | 2 |" in p.stdout
     text = readme.read_text()  # the table went between the markers, the rest of the file untouched
     assert text.startswith("head\n") and text.endswith("tail\n") and "old" not in text and "| tiny | torch | 1 |" in text
+
+
+def test_quant_quality_agreement_counts_equal_positions_and_the_first_difference():
+    from runtime.bench.quant_quality import agreement
+
+    got = agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
+    assert got == {"token_agreement": 5 / 6, "mean_tokens_before_first_difference": (2 + 2) / 2}
+    assert agreement([[1, 2, 3]], [[1, 2]])["token_agreement"] == 2 / 3  # a shorter output counts as different
