@@ -12,6 +12,7 @@ import dataclasses
 import io
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,13 +152,19 @@ def test_check_verifies_the_packages(compiled, capsys):
     assert "compiled packages match the torch model on a probe batch" in " ".join(capsys.readouterr().out.split())
 
 
-def test_check_refuses_a_corrupted_package(compiled, tmp_path, capsys):
+def _copy_with_a_flipped_byte(engine: Path, tmp_path: Path) -> Path:
+    """A copy of the engine whose rank-0 main package has its middle byte flipped (the manifest not resealed)."""
     copy = tmp_path / "copy"
-    shutil.copytree(compiled, copy)
+    shutil.copytree(engine, copy)
     pkg = copy / "rank0" / "main.aoti.pt2"
     raw = bytearray(pkg.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     pkg.write_bytes(bytes(raw))
+    return copy
+
+
+def test_check_refuses_a_corrupted_package(compiled, tmp_path, capsys):
+    copy = _copy_with_a_flipped_byte(compiled, tmp_path)
     assert cli.main(["--check", str(copy)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "main.aoti.pt2" in err and "corrupted" in err
@@ -206,12 +213,7 @@ def test_a_damaged_package_is_one_line_at_start_up(compiled, tmp_path, capsys):
 def test_a_flipped_byte_in_a_package_is_refused_before_serving(compiled, tmp_path, capsys):
     """Issue 31 item 9: a package with one byte flipped (its manifest not resealed) is refused by mtp-run and
     mtp-serve at start-up against the manifest's checksums, in one line, not served."""
-    copy = tmp_path / "copy"
-    shutil.copytree(compiled, copy)
-    pkg = copy / "rank0" / "main.aoti.pt2"
-    raw = bytearray(pkg.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    pkg.write_bytes(bytes(raw))
+    copy = _copy_with_a_flipped_byte(compiled, tmp_path)
     for prog, (rc, lines) in _start_up_lines(capsys, ["--engine", str(copy), "--executor", "compiled"]).items():
         assert rc != 0 and len(lines) == 1, (prog, lines)
         assert lines[0].startswith(f"{prog}: error: ") and "main.aoti.pt2" in lines[0] and "corrupted" in lines[0]
