@@ -7,13 +7,15 @@
 
 Each fault lands while both ranks are inside decode step 3 (rank 1 held there by MTP_FAULT_STALL=1:3:600):
 host:   every process of host B killed;   daemon: only B's Open MPI daemon (prted);
-rank:   only B's rank;                    stall:  nothing killed (rank 1 stays stalled).
+rank:   only B's rank;                    stall:  nothing killed (rank 1 stays stalled);
+cut:    host B's link down (its root-side veth: the cable pulled), until mpirun exits.
 Prints, per run: mpirun's exit status, seconds from the fault to mpirun's exit and until no process is left in
 either host, and the lines from the engine and the launcher's banner heads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,7 +24,7 @@ import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from tests.multihost import namespace_hosts
+from tests.multihost import link_down, namespace_hosts
 from tests.runtime.test_mpi_hosts import ENV, MPIRUN, MTP_RUN, ROOT, _in_sleep, _rank_pid, _wait_empty
 
 BANNERS = ("mtp-run", "PRTE has lost", "A daemon failed to report", "prterun noticed that")
@@ -51,22 +53,29 @@ def once(engine: str, mode: str) -> str:
                     os.kill(p, signal.SIGKILL)
         elif mode == "rank":
             os.kill(pid, signal.SIGKILL)
-        try:
-            out, err = proc.communicate(timeout=TIMEOUT_S + 60)
-        except subprocess.TimeoutExpired:
-            for host in hosts.names:
-                hosts.kill_all(host)
-            out, err = proc.communicate()
-        ended = time.monotonic() - t0
-        left = _wait_empty(hosts, TIMEOUT_S + 30)
-        gone = time.monotonic() - t0
+        cut = link_down(hosts, b) if mode == "cut" else contextlib.nullcontext()
+        with cut:  # the cable stays out until every process is gone (or the wait gave up)
+            out, err = _wait_job(hosts, proc)
+            ended = time.monotonic() - t0
+            left = _wait_empty(hosts, 2 * TIMEOUT_S + 30)
+            gone = time.monotonic() - t0
         lines = [line for line in (out + err).splitlines() if line.startswith(BANNERS)]
         return (f"{mode}: exit {proc.returncode}, mpirun over after {ended:.2f} s, all gone after {gone:.2f} s"
                 f"{f' (left: {left})' if left else ''}; lines: {lines}")  # fmt: skip
 
 
+def _wait_job(hosts, proc: subprocess.Popen) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=TIMEOUT_S + 60)
+    except subprocess.TimeoutExpired:
+        for host in hosts.names:
+            hosts.kill_all(host)
+        out, err = proc.communicate()
+        return out, err + "[mpirun timed out]"
+
+
 def main(argv: list[str]) -> int:
-    engine, modes = argv[0], argv[1:] or ["host", "daemon", "rank", "stall"]
+    engine, modes = argv[0], argv[1:] or ["host", "daemon", "rank", "stall", "cut"]
     for mode in modes:
         print(once(engine, mode), flush=True)
     return 0
