@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from tests.multihost import KEEPALIVE_ARGS, link_down, namespace_hosts, shaped_link
+from tests.multihost import KEEPALIVE_ARGS, link_down, namespace_hosts, qdisc_unavailable, shaped_link
 from tests.runtime.test_mpi_hosts import (
     ENV,
     MPIRUN,
@@ -93,6 +93,9 @@ def _wait_job(hosts, proc: subprocess.Popen) -> tuple[str, str]:
 
 def slow(engine: str, qdisc: str) -> str:
     """The slow-link row: the EP2 run (K=2) with every host's sends shaped by `tc qdisc ... QDISC` ("" = none)."""
+    reason = qdisc_unavailable(qdisc.split()[0]) if qdisc else None
+    if reason:
+        return f"slow:{qdisc}: not measured: {reason}"
     flags = [*PROMPTS, "--max-tokens", "16", "--json", "--num-draft-tokens", "2", "--prefill-chunk", "2"]
     with TemporaryDirectory() as tmp, namespace_hosts(Path(tmp)) as hosts:
         shaped = shaped_link(hosts, qdisc.split()) if qdisc else contextlib.nullcontext()

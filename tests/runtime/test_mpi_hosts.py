@@ -1,7 +1,9 @@
 """mpirun across hosts (issue 31): two network-namespace hosts (tests/multihost.py), one rank per host, ranks on
 TCP over the hosts' veth pairs. The EP2 engine's greedy output equals the single process's; a host lost
-mid-decode ends the job non-zero within --collective-timeout with one line naming the lost peer, and nothing is
-left running in either host. Every launch has a timeout (and the module a pytest timeout): a hang fails."""
+mid-decode ends the job within --collective-timeout, the launcher's banner naming the lost host, and nothing is
+left running in either host; a link cut mid-decode ends every rank through its watchdog (and the whole job, with
+the daemons' keepalive short); a slow link gives the same tokens. Every launch has a timeout (and the module a
+pytest timeout): a hang fails."""
 
 from __future__ import annotations
 
