@@ -247,7 +247,7 @@ def _ranks_left(hosts) -> list[str]:
 
 def test_link_cut_mid_decode_ranks_leave_through_their_watchdogs(hosts, tiny_ep2_engine):
     """Host B's cable pulled (its veth down: nothing comes back, the connections just go silent) while both ranks
-    are inside decode step 3, with the launch line as documented. Rank 0 (waiting in the collective) leaves
+    are inside decode step 3, with Open MPI's default keepalive. Rank 0 (waiting in the collective) leaves
     through its watchdog at --collective-timeout with its one line naming the step; rank 1 (the held one, whose
     deadline is one timeout later) at twice that. Open MPI's own processes are another matter: prterun and B's
     prted wait on their silent connection for as long as the cable is out (measured: still there after 600 s),
