@@ -28,6 +28,11 @@ MCA_ARGS = ("--mca", "pml", "ob1",  # without it the launch hung (issue 31): ob1
             "--mca", "btl", "tcp,self",  # no shared memory: the namespaces share /dev/shm, real hosts do not
             "--mca", "btl_tcp_if_include", SUBNET,  # the ranks' traffic on the hosts' veth, not loopback
             "--prtemca", "oob_tcp_if_include", SUBNET)  # the daemons' out-of-band channel too  # fmt: skip
+# Optional: the daemons' TCP keepalive, short, so a silent link (a cable pulled, a switch port dead: no reset comes
+# back) is noticed by prterun and by the far host's prted within ~3 + 3 x 1 s. Without it Open MPI keeps waiting on
+# the silent connection (docs/RUNTIME.md "Across hosts", link cut).
+KEEPALIVE_ARGS = ("--prtemca", "oob_tcp_keepalive_time", "3", "--prtemca", "oob_tcp_keepalive_intvl", "1",
+                  "--prtemca", "oob_tcp_keepalive_probes", "3")  # fmt: skip
 
 
 def unavailable() -> str | None:
@@ -72,6 +77,10 @@ class Hosts:
         out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
+    def veth(self, host: str) -> str:
+        """The root-namespace end of `host`'s link: the host's "cable" into the bridge (its "switch port")."""
+        return self.veths[self.names.index(host)]
+
     def kill_all(self, host: str, sig: int = signal.SIGKILL) -> list[int]:
         """Send `sig` to every process inside host's namespace; the pids signalled."""
         pids = self.pids(host)
@@ -91,6 +100,50 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def _links() -> set[str]:
     out = _ip("-o", "link", "show").stdout
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}
+
+
+def qdisc_unavailable(kind: str) -> str | None:
+    """Why this kernel cannot attach a `kind` queueing discipline (tc qdisc; netem needs the sch_netem module),
+    probed on a throwaway veth pair in a throwaway namespace; None when it can."""
+    if shutil.which("tc") is None:
+        return "tc (iproute2) not found"
+    probe = f"mtpq{os.getpid() % 100000:05d}"
+    try:
+        _ip("netns", "add", probe)
+        _ip("-n", probe, "link", "add", "q0", "type", "veth", "peer", "name", "q1")
+        args = {"netem": ["delay", "1ms"], "tbf": ["rate", "1mbit", "burst", "32kbit", "latency", "400ms"]}[kind]
+        proc = subprocess.run(["tc", "-n", probe, "qdisc", "add", "dev", "q0", "root", kind, *args],
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        return None if proc.returncode == 0 else f"tc qdisc {kind}: {proc.stderr.strip()} (kernel lacks sch_{kind})"
+    finally:
+        _ip("netns", "delete", probe, check=False)
+
+
+@contextlib.contextmanager
+def link_down(hosts: Hosts, host: str) -> Iterator[None]:
+    """`host`'s cable pulled: its root-side veth down (the host's own eth0 loses carrier; nothing is sent back, so
+    the other host's TCP connections to it just go silent). Restored on leaving the block."""
+    _ip("link", "set", hosts.veth(host), "down")
+    try:
+        yield
+    finally:
+        _ip("link", "set", hosts.veth(host), "up", check=False)
+
+
+@contextlib.contextmanager
+def shaped_link(hosts: Hosts, qdisc: list[str]) -> Iterator[None]:
+    """Every host's outgoing traffic shaped by `tc qdisc add dev eth0 root QDISC` in its namespace, so both
+    directions are: ["netem", "delay", "50ms"] is 50 ms each way (100 ms round trip). Removed on leaving."""
+    try:
+        for host in hosts.names:
+            proc = subprocess.run(["tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", *qdisc],
+                                  capture_output=True, text=True, timeout=30)  # fmt: skip
+            if proc.returncode != 0:
+                raise RuntimeError(f"tc qdisc add ... {' '.join(qdisc)} in {host} failed: {proc.stderr.strip()}")
+        yield
+    finally:
+        for host in hosts.names:
+            subprocess.run(["tc", "-n", host, "qdisc", "del", "dev", "eth0", "root"], capture_output=True, timeout=30)
 
 
 def leftovers(hosts: Hosts) -> list[str]:
