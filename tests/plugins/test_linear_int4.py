@@ -119,8 +119,9 @@ def test_a_row_does_not_depend_on_the_batch(isa: str) -> None:
 @pytest.mark.parametrize("m", [1, 3, 20])
 def test_threads_do_not_change_the_result(m: int) -> None:
     """at::parallel_for splits output features (few rows) or tile rows (many): each value is computed by the same
-    operations whatever thread runs it."""
-    x, w, s, b = _case(5, m, 1000, 384, 32, True)
+    operations whatever thread runs it. K = 768: at M = 1 that is enough work for grain_for to give both threads a
+    share (384 would run inline)."""
+    x, w, s, b = _case(5, m, 1000, 768, 32, True)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
