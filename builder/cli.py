@@ -81,7 +81,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", default="none", choices=QUANTIZES,
                    help="int8: the compiled engine stores its dense linears (attention, dense MLPs, shared experts; "
                    "not the embeddings, LM head or router) and its routed experts as weight-only int8 with "
-                   "per-channel scales (lossy, half the bytes of bf16); single rank, float checkpoints only")  # fmt: skip
+                   "per-channel scales (lossy, half the bytes of bf16); int4: the dense linears whose input width is a multiple of "
+                   "32 as group-wise int4 (0.625 bytes per weight), the rest as int8; single rank, float checkpoints only")  # fmt: skip
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     return p
 

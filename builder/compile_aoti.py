@@ -35,8 +35,8 @@ import torch
 from builder.export import dynamic_shapes
 from builder.graphs import SPECS, WRAPPERS, example_inputs
 from builder.options import BuildError
-from builder.quantized_weights import LINEAR, fp8_weights, int8_weights
-from models.engine_format.compiled import AOTI_KIND, FP8_FORMAT, INT8_FORMAT, host_isa
+from builder.quantized_weights import LINEAR, fp8_weights, int4_weights, int8_weights
+from models.engine_format.compiled import AOTI_KIND, FP8_FORMAT, INT4_FORMAT, INT8_FORMAT, host_isa
 from models.fp8 import Fp8Weight
 from models.glm4_moe import Glm4MoeMTPModel
 from plugins.kv_pool import KVPoolGeometry
@@ -191,12 +191,15 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
                   quantize: str = "none") -> dict[str, Any]:  # fmt: skip
     """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json).
     fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them.
-    quantize "int8": the dense linears' and routed experts' weights stored int8 (`int8_weights`)."""
+    quantize "int8": the dense linears' and routed experts' weights stored int8 (`int8_weights`); "int4": the dense
+    linears whose input width the group divides stored int4 (`int4_weights`), the rest of int8's weights int8."""
 
     def convert(program: torch.export.ExportedProgram, bf16: bool) -> dict[str, Any]:
         stats: dict[str, Any] = (fp8_weights(program, fp8) if fp8
                                  else {"fp8_weights": 0, "fp8_linears": 0, "fp8_experts": 0})  # fmt: skip
-        if quantize == "int8":
+        if quantize == "int4":
+            stats.update(int4_weights(program))  # first: int8_weights then takes only the fp32 weights left
+        if quantize in ("int8", "int4"):
             stats.update(int8_weights(program))
         return {**stats, **(bf16_weights(program) if bf16 else {"bf16_weights": 0})}
 
@@ -228,7 +231,8 @@ def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, 
     """Compile every graph of this rank next to its ONNX files; adds `aoti` paths to `graphs`. `track` shows the
     graphs as a progress bar (the builder's reporter); each graph's compile time goes into its record. fp8: the
     rank's FP8 weights as released; when some graph stores them, the record's `fp8` says how (FP8_FORMAT).
-    quantize "int8": the record's `int8` says how (INT8_FORMAT), with the op and the quantized weights' names."""
+    quantize "int8": the record's `int8` says how (INT8_FORMAT), with the op and the quantized weights' names; "int4":
+    also `int4` (INT4_FORMAT) for the weights stored int4."""
     info: dict[str, Any] = {}
     for name in track(list(graphs), "AOTInductor compile"):
         path = rdir / f"{name}.{AOTI_KIND}.pt2"
@@ -246,4 +250,7 @@ def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, 
         ops = [op for op, n in (("linear_int8", "int8_linears"), ("moe_experts_int8", "int8_experts"))
                if any(g.get(n) for g in info.values())]  # fmt: skip
         record["int8"] = {**INT8_FORMAT, "ops": ops, "weights": int8_names}
+    int4_names = sorted({w for g in info.values() for w in g.pop("int4_names", [])})
+    if int4_names:
+        record["int4"] = {**INT4_FORMAT, "ops": ["linear_int4"], "weights": int4_names}
     return record

@@ -29,7 +29,7 @@ from builder.options import BuildError
 from models.engine_format import EngineConfig, EngineDirError
 from models.engine_format.compiled import AOTI_KIND, compiled_info, compiled_problem, load_package
 from plugins.kv_pool import allocate_pool, pool_address
-from plugins.reference import dequantize_int8_ref, quantize_int8
+from plugins.reference import dequantize_int4_ref, dequantize_int8_ref, quantize_int4, quantize_int8
 
 TOLERANCE = 1e-4  # fp32 math on both sides: differences are summation order only (~1e-6 measured)
 CHECK_TIMEOUT_S = 300  # the multi-rank probe under mpirun (loads each rank's shard and packages: seconds here)
@@ -126,13 +126,17 @@ def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
 def as_built(cfg: EngineConfig, model):
     """The torch model the packages implement: with `--quantize int8` (build.compiled.int8), each weight it names
     replaced, in place, by its int8 dequantization (the values mtp::linear_int8 and mtp::moe_experts_int8 multiply
-    by; quantize_int8 scales an expert's rows on their own, as the build did)."""
-    int8 = (compiled_info(cfg) or {}).get("int8")
-    if int8:
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name in int8["weights"]:
-                params[name].copy_(dequantize_int8_ref(*quantize_int8(params[name])))
+    by; quantize_int8 scales an expert's rows on their own, as the build did); with `--quantize int4`, those named in
+    build.compiled.int4 by their int4 dequantization (mtp::linear_int4's values) and the rest as with int8."""
+    info = compiled_info(cfg) or {}
+    int8, int4 = info.get("int8"), info.get("int4")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in int8["weights"] if int8 else []:
+            params[name].copy_(dequantize_int8_ref(*quantize_int8(params[name])))
+        group = int(int4["group_size"]) if int4 else 0
+        for name in int4["weights"] if int4 else []:
+            params[name].copy_(dequantize_int4_ref(*quantize_int4(params[name], group), group))
     return model
 
 

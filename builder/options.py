@@ -24,8 +24,9 @@ BACKENDS = ("onnxruntime", "tensorrt")
 COMPILES = ("auto", "none", "aoti")
 # --quantize: "int8" stores the compiled engine's dense linears and routed experts as weight-only int8
 # (builder/quantized_weights.py int8_weights, mtp::linear_int8, mtp::moe_experts_int8); "none" keeps the checkpoint's
-# weights.
-QUANTIZES = ("none", "int8")
+# weights. "int4" stores the dense linears whose input width is a multiple of the group (32) as group-wise int4
+# (int4_weights, mtp::linear_int4) and the rest int8 takes as int8 (the routed experts: no int4 experts kernel yet).
+QUANTIZES = ("none", "int8", "int4")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -133,7 +134,7 @@ class BuildOptions:
                              "(aoti) engine reads int8 weights; drop --compile none")  # fmt: skip
         if self.quantize != "none" and self.world_size > 1:
             raise BuildError(f"--quantize {self.quantize} with --world-size {self.world_size} is not supported yet: "
-                             "int8 weights are single-rank only for now; build with --world-size 1 or drop --quantize")  # fmt: skip
+                             "quantized weights are single-rank only for now; build with --world-size 1 or drop --quantize")  # fmt: skip
         if self.backend == "onnxruntime" and self.dtype != "float32":
             raise BuildError(
                 f"--backend onnxruntime supports --dtype float32 only (its plugin ops are onnxruntime-extensions "

@@ -10,6 +10,12 @@ single-rank routed experts call `mtp::moe_experts_fp8`.
 at build time, symmetric per output channel (plugins/reference.py quantize_int8; each expert's rows on their own),
 stored int8 + fp32 scales and read by `mtp::linear_int8` / `mtp::moe_experts_int8` (fp32 math): 1 byte per weight,
 lossy (the engine decodes its own quantized model, which `mtp-build --check` probes against).
+
+`--quantize int4` (`int4_weights`, then `int8_weights` for the rest): the dense linears whose input width K is a
+multiple of the group (INT4_GROUP, 32) are stored as group-wise int4 (plugins/reference.py quantize_int4: one fp32
+scale per 32 input features of a row, two values per byte, 0.625 bytes per weight) and read by `mtp::linear_int4`;
+the other weights `--quantize int8` takes (the routed experts, which have no int4 kernel yet, and linears whose K the
+group does not divide) are stored int8 as there.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from torch._guards import detect_fake_mode
 from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
 from models.fp8 import Fp8Weight
-from plugins.reference import dequantize_fp8_experts_ref, dequantize_fp8_ref, quantize_int8
+from plugins.reference import INT4_GROUP, dequantize_fp8_experts_ref, dequantize_fp8_ref, quantize_int4, quantize_int8
 
 LINEAR = torch.ops.aten.linear.default  # aten.linear, what export gives F.linear / nn.Linear
 
@@ -177,6 +183,42 @@ def int8_weights(program: torch.export.ExportedProgram, prefix: str = "model.") 
     program.graph_module.recompile()
     names = sorted(key.removeprefix(prefix) for key, _ in chosen.values())
     return {"int8_weights": len(chosen), "int8_linears": linears, "int8_experts": experts, "int8_names": names}
+
+
+def int4_weights(program: torch.export.ExportedProgram, prefix: str = "model.") -> dict[str, Any]:
+    """`mtp-build --quantize int4`: store as group-wise int4 (plugins/reference.py quantize_int4, INT4_GROUP input
+    features per fp32 scale; the constant `<weight>_int4_scale`) every fp32 weight [N, K] int8_weights would take for a
+    linear whose K the group divides, and rewrite its uses into `mtp::linear_int4`. Run it before `int8_weights`,
+    which then takes the fp32 weights left (the routed experts, the linears of other K). Returns {"int4_weights":
+    count, "int4_linears": linears rewritten, "int4_names": the quantized weights' names less `prefix`}."""
+    sig, graph = program.graph_signature, program.graph_module.graph
+    chosen: dict[torch.fx.Node, tuple[str, torch.Tensor]] = {}
+    for node in [n for n in graph.nodes if n.op == "placeholder"]:
+        key = sig.inputs_to_parameters.get(node.name)
+        value = program.state_dict.get(key) if key else None
+        if value is None or value.dtype != torch.float32 or value.dim() != 2 or key.endswith(INT8_KEPT_FLOAT):
+            continue
+        if value.shape[1] % INT4_GROUP == 0 and _uses(node) and all(_fp32_linear(u, node) for u in _uses(node)):
+            chosen[node] = (key, value.detach())
+    scales = _store_quantized(program, {node: (key, *quantize_int4(value, INT4_GROUP), "_int4_scale")
+                                        for node, (key, value) in chosen.items()})  # fmt: skip
+    linears = 0
+    for node in list(graph.nodes):
+        if node.target is not LINEAR or node.args[1] not in scales:
+            continue
+        w = node.args[1]
+        assert isinstance(w, torch.fx.Node)
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        with graph.inserting_before(node):
+            new = graph.call_function(torch.ops.mtp.linear_int4.default, (node.args[0], w, scales[w], INT4_GROUP, bias))
+        new.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        linears += 1
+    graph.lint()
+    program.graph_module.recompile()
+    names = sorted(key.removeprefix(prefix) for key, _ in chosen.values())
+    return {"int4_weights": len(chosen), "int4_linears": linears, "int4_names": names}
 
 
 def _fp32_linear(node: torch.fx.Node, weight: torch.fx.Node) -> bool:

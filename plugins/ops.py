@@ -64,6 +64,12 @@ def _(x, weight, scale, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
+@torch.library.register_fake("mtp::linear_int4")
+def _(x, weight, scale, group_size, bias):
+    """fp32 [..., N] (plugins/reference.py linear_int4_ref); like linear_fp8 only the compiled packages call it."""
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
 @torch.library.register_fake("mtp::moe_experts_fp8")
 def _(x, topk_ids, topk_weights, w_gate_up, w_gate_up_scale, w_down, w_down_scale, expert_offset):
     """fp32 [T, H] (plugins/reference.py moe_experts_fp8_ref); like linear_fp8 only the compiled packages call it."""

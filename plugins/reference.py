@@ -331,6 +331,66 @@ def linear_int8_ref(
     return y if bias is None else y + bias.float()
 
 
+# Group-wise weight-only int4 (mtp::linear_int4): symmetric, one fp32 scale per group of `group_size` consecutive
+# input features of a row (llama.cpp's Q4_0 idea: a scale per 32 weights follows local magnitude, where one per row at
+# 4 bits would lose the small weights of a row with one large one). Values in [-7, 7] (INT4_MAX), as int8 leaves out
+# -128: q and -q are both representable, so a group's largest magnitude maps to +-7 exactly whatever its sign, at the
+# cost of one of the 16 codes (-8, which the kernel still reads). Packed two per byte, column 2i in the low nibble of
+# byte i and 2i + 1 in the high one, each nibble the value's two's complement. 0.5 bytes per weight + 4 / group_size.
+INT4_MAX = 7
+INT4_GROUP = 32  # the default group size (`mtp-build --quantize int4`), llama.cpp's Q4_0 / Q4_K block
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] from int values in [-8, 7] [..., K] (K even): byte i = (q[2i] & 15) | (q[2i+1] & 15) << 4."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_int4: K = {q.shape[-1]} must be even (two int4 per byte)")
+    nib = q.to(torch.int16) & 15
+    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int8 [..., 2 * K/2] in [-8, 7] from pack_int4's bytes (the inverse)."""
+    b = packed.to(torch.int16)
+    nib = torch.stack((b & 15, b >> 4), dim=-1).flatten(-2)
+    return torch.where(nib >= 8, nib - 16, nib).to(torch.int8)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 [..., N, K/2], scale float32 [..., N, K/group_size]) with weight[..., n, k] ~ q * scale[..., n,
+    k // group_size]: per group scale = max|group| / 7 (fp32), q = round(weight / scale) (half to even) clamped to
+    [-7, 7]; an all-zero group gets scale 1 (q = 0). group_size must be even and divide K (a one-line ValueError
+    otherwise: the builder calls this with the user's choice)."""
+    k = weight.shape[-1]
+    if group_size <= 0 or group_size % 2 or k % group_size:
+        raise ValueError(f"quantize_int4: group_size {group_size} must be a positive even divisor of K = {k} "
+                         "(the input features of the weight)")  # fmt: skip
+    w = weight.float().reshape(*weight.shape[:-1], k // group_size, group_size)
+    amax = w.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / INT4_MAX, torch.ones_like(amax))
+    q = torch.round(w / scale[..., None]).clamp(-INT4_MAX, INT4_MAX).to(torch.int8).reshape(weight.shape)
+    return pack_int4(q), scale.contiguous()
+
+
+def dequantize_int4_ref(packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp32(q[..., n, k]) * scale[..., n, k // group_size]: one fp32 rounding per element (packed [..., N, K/2]
+    uint8, scale [..., N, K/group_size] float32)."""
+    q = unpack_int4(packed).float()
+    return q * scale.float().repeat_interleave(group_size, dim=-1)
+
+
+def linear_int4_ref(
+    x: torch.Tensor,  # [..., K] float32
+    weight: torch.Tensor,  # [N, K/2] uint8, two int4 per byte (pack_int4)
+    scale: torch.Tensor,  # [N, K/group_size] float32
+    group_size: int,
+    bias: torch.Tensor | None = None,  # [N] float32
+) -> torch.Tensor:
+    """x @ dequantize_int4_ref(weight, scale, group_size)^T + bias in fp32 (mtp::linear_int4's semantics)."""
+    y = x.float() @ dequantize_int4_ref(weight, scale, group_size).T
+    return y if bias is None else y + bias.float()
+
+
 def moe_experts_int8_ref(
     x: torch.Tensor,  # [T, H] float32
     topk_ids: torch.Tensor,  # [T, K] global expert ids

@@ -28,6 +28,10 @@ FP8_FORMAT: dict[str, Any] = {"fmt": "e4m3", "weight_block_size": [128, 128]}
 # `build.compiled.int8` of an engine built with `mtp-build --quantize int8`: this format, `ops` as for fp8, and
 # `weights`, the checkpoint names of the weights stored int8 (`mtp-build --check` quantizes the same ones).
 INT8_FORMAT: dict[str, Any] = {"fmt": "int8", "scheme": "symmetric per output channel, fp32 scale = max|w| / 127"}
+# `build.compiled.int4` of an engine built with `mtp-build --quantize int4` (its other quantized weights are in `int8`):
+# this format, `ops` and `weights` as for int8 (plugins/reference.py quantize_int4 with group_size, its INT4_GROUP).
+INT4_FORMAT: dict[str, Any] = {"fmt": "int4", "group_size": 32, "packing": "two per byte, column 2i in the low nibble",
+                               "scheme": "symmetric per group of input features, fp32 scale = max|w| / 7"}  # fmt: skip
 
 
 def host_isa() -> str:
@@ -60,7 +64,7 @@ def compiled_problem(cfg: EngineConfig) -> str | None:
     if info.get("isa") != host_isa():
         return (f"engine {cfg.path}'s compiled packages were built for CPU ISA {info.get('isa')!r}, this CPU has "
                 f"{host_isa()!r}; rebuild on this machine with `mtp-build --compile aoti --force`")
-    for key, what in (("fp8", "FP8"), ("int8", "int8")):
+    for key, what in (("fp8", "FP8"), ("int8", "int8"), ("int4", "int4")):
         fmt = info.get(key)
         if fmt is None:
             continue

@@ -1,8 +1,8 @@
-// What the weight-only linears (linear_bf16.cpp, linear_fp8.cpp, linear_int8.cpp) share on the host side: the frame
-// of a call (the activation and bias checks, the output, the empty cases) and the many-rows (prefill) path, which is
-// compute-bound, so blocks of weight rows are converted into one reused fp32 tile (in parallel) and multiplied by
-// at::mm / at::addmm (MKL). The tile holds the fp32 values the references compute (each weight rounded once), so
-// that path differs from theirs only in MKL's summation order.
+// What the weight-only linears (linear_bf16.cpp, linear_fp8.cpp, linear_int8.cpp, linear_int4.cpp) share on the host
+// side: the frame of a call (the activation and bias checks, the output, the empty cases) and the many-rows (prefill)
+// path, which is compute-bound, so blocks of weight rows are converted into one reused fp32 tile (in parallel) and
+// multiplied by at::mm / at::addmm (MKL). The tile holds the fp32 values the references compute (each weight rounded
+// once), so that path differs from theirs only in MKL's summation order.
 #pragma once
 
 #include <ATen/Parallel.h>

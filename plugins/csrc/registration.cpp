@@ -69,5 +69,9 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
   // x [..., K] fp32 @ dequant(weight)^T + bias: weight [N, K] int8, scale fp32 [N] (symmetric per output channel,
   // dequant = q * scale[n]; plugins/reference.py quantize_int8), read as bytes, fp32 math -> fp32 [..., N]
   m.def("linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  // x [..., K] fp32 @ dequant(weight)^T + bias: weight [N, K/2] uint8, two two's-complement int4 per byte (column 2i
+  // in the low nibble), scale fp32 [N, K/group_size] (symmetric per group of input features, dequant = q * scale[n,
+  // k / group_size]; plugins/reference.py quantize_int4), unpacked in registers, fp32 math -> fp32 [..., N]
+  m.def("linear_int4(Tensor x, Tensor weight, Tensor scale, int group_size, Tensor? bias) -> Tensor");
   m.def("cpu_isa(str set='') -> str", &mtp::cpu_isa);
 }

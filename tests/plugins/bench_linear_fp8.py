@@ -1,4 +1,4 @@
-"""mtp::linear_fp8 and mtp::linear_int8 against mtp::linear_bf16 and fp32 MKL at decode shapes: cold weights, interleaved rounds, medians.
+"""mtp::linear_fp8, mtp::linear_int8 and mtp::linear_int4 against mtp::linear_bf16 and fp32 MKL at decode shapes: cold weights, interleaved rounds, medians.
 
     PYTHONPATH=$PWD OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m tests.plugins.bench_linear_fp8 --rounds 7
     PYTHONPATH=$PWD .venv/bin/python -m tests.plugins.bench_linear_fp8 --conversions   # e4m3 -> fp32 candidates
@@ -8,11 +8,13 @@ last-level cache, so every weight comes from DRAM, as in a decode step of a larg
   fp8-op    torch.ops.mtp.linear_fp8 on float8_e4m3fn weights + 128x128 block scales (1 byte per weight)
   int8-op   torch.ops.mtp.linear_int8 on int8 weights + one fp32 scale per row (1 byte per weight + 4 per row;
             plugins/reference.py quantize_int8, what `mtp-build --quantize int8` stores)
+  int4-op   torch.ops.mtp.linear_int4 on packed int4 weights + one fp32 scale per 32 inputs of a row (0.5 bytes per
+            weight + 4 per group: 0.625; plugins/reference.py quantize_int4)
   bf16-op   torch.ops.mtp.linear_bf16 on bf16 weights (2 bytes)
   fp32      F.linear on fp32 weights stored [N, K] (MKL, 4 bytes)
 for every shape, row count and thread count asked. Rounds rotate the order; a candidate's round time is the median
 time per matrix (wall, or process CPU with --clock cpu) over `--iters` passes over its weights. Prints microseconds per matrix, the weight read rate
-(GB/s of the bytes each candidate stores, scales included) and the ratios fp8 / fp32, fp8 / bf16, int8 / fp8, int8 / bf16.
+(GB/s of the bytes each candidate stores, scales included) and the ratios fp8 / fp32, fp8 / bf16, int8 / fp8, int8 / bf16, int4 / int8, int4 / bf16.
 
 `--moe` times the routed experts instead, GLM-4.5-Air-like by default (`--hidden` 4096, `--inter` 1408, `--experts`
 local experts, top-`--top-k` per token): mtp::moe_experts_int8 on int8 experts + row scales (`mtp-build --quantize
@@ -49,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 import plugins.cpp_ops  # noqa: F401  (torch.ops.mtp.linear_fp8 / linear_bf16)
-from plugins.reference import dequantize_fp8_ref, quantize_int8
+from plugins.reference import INT4_GROUP, dequantize_fp8_ref, quantize_int4, quantize_int8
 
 
 def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,9 +71,9 @@ def bench_ops(a: argparse.Namespace) -> None:
     clock = time.perf_counter if a.clock == "wall" else time.process_time
     print(f"isa {plugins.cpp_ops.cpu_isa()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, {a.clock} "
           f"time, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print("| N x K | threads | M | fp8-op us (GB/s) | int8-op us (GB/s) | bf16-op us (GB/s) | fp32 us (GB/s) | fp8 / fp32 "
-          "| fp8 / bf16 | int8 / fp8 | int8 / bf16 |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| N x K | threads | M | fp8-op us (GB/s) | int8-op us (GB/s) | int4-op us (GB/s) | bf16-op us (GB/s) "
+          "| fp32 us (GB/s) | fp8 / fp32 | fp8 / bf16 | int8 / fp8 | int8 / bf16 | int4 / int8 | int4 / bf16 |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for shape in a.shapes:
         n, k = (int(v) for v in shape.split("x"))
         count = max(2, -(-a.cold_bytes // (n * k)))  # the fp8 set alone is cold_bytes: several times the LLC
@@ -79,9 +81,12 @@ def bench_ops(a: argparse.Namespace) -> None:
         full = [dequantize_fp8_ref(q, s) for q, s in fp8]
         low = [w.bfloat16() for w in full]
         int8 = [quantize_int8(w) for w in full]
+        int4 = [quantize_int4(w) for w in full]
         cands: dict[str, tuple[int, list, Callable[..., torch.Tensor]]] = {  # bytes per matrix, the weights, the call
             "fp8-op": (n * k + 4 * fp8[0][1].numel(), fp8, lambda x, w: torch.ops.mtp.linear_fp8(x, w[0], w[1], None)),
             "int8-op": (n * k + 4 * n, int8, lambda x, w: torch.ops.mtp.linear_int8(x, w[0], w[1], None)),
+            "int4-op": (n * k // 2 + 4 * n * (k // INT4_GROUP), int4,
+                        lambda x, w: torch.ops.mtp.linear_int4(x, w[0], w[1], INT4_GROUP, None)),
             "bf16-op": (2 * n * k, low, lambda x, w: torch.ops.mtp.linear_bf16(x, w, None)),
             "fp32": (4 * n * k, full, lambda x, w: F.linear(x, w)),
         }
@@ -105,7 +110,8 @@ def bench_ops(a: argparse.Namespace) -> None:
                         times[c].append(statistics.median(per))
                 med = {c: statistics.median(v) for c, v in times.items()}
                 cells = [f"{med[c] * 1e6:.0f} ({size / med[c] / 1e9:.1f})" for c, (size, _, _) in cands.items()]
-                ratios = [("fp8-op", "fp32"), ("fp8-op", "bf16-op"), ("int8-op", "fp8-op"), ("int8-op", "bf16-op")]
+                ratios = [("fp8-op", "fp32"), ("fp8-op", "bf16-op"), ("int8-op", "fp8-op"), ("int8-op", "bf16-op"),
+                          ("int4-op", "int8-op"), ("int4-op", "bf16-op")]
                 print(f"| {n} x {k} | {threads} | {m} | " + " | ".join(cells) + " | " +
                       " | ".join(f"{med[a] / med[b]:.2f}" for a, b in ratios) + " |", flush=True)  # fmt: skip
 
