@@ -61,6 +61,20 @@ def fp8_weights(program: torch.export.ExportedProgram, fp8: Mapping[str, Fp8Weig
             del chosen[n]
     scales = _store_quantized(program, {node: (key, raw.weight, raw.scale_inv, "_scale_inv")
                                         for node, (key, raw) in chosen.items()})  # fmt: skip
+    linears, experts = _rewrite(program, scales, torch.ops.mtp.linear_fp8.default, torch.ops.mtp.moe_experts_fp8.default)
+    return {"fp8_weights": len(chosen), "fp8_linears": linears, "fp8_experts": experts}
+
+
+_EXPERTS = torch.ops.mtp.moe_experts.default
+
+
+def _rewrite(program: torch.export.ExportedProgram, scales: Mapping[torch.fx.Node, torch.fx.Node], linear_op: Any,
+             experts_op: Any = None, linear_extra: tuple[Any, ...] = ()) -> tuple[int, int]:  # fmt: skip
+    """Point the uses of the weights just stored quantized (`scales`: weight -> its scale constant) at the ops that
+    read them: each aten.linear over one becomes linear_op(x, w, scale, *linear_extra, bias), each single-rank
+    `mtp::moe_experts` over a stored pair experts_op(x, ids, weights, gu, gu_scale, down, down_scale, 0). Returns
+    (linears, experts nodes) rewritten."""
+    graph = program.graph_module.graph
     linears = experts = 0
     for node in list(graph.nodes):
         args: tuple[Any, ...]
@@ -68,12 +82,12 @@ def fp8_weights(program: torch.export.ExportedProgram, fp8: Mapping[str, Fp8Weig
             w = node.args[1]
             assert isinstance(w, torch.fx.Node)
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            args, op = (node.args[0], w, scales[w], bias), torch.ops.mtp.linear_fp8.default
+            args, op = (node.args[0], w, scales[w], *linear_extra, bias), linear_op
             linears += 1
-        elif node.target is _EXPERTS and node.args[3] in scales:
+        elif experts_op is not None and node.target is _EXPERTS and node.args[3] in scales:
             x, ids, tw, gu, dn = node.args[:5]
             assert isinstance(gu, torch.fx.Node) and isinstance(dn, torch.fx.Node)
-            args, op = (x, ids, tw, gu, scales[gu], dn, scales[dn], 0), torch.ops.mtp.moe_experts_fp8.default
+            args, op = (x, ids, tw, gu, scales[gu], dn, scales[dn], 0), experts_op
             experts += 1
         else:
             continue
@@ -84,10 +98,7 @@ def fp8_weights(program: torch.export.ExportedProgram, fp8: Mapping[str, Fp8Weig
         graph.erase_node(node)
     graph.lint()
     program.graph_module.recompile()
-    return {"fp8_weights": len(chosen), "fp8_linears": linears, "fp8_experts": experts}
-
-
-_EXPERTS = torch.ops.mtp.moe_experts.default
+    return linears, experts
 
 
 def _uses(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -158,29 +169,8 @@ def int8_weights(program: torch.export.ExportedProgram, prefix: str = "model.") 
             del chosen[n]
     scales = _store_quantized(program, {node: (key, *quantize_int8(value), "_int8_scale")
                                         for node, (key, value) in chosen.items()})  # fmt: skip
-    linears = experts = 0
-    for node in list(graph.nodes):
-        args: tuple[Any, ...]
-        if node.target is LINEAR and node.args[1] in scales:
-            w = node.args[1]
-            assert isinstance(w, torch.fx.Node)
-            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            args, op = (node.args[0], w, scales[w], bias), torch.ops.mtp.linear_int8.default
-            linears += 1
-        elif node.target is _EXPERTS and node.args[3] in scales:
-            x, ids, tw, gu, dn = node.args[:5]
-            assert isinstance(gu, torch.fx.Node) and isinstance(dn, torch.fx.Node)
-            args, op = (x, ids, tw, gu, scales[gu], dn, scales[dn], 0), torch.ops.mtp.moe_experts_int8.default
-            experts += 1
-        else:
-            continue
-        with graph.inserting_before(node):
-            new = graph.call_function(op, args)
-        new.meta["val"] = node.meta["val"]
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-    graph.lint()
-    program.graph_module.recompile()
+    linears, experts = _rewrite(program, scales, torch.ops.mtp.linear_int8.default,
+                                torch.ops.mtp.moe_experts_int8.default)  # fmt: skip
     names = sorted(key.removeprefix(prefix) for key, _ in chosen.values())
     return {"int8_weights": len(chosen), "int8_linears": linears, "int8_experts": experts, "int8_names": names}
 
@@ -202,21 +192,7 @@ def int4_weights(program: torch.export.ExportedProgram, prefix: str = "model.") 
             chosen[node] = (key, value.detach())
     scales = _store_quantized(program, {node: (key, *quantize_int4(value, INT4_GROUP), "_int4_scale")
                                         for node, (key, value) in chosen.items()})  # fmt: skip
-    linears = 0
-    for node in list(graph.nodes):
-        if node.target is not LINEAR or node.args[1] not in scales:
-            continue
-        w = node.args[1]
-        assert isinstance(w, torch.fx.Node)
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        with graph.inserting_before(node):
-            new = graph.call_function(torch.ops.mtp.linear_int4.default, (node.args[0], w, scales[w], INT4_GROUP, bias))
-        new.meta["val"] = node.meta["val"]
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        linears += 1
-    graph.lint()
-    program.graph_module.recompile()
+    linears, _ = _rewrite(program, scales, torch.ops.mtp.linear_int4.default, linear_extra=(INT4_GROUP,))
     names = sorted(key.removeprefix(prefix) for key, _ in chosen.values())
     return {"int4_weights": len(chosen), "int4_linears": linears, "int4_names": names}
 
