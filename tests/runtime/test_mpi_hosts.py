@@ -71,10 +71,12 @@ def _end_job(hosts, proc: subprocess.Popen) -> tuple[str, str]:
     return proc.communicate()
 
 
-def launch(hosts, argv: list[str], timeout: float) -> tuple[int, str, str, float]:
+def launch(hosts, argv: list[str], timeout: float, argv_b: list[str] | None = None) -> tuple[int, str, str, float]:
     """(exit status, stdout, stderr, seconds) of `mpirun ... argv` across the hosts; on timeout every process of
-    both hosts is killed and the status is -9."""
-    cmd = [*hosts.mpirun_argv(MPIRUN, 2), *argv]
+    both hosts is killed and the status is -9. With argv_b, one app context per host (MPMD `argv : argv_b`;
+    --map-by node puts the first on host A), so the two ranks can differ in what they run with."""
+    cmd = ([*hosts.mpirun_argv(MPIRUN, 2), *argv] if argv_b is None else
+           [*hosts.mpirun_argv(MPIRUN, 1), *argv, ":", "-np", "1", *argv_b])  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
@@ -379,20 +381,6 @@ def test_two_hosts_with_one_hostname_exit_at_start_up_with_one_line(same_hostnam
     assert _wait_empty(hosts, 20) == [], "a process outlived the job"
 
 
-def _launch_per_host(hosts, argv_a: list[str], argv_b: list[str], timeout: float) -> tuple[int, str, str]:
-    """mpirun with one app context per host (MPMD: `A : B`, --map-by node puts the first on host A), so the two
-    ranks can differ in what they run with; on timeout every process of both hosts is killed (status -9)."""
-    cmd = [*hosts.mpirun_argv(MPIRUN, 1), *argv_a, ":", "-np", "1", *argv_b]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        out, err = _end_job(hosts, proc)
-        return -9, out, err + f"\n[mpirun timed out after {timeout}s]"
-    return proc.returncode, out, err
-
-
 def test_hosts_that_differ_end_at_start_up_with_one_line_naming_them(hosts, tiny_ep2_engine, tmp_path):
     """Issue 31, start-up agreement across hosts. (1) Host B's installation has another numpy (its metadata first
     on B's path, as an install there would be): the ranks' fingerprints differ in host.packages.numpy, and the job
@@ -406,7 +394,7 @@ def test_hosts_that_differ_end_at_start_up_with_one_line_naming_them(hosts, tiny
     run = [*MTP_RUN, *PROMPTS, "--max-tokens", "4", "--collective-timeout", "60"]
     engine = ["--engine", str(tiny_ep2_engine)]
     b_env = ["env", f"PYTHONPATH={other}:{ROOT}"]
-    status, out, err = _launch_per_host(hosts, [*run, *engine], [*b_env, *run, *engine], timeout=300)
+    status, out, err, _ = launch(hosts, [*run, *engine], 300, argv_b=[*b_env, *run, *engine])
     assert status != 0 and not records(out), out + err
     mine = importlib.metadata.version("numpy")
     assert our_lines(err) == [
@@ -421,7 +409,7 @@ def test_hosts_that_differ_end_at_start_up_with_one_line_naming_them(hosts, tiny
     raw = bytearray(data.read_bytes())
     raw[200] ^= 0xFF
     data.write_bytes(bytes(raw))
-    status, out, err = _launch_per_host(hosts, [*run, *engine], [*run, "--engine", str(copy)], timeout=300)
+    status, out, err, _ = launch(hosts, [*run, *engine], 300, argv_b=[*run, "--engine", str(copy)])
     assert status != 0 and not records(out), out + err
     lines = our_lines(err)
     assert len(lines) == 1 and lines[0].startswith(f"mtp-run: error: [rank 1 on {hosts.names[1]}] "), err
