@@ -252,13 +252,10 @@ def dequantize_fp8_ref(
     return q.float() * s
 
 
-def linear_fp8_ref(
-    x: torch.Tensor,  # [..., K] float32
-    weight: torch.Tensor,  # [N, K] float8_e4m3fn (or uint8 bits)
-    scale_inv: torch.Tensor,  # [ceil(N/128), ceil(K/128)] float32
-    bias: torch.Tensor | None = None,  # [N] float32
-) -> torch.Tensor:
-    """x @ dequantize_fp8_ref(weight, scale_inv)^T + bias in fp32 (mtp::linear_fp8's semantics)."""
+def linear_fp8_ref(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x [..., K] float32 @ dequantize_fp8_ref(weight [N, K] e4m3fn or its uint8 bits, scale_inv [ceil(N/128),
+    ceil(K/128)] float32)^T + bias [N] in fp32 (mtp::linear_fp8's semantics)."""
     y = x.float() @ dequantize_fp8_ref(weight, scale_inv).T
     return y if bias is None else y + bias.float()
 
@@ -320,13 +317,10 @@ def dequantize_int8_ref(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     return weight.float() * scale.float()[..., None]
 
 
-def linear_int8_ref(
-    x: torch.Tensor,  # [..., K] float32
-    weight: torch.Tensor,  # [N, K] int8
-    scale: torch.Tensor,  # [N] float32, one per output channel
-    bias: torch.Tensor | None = None,  # [N] float32
-) -> torch.Tensor:
-    """x @ dequantize_int8_ref(weight, scale)^T + bias in fp32 (mtp::linear_int8's semantics)."""
+def linear_int8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x [..., K] float32 @ dequantize_int8_ref(weight [N, K] int8, scale [N] float32)^T + bias [N] in fp32
+    (mtp::linear_int8's semantics)."""
     y = x.float() @ dequantize_int8_ref(weight, scale).T
     return y if bias is None else y + bias.float()
 
@@ -379,14 +373,10 @@ def dequantize_int4_ref(packed: torch.Tensor, scale: torch.Tensor, group_size: i
     return q * scale.float().repeat_interleave(group_size, dim=-1)
 
 
-def linear_int4_ref(
-    x: torch.Tensor,  # [..., K] float32
-    weight: torch.Tensor,  # [N, K/2] uint8, two int4 per byte (pack_int4)
-    scale: torch.Tensor,  # [N, K/group_size] float32
-    group_size: int,
-    bias: torch.Tensor | None = None,  # [N] float32
-) -> torch.Tensor:
-    """x @ dequantize_int4_ref(weight, scale, group_size)^T + bias in fp32 (mtp::linear_int4's semantics)."""
+def linear_int4_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x [..., K] float32 @ dequantize_int4_ref(weight [N, K/2] uint8 (pack_int4), scale [N, K/group_size] float32,
+    group_size)^T + bias [N] in fp32 (mtp::linear_int4's semantics)."""
     y = x.float() @ dequantize_int4_ref(weight, scale, group_size).T
     return y if bias is None else y + bias.float()
 

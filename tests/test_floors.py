@@ -30,7 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "runtime.executors.base": set(),  # the executor contract: numpy dataclasses
     "runtime.core": {"runtime", "runtime.executors.base", "models", "models.engine_format"},
     "runtime.executors": {"runtime", "runtime.executors.base", "models", "models.engine_format", "plugins"},
-    "runtime.multirank": {"runtime", "runtime.core", "runtime.executors.base", "models", "plugins"},
+    # models.engine_format: the start-up agreement asks whether the engine has compiled packages (one CPU ISA)
+    "runtime.multirank": {"runtime", "runtime.core", "runtime.executors.base", "models", "models.engine_format",
+                          "plugins"},  # fmt: skip
     "runtime.factory": {"runtime", "runtime.core", "runtime.executors", "runtime.executors.base",
                         "runtime.multirank", "models", "models.engine_format", "plugins"},  # fmt: skip
     # applications: anything below, and the builder (to make an engine); not each other (the demo runs mtp-run)

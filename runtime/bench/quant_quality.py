@@ -20,8 +20,9 @@ import statistics
 import time
 from pathlib import Path
 
-from runtime.api import LLM, SamplingParams
 from runtime.bench.runners import make_workload
+from runtime.core.sampling import SamplingParams
+from runtime.factory import create_engine
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
@@ -48,22 +49,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, nargs="+", default=[0, 2], help="K values (at most the engines' built K)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
-    llms = {(str(e), k): LLM(e, executor="compiled", threads=args.threads, num_draft_tokens=k)
-            for e in args.engines for k in args.k}  # fmt: skip
-    first = next(iter(llms.values()))
-    work = make_workload(args.checkpoint, args.num_prompts, args.prompt_chars, first.engine.model_cfg.vocab_size,
-                         first.engine.tokenizer)  # fmt: skip
+    engines = {(str(e), k): create_engine(e, executor="compiled", threads=args.threads, num_draft_tokens=k)
+               for e in args.engines for k in args.k}  # fmt: skip
+    first = next(iter(engines.values()))
+    work = make_workload(args.checkpoint, args.num_prompts, args.prompt_chars, first.model_cfg.vocab_size,
+                         first.tokenizer)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)  # end_id None: every request runs its length
     seconds: dict[tuple[str, int], list[float]] = {}
     tokens: dict[tuple[str, int], list[list[int]]] = {}
     accept: dict[tuple[str, int], float] = {}
     for _ in range(args.rounds):
-        for key, llm in llms.items():  # interleaved: every engine and K once per round
+        for key, engine in engines.items():  # interleaved: every engine and K once per round
             t0 = time.perf_counter()
-            outs = llm.generate(work.prompts, params, use_tqdm=False)
+            outs = engine.generate(work.prompts, params)
             seconds.setdefault(key, []).append(time.perf_counter() - t0)
-            tokens[key] = [o.token_ids for o in outs]
-            accept[key] = statistics.mean(o.mean_acceptance_length for o in outs)
+            tokens[key] = [list(o.output_ids) for o in outs]
+            # tokens per verify step, the main model's own included (mtp-run's mean_acceptance_length)
+            accept[key] = statistics.mean((sum(o.accepted_per_step) + o.num_steps) / max(o.num_steps, 1) for o in outs)
     ref, other = (str(e) for e in args.engines)
     generated = sum(len(t) for t in tokens[(ref, args.k[0])])
     report = {
