@@ -51,7 +51,7 @@ install: $(STAMP) $(OPS_LIB)
 # and in CI: everything, on 2 pytest-xdist workers (TEST_WORKERS=0 runs it in one process). A file's tests, the files
 # sharing an engine build and all mpirun tests each stay on one worker (tests/conftest.py xdist_groups).
 TEST_WORKERS ?= 2
-QUICK        := not (mpi or server or compile or build or slow or gpu)
+QUICK        := not (mpi or server or compile or build or slow or gpu or triton)
 PYTEST       := $(PY) -m pytest -q -p no:cacheprovider
 # the groups' order is tests/conftest.py's (costliest first), not pytest-xdist's by test count
 XDIST        := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)

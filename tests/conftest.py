@@ -118,6 +118,7 @@ MARKERS = {
     "server": "starts tritonserver or the OpenAI HTTP server (assigned in tests/conftest.py)",
     "compile": "builds AOTInductor packages (assigned in tests/conftest.py)",
     "build": "builds an engine with mtp-build (assigned in tests/conftest.py)",
+    "triton": "runs a Triton kernel in the CPU interpreter, TRITON_INTERPRET=1 (assigned in tests/conftest.py)",
 }
 
 
@@ -164,7 +165,11 @@ def tiers_of(item) -> set[str]:
     for defs in item._fixtureinfo.name2fixturedefs.values():
         text += [_reached_source(d.func) for d in defs if d.baseid is not None]
     source = "\n".join(text)
-    return {tier for tier, pattern in TIERS.items() if pattern.search(source)}
+    tiers = {tier for tier, pattern in TIERS.items() if pattern.search(source)}
+    params = getattr(item, "callspec", None)  # a kernel test's "triton" case runs under TRITON_INTERPRET (CPU: slow)
+    if params is not None and any(isinstance(v, str) and v == "triton" for v in params.params.values()):
+        tiers.add("triton")
+    return tiers
 
 
 # tryfirst: pytest-xdist's own hook turns each item's xdist_group mark into its node id's `@group` suffix (what
@@ -182,7 +187,7 @@ def pytest_collection_modifyitems(config, items):
 
 # A test's rough cost by tier, in seconds on the 2-core machine: the scale of the measured means (an mpirun test
 # 10-30 s, a compiled build minutes, a unit test well under 1 s), used only to order the groups.
-TIER_COST = {"compile": 60.0, "mpi": 20.0, "build": 15.0, "slow": 15.0, "server": 5.0}
+TIER_COST = {"compile": 60.0, "mpi": 20.0, "build": 15.0, "slow": 15.0, "server": 5.0, "triton": 5.0}
 
 
 def costliest_groups_first(items, groups: dict) -> list:

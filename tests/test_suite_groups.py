@@ -30,3 +30,10 @@ def test_costliest_groups_come_first():
     a1, a2, b1, c1 = Item("a1"), Item("a2"), Item("b1", "compile"), Item("c1", "mpi")
     groups = {a1: "a", a2: "a", b1: "b", c1: "c"}
     assert costliest_groups_first([a1, a2, c1, b1], groups) == [b1, c1, a1, a2]
+
+
+@pytest.mark.parametrize("impl", ["op", "triton"])
+def test_a_triton_interpreter_case_is_in_the_triton_tier(request, impl):
+    """A kernel test's "triton" case runs the kernel in Triton's CPU interpreter (seconds per case); it carries the
+    `triton` tier, which `make test-quick` deselects, and the other cases of the same test do not."""
+    assert (request.node.get_closest_marker("triton") is not None) == (impl == "triton")
