@@ -92,6 +92,14 @@ def records(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
+def _single_process_records(flags: list[str]) -> list[dict]:
+    """The records of the same mtp-run on one process (the torch executor on models/tiny): the reference."""
+    single = subprocess.run([*MTP_RUN, "--checkpoint", str(TINY), *flags], env=ENV, capture_output=True, text=True,
+                            timeout=300, cwd=ROOT)  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+    return records(single.stdout)
+
+
 def our_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("mtp-run")]
 
@@ -121,10 +129,7 @@ def test_ep2_across_two_hosts_matches_single_process(hosts, tiny_ep2_engine, k):
     flags = [*PROMPTS, "--max-tokens", "16", "--json", "--num-draft-tokens", str(k), "--prefill-chunk", "2"]
     status, out, err, secs = launch(hosts, [*MTP_RUN, "--engine", str(tiny_ep2_engine), *flags], timeout=300)
     assert status == 0, err[-3000:]
-    single = subprocess.run([*MTP_RUN, "--checkpoint", str(TINY), *flags], env=ENV, capture_output=True, text=True,
-                            timeout=300, cwd=ROOT)  # fmt: skip
-    assert single.returncode == 0, single.stderr[-3000:]
-    across, alone = records(out), records(single.stdout)
+    across, alone = records(out), _single_process_records(flags)
     assert len(across) == 4, out  # 3 requests + the summary, printed by rank 0 only
     for a, b in zip(across[:3], alone[:3], strict=True):
         assert a["output_ids"] == b["output_ids"] and a["accepted_per_step"] == b["accepted_per_step"]
@@ -139,10 +144,7 @@ def test_tp2_across_two_hosts_matches_single_process(hosts):
     flags = [*PROMPTS, "--max-tokens", "16", "--json", "--num-draft-tokens", "2", "--prefill-chunk", "2"]
     status, out, err, _ = launch(hosts, [*MTP_RUN, "--checkpoint", str(TINY), "--tp-size", "2", *flags], timeout=300)
     assert status == 0, err[-3000:]
-    single = subprocess.run([*MTP_RUN, "--checkpoint", str(TINY), *flags], env=ENV, capture_output=True, text=True,
-                            timeout=300, cwd=ROOT)  # fmt: skip
-    assert single.returncode == 0, single.stderr[-3000:]
-    across, alone = records(out), records(single.stdout)
+    across, alone = records(out), _single_process_records(flags)
     assert len(across) == 4, out
     for a, b in zip(across[:3], alone[:3], strict=True):
         assert a["output_ids"] == b["output_ids"] and a["accepted_per_step"] == b["accepted_per_step"]
@@ -335,10 +337,7 @@ def test_slow_link_gives_the_same_tokens(hosts, tiny_ep2_engine, link):
         status, out, err, secs = launch(hosts, [*MTP_RUN, "--engine", str(tiny_ep2_engine), *flags], timeout=400)
     assert status == 0, err[-3000:]
     assert not our_lines(err), err
-    single = subprocess.run([*MTP_RUN, "--checkpoint", str(TINY), *flags], env=ENV, capture_output=True, text=True,
-                            timeout=300, cwd=ROOT)  # fmt: skip
-    assert single.returncode == 0, single.stderr[-3000:]
-    across, alone = records(out), records(single.stdout)
+    across, alone = records(out), _single_process_records(flags)
     assert len(across) == 4, out
     for a, b in zip(across[:3], alone[:3], strict=True):
         assert a["output_ids"] == b["output_ids"] and a["accepted_per_step"] == b["accepted_per_step"]
