@@ -23,10 +23,11 @@ import time
 import traceback
 from pathlib import Path
 
+from runtime.core.acceptance_guard import CHECK_MODES, DEFAULT_CHECK_MODE
 from runtime.core.admission import RequestError, validate_params
 from runtime.core.config import ConfigError
 from runtime.core.sampling import SamplingParams
-from runtime.core.self_check import MODES, start_up_check
+from runtime.core.self_check import start_up_check
 from runtime.factory import EXECUTORS, create_engine
 from runtime.multirank.parallel import EveryRankError, describe, exit_failed_rank, mpi_world
 from runtime.multirank.strategies import lead_or_follow
@@ -71,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--no-prefix-caching", action="store_true")
     r.add_argument("--tp-size", type=int, default=None,
                    help="--checkpoint under mpirun: tensor-parallel group size (an engine records its own)")
-    r.add_argument("--acceptance-check", choices=MODES, default="warn",
+    r.add_argument("--acceptance-check", choices=CHECK_MODES, default=DEFAULT_CHECK_MODE,
                    help="start-up self-check of MTP acceptance on built-in prompts: warn (one line when implausibly "
                         "low), strict (exit instead), off (skip; saves ~1 s on models/deep)")
     r.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",

@@ -25,6 +25,9 @@ _log = logging.getLogger("mtp.acceptance")
 SELF_CHECK_TEXTS = ("x = x + 1\n" * 10, "print('hello')\n" * 8, "def f(x):\n    return x\n" * 6,
                     "if x:\n    y = 1\nelse:\n    y = 2\n" * 3)  # fmt: skip
 SELF_CHECK_MAX_TOKENS = 40
+# `--acceptance-check` of mtp-run and mtp-serve: its choices and default, read by both (runtime/core/self_check.py)
+CHECK_MODES = ("warn", "strict", "off")
+DEFAULT_CHECK_MODE = "warn"
 # Per draft position (1, 2): the floor below which acceptance is implausible for a trained, correctly wired MTP
 # module. Measured on the built-in prompts (K=3): position 1 correct 0.61-0.68, zero/random hidden 0.16-0.31;
 # position 2 correct 0.30-0.46, broken 0.03-0.12. Deeper positions are not judged (too model-dependent).

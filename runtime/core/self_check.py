@@ -12,6 +12,7 @@ import sys
 import time
 
 from runtime.core.acceptance_guard import (
+    CHECK_MODES,
     SELF_CHECK_MAX_TOKENS,
     SelfCheckResult,
     evaluate_self_check,
@@ -22,7 +23,6 @@ from runtime.core.engine import LLMEngine
 from runtime.core.ranks import SINGLE_RANK
 from runtime.core.sampling import SamplingParams
 
-MODES = ("warn", "strict", "off")
 
 
 def run_self_check(engine: LLMEngine) -> tuple[SelfCheckResult, float] | None:
@@ -44,8 +44,8 @@ def run_self_check(engine: LLMEngine) -> tuple[SelfCheckResult, float] | None:
 def start_up_check(engine: LLMEngine, mode: str, prog: str) -> SelfCheckResult | None:
     """The applications' start-up step (`--acceptance-check warn|strict|off`): run the check; when acceptance is
     implausibly low print one line on stderr (warn) or raise ConfigError with it (strict)."""
-    if mode not in MODES:
-        raise ConfigError(f"--acceptance-check {mode!r}: choose one of {', '.join(MODES)}")
+    if mode not in CHECK_MODES:
+        raise ConfigError(f"--acceptance-check {mode!r}: choose one of {', '.join(CHECK_MODES)}")
     ran = None if mode == "off" else run_self_check(engine)
     if ran is None:
         return None

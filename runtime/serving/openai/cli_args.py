@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from runtime.core.acceptance_guard import CHECK_MODES, DEFAULT_CHECK_MODE
+
 
 def add_openai_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--frontend openai")
@@ -22,7 +24,7 @@ def add_openai_args(p: argparse.ArgumentParser) -> None:
                    help="largest output constraint (JSON schema, regex, EBNF) accepted; larger is a 400 (default 32768)")
     g.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="a grammar compile's time limit, queueing included: past it the request is refused (default 10)")
-    g.add_argument("--acceptance-check", choices=("warn", "strict", "off"), default="warn",
+    g.add_argument("--acceptance-check", choices=CHECK_MODES, default=DEFAULT_CHECK_MODE,
                    help="start-up self-check of MTP acceptance on built-in prompts (single process): warn (one "
                         "line when implausibly low), strict (exit instead), off (skip; saves ~1 s on models/deep)")
     g.add_argument("--per-request-spec-decode-metrics", choices=("off", "summary", "detailed"), default="off",
