@@ -24,7 +24,6 @@ from runtime.core.ranks import SINGLE_RANK
 from runtime.core.sampling import SamplingParams
 
 
-
 def run_self_check(engine: LLMEngine) -> tuple[SelfCheckResult, float] | None:
     """The verdict and the check's wall seconds; None when there is nothing to check (no MTP, K = 0) or the engine
     is one rank of an mpirun job (its peers would have to step the same requests in lockstep)."""
