@@ -20,7 +20,8 @@ MTP_STARTUP_TIMEOUT seconds): a rank waits there for the slowest rank's load, bu
 
 Fault injection (tests only, docs/RELIABILITY.md): `MTP_FAULT_STALL=RANK:STEP:SECONDS` makes rank RANK sleep
 SECONDS inside the main forward of its step STEP (counted from 1), where its own deadline is armed, one timeout
-later than the ranks that wait on it.
+later than the ranks that wait on it. With `MTP_FAULT_STALL_MARK=PATH` too, that rank creates PATH as its sleep
+begins, so a test knows the stall is in place (a sampled "in a sleep" cannot tell it from a sleep inside MPI start-up).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ DEFAULT_TIMEOUT_S = 60.0
 STARTUP_MIN_S = 300.0  # the start-up collectives wait for the slowest rank's load (compiled packages: minutes)
 STARTUP_ENV = "MTP_STARTUP_TIMEOUT"
 FAULT_ENV = "MTP_FAULT_STALL"
+FAULT_MARK_ENV = "MTP_FAULT_STALL_MARK"
 EXIT_CODE = 1
 
 
@@ -120,6 +122,8 @@ class Watchdog:
             # (whichever exits first, the launcher kills the rest). It still leaves on its own if nobody ends it.
             if self._deadline is not None:
                 self._deadline += self._limit
+            if mark := os.environ.get(FAULT_MARK_ENV):
+                open(mark, "w").close()
             time.sleep(s.seconds)
 
     def message(self, what: str, limit: float | None = None) -> str:

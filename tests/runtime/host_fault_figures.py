@@ -30,13 +30,10 @@ from tempfile import TemporaryDirectory
 
 from tests.multihost import KEEPALIVE_ARGS, link_down, namespace_hosts, qdisc_unavailable, shaped_link
 from tests.runtime.test_mpi_hosts import (
-    ENV,
-    MPIRUN,
     MTP_RUN,
     PROMPTS,
-    ROOT,
-    _in_sleep,
     _rank_pid,
+    _start_held_in_step_3,
     _wait_empty,
     launch,
     our_lines,
@@ -50,16 +47,12 @@ TIMEOUT_S = 20
 def once(engine: str, mode: str) -> str:
     with TemporaryDirectory() as tmp, namespace_hosts(Path(tmp)) as hosts:
         keepalive = KEEPALIVE_ARGS if mode == "cut-keepalive" else ()
-        cmd = [*hosts.mpirun_argv(MPIRUN, 2, "-x", "MTP_FAULT_STALL", *keepalive), *MTP_RUN, "--engine", engine, "--prompt",
-               "def main(", "--prompt", "import os", "--max-tokens", "48", "--json", "--collective-timeout",
-               str(TIMEOUT_S)]  # fmt: skip
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "MTP_FAULT_STALL": "1:3:600"}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + 240
-        while not ((pid := _rank_pid(hosts, hosts.names[1])) and _in_sleep(pid)):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                return f"{mode}: never reached decode step 3"
-            time.sleep(0.1)
+        try:
+            proc = _start_held_in_step_3(hosts, Path(engine), TIMEOUT_S, *keepalive)
+        except AssertionError as e:
+            return f"{mode}: {e}"
+        pid = _rank_pid(hosts, hosts.names[1])
+        assert pid, "rank 1 left before the fault"
         t0 = time.monotonic()
         b = hosts.names[1]
         if mode == "host":
