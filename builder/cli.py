@@ -21,7 +21,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from builder.compile_check import check_compiled
-from builder.options import BACKENDS, COMPILES, DTYPES, QUANTIZES, BuildError, BuildOptions, default_ep_size
+from builder.options import (
+    BACKENDS,
+    COMPILES,
+    DTYPES,
+    QUANTIZE_MTPS,
+    QUANTIZES,
+    BuildError,
+    BuildOptions,
+    default_ep_size,
+)
 from builder.pipeline import BuildInterrupted, build
 from builder.validate import check_engine_tokenizer, check_tokenizer_config
 from models.checkpoint import CheckpointError
@@ -83,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
                    "not the embeddings, LM head or router) and its routed experts as weight-only int8 with "
                    "per-channel scales (lossy, half the bytes of bf16); int4: the dense linears whose input width is a multiple of "
                    "32 as group-wise int4 (0.625 bytes per weight), the rest as int8; single rank, float checkpoints only")  # fmt: skip
+    p.add_argument("--quantize-mtp", default="same", choices=QUANTIZE_MTPS,
+                   help="same (default): the MTP module's graphs are quantized as --quantize quantizes the trunk; "
+                   "none: they keep the checkpoint's precision (for when the quantized head drafts worse)")  # fmt: skip
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     return p
 
@@ -97,12 +109,16 @@ def _size(n: int) -> str:
 
 def summary(cfg: EngineConfig, seconds: float | None) -> Table:
     compiled = cfg.build.get("compiled")
-    title = f"engine {cfg.path} ({cfg.backend}{', compiled (aoti)' if compiled else ''}, {cfg.dtype}, " \
-            f"world_size={cfg.world_size})"
+    title = (
+        f"engine {cfg.path} ({cfg.backend}{', compiled (aoti)' if compiled else ''}, {cfg.dtype}, "
+        f"world_size={cfg.world_size})"
+    )
     if seconds is not None:
         title += f" built in {seconds:.1f}s"
         if compiled:  # config.json keeps rank 0's compile record
-            title += f", AOTInductor compile {sum(g.get('seconds', 0) for g in compiled['graphs'].values()):.1f}s (rank 0)"
+            title += (
+                f", AOTInductor compile {sum(g.get('seconds', 0) for g in compiled['graphs'].values()):.1f}s (rank 0)"
+            )
     table = Table(title=title)
     table.add_column("file")
     table.add_column("size", justify="right")
@@ -172,6 +188,7 @@ def _run(args: argparse.Namespace, err: Console) -> int:
         max_batch=args.max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
         kv_block_size=args.kv_block_size, num_draft_tokens=args.num_draft_tokens, world_size=args.world_size,
         ep_size=ep_size, tp_size=args.tp_size, force=args.force, compile=args.compile, quantize=args.quantize,
+        quantize_mtp=args.quantize_mtp,
     )  # fmt: skip
     result = build(opts, RichReporter(console))
     console.print(summary(result.config, result.seconds))

@@ -227,17 +227,19 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
 def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, rdir: Path, work: Path,
                  graphs: dict[str, dict[str, str]], weights: str,
                  track: Callable[[Sequence[str], str], Iterable[str]] = lambda items, what: items,
-                 fp8: Mapping[str, Fp8Weight] | None = None, quantize: str = "none") -> dict[str, Any]:  # fmt: skip
+                 fp8: Mapping[str, Fp8Weight] | None = None,
+                 quantize: Callable[[str], str] = lambda graph: "none") -> dict[str, Any]:  # fmt: skip
     """Compile every graph of this rank next to its ONNX files; adds `aoti` paths to `graphs`. `track` shows the
     graphs as a progress bar (the builder's reporter); each graph's compile time goes into its record. fp8: the
     rank's FP8 weights as released; when some graph stores them, the record's `fp8` says how (FP8_FORMAT).
-    quantize "int8": the record's `int8` says how (INT8_FORMAT), with the op and the quantized weights' names; "int4":
-    also `int4` (INT4_FORMAT) for the weights stored int4."""
+    quantize(graph) -> "none" | "int8" | "int4" (BuildOptions.graph_quantize: the MTP module's graphs may stay float);
+    "int8": the record's `int8` says how (INT8_FORMAT), with the op and the quantized weights' names; "int4": also
+    `int4` (INT4_FORMAT) for the weights stored int4. `quantized_graphs` names the graphs that were."""
     info: dict[str, Any] = {}
     for name in track(list(graphs), "AOTInductor compile"):
         path = rdir / f"{name}.{AOTI_KIND}.pt2"
         t0 = time.perf_counter()
-        info[name] = compile_graph(name, model, geom, max_blocks, path, weights, fp8, quantize)
+        info[name] = compile_graph(name, model, geom, max_blocks, path, weights, fp8, quantize(name))
         info[name]["seconds"] = round(time.perf_counter() - t0, 1)
         graphs[name][AOTI_KIND] = str(path.relative_to(work))
     record = {"graphs": info, "isa": host_isa(), "torch_version": torch.__version__, "weights": weights}
@@ -250,6 +252,8 @@ def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, 
         ops = [op for op, n in (("linear_int8", "int8_linears"), ("moe_experts_int8", "int8_experts"))
                if any(g.get(n) for g in info.values())]  # fmt: skip
         record["int8"] = {**INT8_FORMAT, "ops": ops, "weights": int8_names}
+    if any(quantize(name) != "none" for name in info):
+        record["quantized_graphs"] = [name for name in info if quantize(name) != "none"]
     int4_names = sorted({w for g in info.values() for w in g.pop("int4_names", [])})
     if int4_names:
         record["int4"] = {**INT4_FORMAT, "ops": ["linear_int4"], "weights": int4_names}

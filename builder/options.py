@@ -27,6 +27,9 @@ COMPILES = ("auto", "none", "aoti")
 # weights. "int4" stores the dense linears whose input width is a multiple of the group (32) as group-wise int4
 # (int4_weights, mtp::linear_int4) and the rest int8 takes as int8 (the routed experts: no int4 experts kernel yet).
 QUANTIZES = ("none", "int8", "int4")
+# --quantize-mtp: "same" (default) quantizes the MTP module's graphs (mtp_draft, mtp_commit) as --quantize does the
+# trunk's; "none" keeps them in the checkpoint's precision (peers lose acceptance by quantizing the MTP head).
+QUANTIZE_MTPS = ("same", "none")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -57,6 +60,11 @@ class BuildOptions:
     force: bool = False
     compile: str = "auto"
     quantize: str = "none"
+    quantize_mtp: str = "same"
+
+    def graph_quantize(self, graph: str) -> str:
+        """What --quantize means for graph `graph`: the trunk's always; the MTP module's unless --quantize-mtp none."""
+        return self.quantize if graph == "main" or self.quantize_mtp == "same" else "none"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -129,6 +137,12 @@ class BuildOptions:
                              f"onnxruntime (got --backend {self.backend}), or drop --compile")  # fmt: skip
         if self.quantize not in QUANTIZES:
             raise BuildError(f"--quantize {self.quantize!r} is unknown; choose one of {', '.join(QUANTIZES)}")
+        if self.quantize_mtp not in QUANTIZE_MTPS:
+            raise BuildError(f"--quantize-mtp {self.quantize_mtp!r} is unknown; choose one of "
+                             f"{', '.join(QUANTIZE_MTPS)}")  # fmt: skip
+        if self.quantize_mtp != "same" and self.quantize == "none":
+            raise BuildError(f"--quantize-mtp {self.quantize_mtp} only matters with --quantize int8 or int4 (nothing is "
+                             "quantized without it); drop --quantize-mtp or add --quantize")  # fmt: skip
         if self.quantize != "none" and self.compile == "none":
             raise BuildError(f"--quantize {self.quantize} with --compile none is not supported yet: only the compiled "
                              "(aoti) engine reads int8 weights; drop --compile none")  # fmt: skip

@@ -1,0 +1,75 @@
+"""`mtp-build --quantize int8 --quantize-mtp none`: the trunk's graph (`main`) is quantized, the MTP module's graphs
+(`mtp_draft`, `mtp_commit`) keep the checkpoint's precision; config.json says which graphs were quantized; `--check`
+probes the packages against the torch model quantized the same way (only the trunk's weights); MTP stays lossless.
+Peers lose acceptance by quantizing the MTP head (issue 26); this is the switch that keeps it float.
+
+One compiled build of test_int8_quantize.py's tiny bf16 checkpoint geometry.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from builder import cli
+from builder.options import BuildError, BuildOptions
+from models.checkpoint_export import save_hf_checkpoint, to_hf_config
+from models.engine_format import load_engine_config
+from models.testing import random_model
+from runtime.factory import create_engine
+from tests.builder.conftest import LIMITS, write_tokenizer
+from tests.builder.test_int8_quantize import CFG, PARAMS, PROMPTS, _argv
+
+GRAPHS = ("main", "mtp_draft", "mtp_commit")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("quantize_mtp")
+    model = random_model(CFG, seed=7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    save_hf_checkpoint(model, to_hf_config(CFG), root / "ckpt")
+    write_tokenizer(root / "ckpt" / "tokenizer.json", CFG.vocab_size)
+    out = root / "engine"
+    assert cli.main(_argv(root / "ckpt", out, "--compile", "aoti", "--quantize", "int8", "--quantize-mtp", "none")) == 0
+    return out
+
+
+def test_only_the_trunk_is_quantized(engine):
+    """int8 weights only outside the MTP module (`mtp.*`), the MTP graphs read none, and config.json names the
+    quantized graphs. (With the default, test_int8_quantize.py: the MTP graphs read 8 + 2 and 3 int8 weights.)"""
+    compiled = load_engine_config(engine).build["compiled"]
+    graphs = compiled["graphs"]
+    assert compiled["quantized_graphs"] == ["main"]
+    assert [graphs[g].get("int8_linears", 0) for g in GRAPHS] == [14, 0, 0]
+    assert [graphs[g].get("int8_experts", 0) for g in GRAPHS] == [1, 0, 0]
+    names = compiled["int8"]["weights"]
+    assert names and not [n for n in names if n.startswith("mtp.")], names
+
+
+def test_mtp_stays_lossless_and_the_float_head_drafts(engine):
+    """K=2 decodes exactly what K=0 of the same engine decodes; the float head's drafts are accepted."""
+    want = [
+        o.output_ids for o in create_engine(engine, num_draft_tokens=0, max_prefill_chunk=6).generate(PROMPTS, PARAMS)
+    ]
+    mtp = create_engine(engine, num_draft_tokens=2, max_prefill_chunk=6)
+    assert [o.output_ids for o in mtp.generate(PROMPTS, PARAMS)] == want
+    mtp.kv.assert_no_leaks()
+    assert mtp.metrics.mean_acceptance_length > 1.0
+
+
+def test_check_probes_the_trunk_quantized_and_the_head_float(engine, capsys):
+    """`--check` dequantizes exactly the recorded weights (the trunk's): the float MTP packages match the float head."""
+    assert cli.main(["--check", str(engine)]) == 0
+    assert "compiled packages match the torch model on a probe batch" in " ".join(capsys.readouterr().out.split())
+
+
+def test_quantize_mtp_without_quantize_is_refused_in_one_line():
+    opts = BuildOptions(checkpoint=Path("c"), output=Path("o"), quantize_mtp="none", **LIMITS)
+    with pytest.raises(BuildError, match="--quantize-mtp none only matters with --quantize int8 or int4") as e:
+        opts.validate()
+    assert len(str(e.value).splitlines()) == 1
