@@ -95,6 +95,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize-mtp", default="same", choices=QUANTIZE_MTPS,
                    help="same (default): the MTP module's graphs are quantized as --quantize quantizes the trunk; "
                    "none: they keep the checkpoint's precision (for when the quantized head drafts worse)")  # fmt: skip
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantize: the LM head int8 too (per output channel) in every quantized graph; by default "
+                   "it stays float (its error reaches every logit); at real size it is most of a draft step's bytes")  # fmt: skip
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     return p
 
@@ -188,7 +191,7 @@ def _run(args: argparse.Namespace, err: Console) -> int:
         max_batch=args.max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
         kv_block_size=args.kv_block_size, num_draft_tokens=args.num_draft_tokens, world_size=args.world_size,
         ep_size=ep_size, tp_size=args.tp_size, force=args.force, compile=args.compile, quantize=args.quantize,
-        quantize_mtp=args.quantize_mtp,
+        quantize_mtp=args.quantize_mtp, quantize_lm_head=args.quantize_lm_head,
     )  # fmt: skip
     result = build(opts, RichReporter(console))
     console.print(summary(result.config, result.seconds))

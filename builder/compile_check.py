@@ -11,6 +11,7 @@ weights quantized and dequantized (`as_built`): what its packages compute, up to
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -97,6 +98,9 @@ def check_compiled(cfg: EngineConfig) -> str:
 def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
     """(largest |diff|, the first package over TOLERANCE or None) of this rank's packages against `model` (this
     rank's shard). Every graph runs whatever the earlier ones gave, so all ranks issue the same collectives."""
+    quantized = (compiled_info(cfg) or {}).get("quantized_graphs")  # absent: every graph (or none) was quantized
+    left_float = set(cfg.graphs[rank]) - set(quantized) if quantized is not None else set()  # --quantize-mtp none
+    float_model = copy.deepcopy(model).eval().fuse() if left_float else model
     model = as_built(cfg, model).eval().fuse()
     geom = cfg.kv.geometry()
     ours, theirs = allocate_pool(geom), allocate_pool(geom)
@@ -114,7 +118,7 @@ def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
                 raise BuildError(f"compiled package {_rel(cfg, path)} of {cfg.path} does not run here "
                                  f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); rebuild with "
                                  "`mtp-build --compile aoti --force`") from e  # fmt: skip
-            want = WRAPPERS[name](model, geom)(*inputs, pool_address(theirs))
+            want = WRAPPERS[name](float_model if name in left_float else model, geom)(*inputs, pool_address(theirs))
             for a, b in zip(_tuple(got), _tuple(want), strict=True):
                 worst = max(worst, _diff(a, b))
             worst = max(worst, _diff(ours, theirs))

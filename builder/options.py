@@ -61,6 +61,7 @@ class BuildOptions:
     compile: str = "auto"
     quantize: str = "none"
     quantize_mtp: str = "same"
+    quantize_lm_head: bool = False
 
     def graph_quantize(self, graph: str) -> str:
         """What --quantize means for graph `graph`: the trunk's always; the MTP module's unless --quantize-mtp none."""
@@ -143,6 +144,9 @@ class BuildOptions:
         if self.quantize_mtp != "same" and self.quantize == "none":
             raise BuildError(f"--quantize-mtp {self.quantize_mtp} only matters with --quantize int8 or int4 (nothing is "
                              "quantized without it); drop --quantize-mtp or add --quantize")  # fmt: skip
+        if self.quantize_lm_head and self.quantize == "none":
+            raise BuildError("--quantize-lm-head stores the LM head int8 beside --quantize int8 or int4, which is not "
+                             "given; add --quantize int8 or drop --quantize-lm-head")  # fmt: skip
         if self.quantize != "none" and self.compile == "none":
             raise BuildError(f"--quantize {self.quantize} with --compile none is not supported yet: only the compiled "
                              "(aoti) engine reads int8 weights; drop --compile none")  # fmt: skip

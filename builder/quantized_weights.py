@@ -138,17 +138,21 @@ def _store_quantized(program: torch.export.ExportedProgram,
 
 # --quantize int8 leaves these float: the embeddings and the LM head (their error reaches every logit directly; the
 # usual weight-only practice) and the MoE router (`mlp.gate`: its scores pick the experts, a flip changes the route).
+# `--quantize-lm-head` takes the LM head out of the list (INT8_KEPT_FLOAT_BUT_HEAD): int8 in every quantized graph that
+# has one (a tied LM head is an embedding too, and an embedding use is not a linear: it stays float).
 INT8_KEPT_FLOAT = ("embed_tokens.weight", "lm_head.weight", ".mlp.gate.weight")
+INT8_KEPT_FLOAT_BUT_HEAD = tuple(name for name in INT8_KEPT_FLOAT if name != "lm_head.weight")
 
 
-def int8_weights(program: torch.export.ExportedProgram, prefix: str = "model.") -> dict[str, Any]:
+def int8_weights(program: torch.export.ExportedProgram, prefix: str = "model.",
+                 kept_float: tuple[str, ...] = INT8_KEPT_FLOAT) -> dict[str, Any]:  # fmt: skip
     """`mtp-build --quantize int8`: store as int8 + one fp32 scale per output row (plugins/reference.py quantize_int8;
     the constant `<weight>_int8_scale`) every fp32 weight [N, K] whose uses are all fp32 linears (attention
     projections, dense MLPs, shared experts, eh_proj), rewritten into `mtp::linear_int8`, and every routed-experts
     pair (w_gate_up [E, 2I, H], w_down [E, H, I]; scales [E, 2I], [E, H]) of a single-rank `mtp::moe_experts` over
     fp32 x, rewritten into `mtp::moe_experts_int8` (an experts node whose other weight cannot be quantized keeps
-    both float; the EP / TP exchange reads float weights). The embeddings, the LM head and the router stay float
-    (INT8_KEPT_FLOAT). Run it before `bf16_weights`. Returns {"int8_weights": count, "int8_linears": linears
+    both float; the EP / TP exchange reads float weights). The weights named by `kept_float` stay float (by default
+    the embeddings, the LM head and the router). Run it before `bf16_weights`. Returns {"int8_weights": count, "int8_linears": linears
     rewritten, "int8_experts": experts nodes rewritten, "int8_names": the quantized weights' names less `prefix` (the
     checkpoint's), for `mtp-build --check`}."""
     sig, graph = program.graph_signature, program.graph_module.graph
@@ -156,7 +160,7 @@ def int8_weights(program: torch.export.ExportedProgram, prefix: str = "model.") 
     for node in [n for n in graph.nodes if n.op == "placeholder"]:
         key = sig.inputs_to_parameters.get(node.name)
         value = program.state_dict.get(key) if key else None
-        if value is None or value.dtype != torch.float32 or value.dim() not in (2, 3) or key.endswith(INT8_KEPT_FLOAT):
+        if value is None or value.dtype != torch.float32 or value.dim() not in (2, 3) or key.endswith(kept_float):
             continue
         if _uses(node):
             chosen[node] = (key, value.detach())

@@ -195,6 +195,7 @@ def build_engine(
     compile: str | None = None,
     quantize: str = "none",
     quantize_mtp: str = "same",
+    quantize_lm_head: bool = False,
     verbose: bool = True,
 ) -> Path:
     """`mtp-build --checkpoint CHECKPOINT --output OUTPUT` from Python, with mtp-build's defaults: each keyword is the
@@ -215,7 +216,7 @@ def build_engine(
                         max_batch=max_batch, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                         kv_block_size=kv_block_size, num_draft_tokens=num_draft_tokens, world_size=world_size,
                         ep_size=ep_size, tp_size=tp_size, force=force, quantize=quantize,
-                        quantize_mtp=quantize_mtp, **({} if compile is None else {"compile": compile}))  # fmt: skip
+                        quantize_mtp=quantize_mtp, quantize_lm_head=quantize_lm_head, **({} if compile is None else {"compile": compile}))  # fmt: skip
     reporter: Reporter | None = None
     if verbose and sys.stderr.isatty():
         from rich.console import Console

@@ -1,9 +1,11 @@
-"""`mtp-build --quantize int8 --quantize-mtp none`: the trunk's graph (`main`) is quantized, the MTP module's graphs
-(`mtp_draft`, `mtp_commit`) keep the checkpoint's precision; config.json says which graphs were quantized; `--check`
-probes the packages against the torch model quantized the same way (only the trunk's weights); MTP stays lossless.
-Peers lose acceptance by quantizing the MTP head (issue 26); this is the switch that keeps it float.
+"""`mtp-build --quantize int8 --quantize-mtp none --quantize-lm-head`: the trunk's graph (`main`) is quantized, its LM
+head too, while the MTP module's graphs (`mtp_draft`, `mtp_commit`) keep the checkpoint's precision, the LM head the
+draft graph shares with the trunk included; config.json says which graphs were quantized; `--check` probes each
+package against the torch model as that package was built (the shared LM head int8 for `main`, float for
+`mtp_draft`); MTP stays lossless. Peers lose acceptance by quantizing the MTP head (issue 26): this keeps it float.
 
-One compiled build of test_int8_quantize.py's tiny bf16 checkpoint geometry.
+One compiled build of test_int8_quantize.py's tiny bf16 checkpoint geometry (the default `--quantize-mtp same`, the
+LM head float, is that file's engine).
 """
 
 from __future__ import annotations
@@ -35,20 +37,36 @@ def engine(tmp_path_factory) -> Path:
     save_hf_checkpoint(model, to_hf_config(CFG), root / "ckpt")
     write_tokenizer(root / "ckpt" / "tokenizer.json", CFG.vocab_size)
     out = root / "engine"
-    assert cli.main(_argv(root / "ckpt", out, "--compile", "aoti", "--quantize", "int8", "--quantize-mtp", "none")) == 0
+    assert (
+        cli.main(
+            _argv(
+                root / "ckpt",
+                out,
+                "--compile",
+                "aoti",
+                "--quantize",
+                "int8",
+                "--quantize-mtp",
+                "none",
+                "--quantize-lm-head",
+            )
+        )
+        == 0
+    )
     return out
 
 
-def test_only_the_trunk_is_quantized(engine):
-    """int8 weights only outside the MTP module (`mtp.*`), the MTP graphs read none, and config.json names the
-    quantized graphs. (With the default, test_int8_quantize.py: the MTP graphs read 8 + 2 and 3 int8 weights.)"""
+def test_only_the_trunk_is_quantized_with_its_lm_head(engine):
+    """int8 weights only outside the MTP module (`mtp.*`), the LM head among them; the MTP graphs read none; and
+    config.json names the quantized graphs. (test_int8_quantize.py: the MTP graphs read 8 + 2 and 3 int8 weights,
+    the main graph 14 linears.)"""
     compiled = load_engine_config(engine).build["compiled"]
     graphs = compiled["graphs"]
     assert compiled["quantized_graphs"] == ["main"]
-    assert [graphs[g].get("int8_linears", 0) for g in GRAPHS] == [14, 0, 0]
+    assert [graphs[g].get("int8_linears", 0) for g in GRAPHS] == [14 + 1, 0, 0]  # + the LM head
     assert [graphs[g].get("int8_experts", 0) for g in GRAPHS] == [1, 0, 0]
     names = compiled["int8"]["weights"]
-    assert names and not [n for n in names if n.startswith("mtp.")], names
+    assert "lm_head.weight" in names and not [n for n in names if n.startswith("mtp.")], names
 
 
 def test_mtp_stays_lossless_and_the_float_head_drafts(engine):
@@ -68,8 +86,12 @@ def test_check_probes_the_trunk_quantized_and_the_head_float(engine, capsys):
     assert "compiled packages match the torch model on a probe batch" in " ".join(capsys.readouterr().out.split())
 
 
-def test_quantize_mtp_without_quantize_is_refused_in_one_line():
-    opts = BuildOptions(checkpoint=Path("c"), output=Path("o"), quantize_mtp="none", **LIMITS)
-    with pytest.raises(BuildError, match="--quantize-mtp none only matters with --quantize int8 or int4") as e:
+@pytest.mark.parametrize("kw,match", [
+    ({"quantize_mtp": "none"}, "--quantize-mtp none only matters with --quantize int8 or int4"),
+    ({"quantize_lm_head": True}, "--quantize-lm-head stores the LM head int8 beside --quantize int8 or int4"),
+])  # fmt: skip
+def test_without_quantize_they_are_refused_in_one_line(kw, match):
+    opts = BuildOptions(checkpoint=Path("c"), output=Path("o"), **LIMITS, **kw)
+    with pytest.raises(BuildError, match=match) as e:
         opts.validate()
     assert len(str(e.value).splitlines()) == 1
