@@ -16,13 +16,17 @@ import pytest
 import torch
 
 from builder import cli
+from builder.compile_check import as_built
 from builder.options import BuildError, BuildOptions
+from models.checkpoint import load_model
 from models.checkpoint_export import save_hf_checkpoint, to_hf_config
 from models.engine_format import load_engine_config
 from models.testing import random_model
+from runtime.bench.quant_quality import perplexity
 from runtime.factory import create_engine
 from tests.builder.conftest import LIMITS, write_tokenizer
 from tests.builder.test_int8_quantize import CFG, PARAMS, PROMPTS, _argv
+from tests.runtime.engine_utils import random_prompts
 
 GRAPHS = ("main", "mtp_draft", "mtp_commit")
 
@@ -95,3 +99,21 @@ def test_without_quantize_they_are_refused_in_one_line(kw, match):
     with pytest.raises(BuildError, match=match) as e:
         opts.validate()
     assert len(str(e.value).splitlines()) == 1
+
+
+def test_perplexity_is_the_built_models_own(engine):
+    """quant_quality's perplexity (one prefill forward per text on the compiled engine, every row's logits) equals
+    the torch model's as built (the trunk and its LM head int8: compile_check.as_built), teacher-forced over whole
+    sequences with forward_train."""
+    cfg = load_engine_config(engine)
+    texts = random_prompts((29, 12), seed=3)
+    got = perplexity(engine, texts)
+    model = as_built(cfg, load_model(Path(cfg.checkpoint["path"]))[0]).eval()
+    nll = count = 0.0
+    with torch.inference_mode():
+        for ids in texts:
+            logits = model.forward_train(torch.tensor([ids]))[0][0, :-1].double()
+            nll -= float(torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).sum())
+            count += len(ids) - 1
+    want = float(torch.tensor(nll / count).exp())
+    assert abs(got - want) <= 1e-4 * want, (got, want)
