@@ -25,6 +25,7 @@ from builder.options import (
     BACKENDS,
     COMPILES,
     DTYPES,
+    INT4_GROUP,
     QUANTIZE_MTPS,
     QUANTIZES,
     BuildError,
@@ -98,6 +99,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantize: the LM head int8 too (per output channel) in every quantized graph; by default "
                    "it stays float (its error reaches every logit); at real size it is most of a draft step's bytes")  # fmt: skip
+    p.add_argument("--int4-group-size", type=int, default=INT4_GROUP,
+                   help="with --quantize int4: input features per fp32 scale (even; default 32, as llama.cpp's Q4_0); "
+                   "a linear whose input width it does not divide is stored int8")  # fmt: skip
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     return p
 
@@ -191,7 +195,7 @@ def _run(args: argparse.Namespace, err: Console) -> int:
         max_batch=args.max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
         kv_block_size=args.kv_block_size, num_draft_tokens=args.num_draft_tokens, world_size=args.world_size,
         ep_size=ep_size, tp_size=args.tp_size, force=args.force, compile=args.compile, quantize=args.quantize,
-        quantize_mtp=args.quantize_mtp, quantize_lm_head=args.quantize_lm_head,
+        quantize_mtp=args.quantize_mtp, quantize_lm_head=args.quantize_lm_head, int4_group_size=args.int4_group_size,
     )  # fmt: skip
     result = build(opts, RichReporter(console))
     console.print(summary(result.config, result.seconds))

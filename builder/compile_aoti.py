@@ -47,6 +47,7 @@ from models.engine_format.compiled import AOTI_KIND, FP8_FORMAT, INT4_FORMAT, IN
 from models.fp8 import Fp8Weight
 from models.glm4_moe import Glm4MoeMTPModel
 from plugins.kv_pool import KVPoolGeometry
+from plugins.reference import INT4_GROUP
 
 # Inductor settings of every package (recorded in config.json). Freezing folds weights into constants and
 # prepacks the fp32 GEMMs for MKL; it would fold a bf16->fp32 upcast into fp32 constants, so bf16 weights
@@ -195,18 +196,18 @@ def model_weights(model: Glm4MoeMTPModel) -> str:
 
 def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, path: Path,
                   weights: str, fp8: Mapping[str, Fp8Weight] | None = None,
-                  quantize: str = "none", lm_head: bool = False) -> dict[str, Any]:  # fmt: skip
+                  quantize: str = "none", lm_head: bool = False, int4_group: int = INT4_GROUP) -> dict[str, Any]:  # fmt: skip
     """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json).
     fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them.
     quantize "int8": the dense linears' and routed experts' weights stored int8 (`int8_weights`); "int4": the dense
     linears whose input width the group divides stored int4 (`int4_weights`), the rest of int8's weights int8;
-    lm_head: the LM head too, int8 (with either)."""
+    lm_head: the LM head too, int8 (with either). int4_group: int4's group size (input features per scale)."""
 
     def convert(program: torch.export.ExportedProgram, bf16: bool) -> dict[str, Any]:
         stats: dict[str, Any] = (fp8_weights(program, fp8) if fp8
                                  else {"fp8_weights": 0, "fp8_linears": 0, "fp8_experts": 0})  # fmt: skip
         if quantize == "int4":
-            stats.update(int4_weights(program))  # first: int8_weights then takes only the fp32 weights left
+            stats.update(int4_weights(program, group=int4_group))  # first: int8_weights then takes only the fp32 weights left
         if quantize in ("int8", "int4"):
             stats.update(int8_weights(program, kept_float=INT8_KEPT_FLOAT_BUT_HEAD if lm_head else INT8_KEPT_FLOAT))
         return {**stats, **(bf16_weights(program) if bf16 else {"bf16_weights": 0})}
@@ -236,19 +237,21 @@ def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, 
                  graphs: dict[str, dict[str, str]], weights: str,
                  track: Callable[[Sequence[str], str], Iterable[str]] = lambda items, what: items,
                  fp8: Mapping[str, Fp8Weight] | None = None,
-                 quantize: Callable[[str], str] = lambda graph: "none", lm_head: bool = False) -> dict[str, Any]:  # fmt: skip
+                 quantize: Callable[[str], str] = lambda graph: "none", lm_head: bool = False,
+                 int4_group: int = INT4_GROUP) -> dict[str, Any]:  # fmt: skip
     """Compile every graph of this rank next to its ONNX files; adds `aoti` paths to `graphs`. `track` shows the
     graphs as a progress bar (the builder's reporter); each graph's compile time goes into its record. fp8: the
     rank's FP8 weights as released; when some graph stores them, the record's `fp8` says how (FP8_FORMAT).
     quantize(graph) -> "none" | "int8" | "int4" (BuildOptions.graph_quantize: the MTP module's graphs may stay float);
     "int8": the record's `int8` says how (INT8_FORMAT), with the op and the quantized weights' names; "int4": also
     `int4` (INT4_FORMAT) for the weights stored int4. `quantized_graphs` names the graphs that were. lm_head: their LM
-    head int8 too (`--quantize-lm-head`)."""
+    head int8 too (`--quantize-lm-head`); int4_group: int4's group size (`--int4-group-size`, in the record)."""
     info: dict[str, Any] = {}
     for name in track(list(graphs), "AOTInductor compile"):
         path = rdir / f"{name}.{AOTI_KIND}.pt2"
         t0 = time.perf_counter()
-        info[name] = compile_graph(name, model, geom, max_blocks, path, weights, fp8, quantize(name), lm_head)
+        info[name] = compile_graph(name, model, geom, max_blocks, path, weights, fp8, quantize(name), lm_head,
+                                   int4_group)  # fmt: skip
         info[name]["seconds"] = round(time.perf_counter() - t0, 1)
         graphs[name][AOTI_KIND] = str(path.relative_to(work))
     record = {"graphs": info, "isa": host_isa(), "torch_version": torch.__version__, "weights": weights}
@@ -265,5 +268,5 @@ def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, 
         record["quantized_graphs"] = [name for name in info if quantize(name) != "none"]
     int4_names = sorted({w for g in info.values() for w in g.pop("int4_names", [])})
     if int4_names:
-        record["int4"] = {**INT4_FORMAT, "ops": ["linear_int4"], "weights": int4_names}
+        record["int4"] = {**INT4_FORMAT, "group_size": int4_group, "ops": ["linear_int4"], "weights": int4_names}
     return record

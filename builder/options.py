@@ -17,6 +17,7 @@ from models.engine_format.config import Limits
 from models.engine_format.layout import KVLayout, StateLayout
 from plugins.kv_pool import DTYPE_CODES
 from plugins.mapping import MappingError, check_model, check_parallel, local_kv_heads
+from plugins.reference import INT4_GROUP
 
 BACKENDS = ("onnxruntime", "tensorrt")
 # --compile: "aoti" adds AOTInductor packages per graph (builder/compile_aoti.py), the fastest CPU executor; "auto"
@@ -62,6 +63,7 @@ class BuildOptions:
     quantize: str = "none"
     quantize_mtp: str = "same"
     quantize_lm_head: bool = False
+    int4_group_size: int = INT4_GROUP
 
     def graph_quantize(self, graph: str) -> str:
         """What --quantize means for graph `graph`: the trunk's always; the MTP module's unless --quantize-mtp none."""
@@ -144,6 +146,12 @@ class BuildOptions:
         if self.quantize_mtp != "same" and self.quantize == "none":
             raise BuildError(f"--quantize-mtp {self.quantize_mtp} only matters with --quantize int8 or int4 (nothing is "
                              "quantized without it); drop --quantize-mtp or add --quantize")  # fmt: skip
+        if self.int4_group_size != INT4_GROUP and self.quantize != "int4":
+            raise BuildError(f"--int4-group-size {self.int4_group_size} only applies to --quantize int4 (got --quantize "
+                             f"{self.quantize}); add --quantize int4 or drop --int4-group-size")  # fmt: skip
+        if self.int4_group_size <= 0 or self.int4_group_size % 2:
+            raise BuildError(f"--int4-group-size {self.int4_group_size}: must be a positive even number (a group ends "
+                             "on a byte); e.g. 32 (default), 64 or 128")  # fmt: skip
         if self.quantize_lm_head and self.quantize == "none":
             raise BuildError("--quantize-lm-head stores the LM head int8 beside --quantize int8 or int4, which is not "
                              "given; add --quantize int8 or drop --quantize-lm-head")  # fmt: skip

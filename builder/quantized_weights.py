@@ -179,10 +179,10 @@ def int8_weights(program: torch.export.ExportedProgram, prefix: str = "model.",
     return {"int8_weights": len(chosen), "int8_linears": linears, "int8_experts": experts, "int8_names": names}
 
 
-def int4_weights(program: torch.export.ExportedProgram, prefix: str = "model.") -> dict[str, Any]:
-    """`mtp-build --quantize int4`: store as group-wise int4 (plugins/reference.py quantize_int4, INT4_GROUP input
-    features per fp32 scale; the constant `<weight>_int4_scale`) every fp32 weight [N, K] int8_weights would take for a
-    linear whose K the group divides, and rewrite its uses into `mtp::linear_int4`. Run it before `int8_weights`,
+def int4_weights(program: torch.export.ExportedProgram, prefix: str = "model.", group: int = INT4_GROUP) -> dict[str, Any]:
+    """`mtp-build --quantize int4`: store as group-wise int4 (plugins/reference.py quantize_int4, `group` input
+    features per fp32 scale, `--int4-group-size`; the constant `<weight>_int4_scale`) every fp32 weight [N, K]
+    int8_weights would take for a linear whose K the group divides, and rewrite its uses into `mtp::linear_int4`. Run it before `int8_weights`,
     which then takes the fp32 weights left (the routed experts, the linears of other K). Returns {"int4_weights":
     count, "int4_linears": linears rewritten, "int4_names": the quantized weights' names less `prefix`}."""
     sig, graph = program.graph_signature, program.graph_module.graph
@@ -192,11 +192,11 @@ def int4_weights(program: torch.export.ExportedProgram, prefix: str = "model.") 
         value = program.state_dict.get(key) if key else None
         if value is None or value.dtype != torch.float32 or value.dim() != 2 or key.endswith(INT8_KEPT_FLOAT):
             continue
-        if value.shape[1] % INT4_GROUP == 0 and _uses(node) and all(_fp32_linear(u, node) for u in _uses(node)):
+        if value.shape[1] % group == 0 and _uses(node) and all(_fp32_linear(u, node) for u in _uses(node)):
             chosen[node] = (key, value.detach())
-    scales = _store_quantized(program, {node: (key, *quantize_int4(value, INT4_GROUP), "_int4_scale")
+    scales = _store_quantized(program, {node: (key, *quantize_int4(value, group), "_int4_scale")
                                         for node, (key, value) in chosen.items()})  # fmt: skip
-    linears, _ = _rewrite(program, scales, torch.ops.mtp.linear_int4.default, linear_extra=(INT4_GROUP,))
+    linears, _ = _rewrite(program, scales, torch.ops.mtp.linear_int4.default, linear_extra=(group,))
     names = sorted(key.removeprefix(prefix) for key, _ in chosen.values())
     return {"int4_weights": len(chosen), "int4_linears": linears, "int4_names": names}
 

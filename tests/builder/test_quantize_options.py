@@ -1,4 +1,6 @@
-"""`mtp-build --quantize int8 --quantize-mtp none --quantize-lm-head`: the trunk's graph (`main`) is quantized, its LM
+"""The choices beside `--quantize` (test_int8_quantize.py has the formats themselves).
+
+`mtp-build --quantize int8 --quantize-mtp none --quantize-lm-head`: the trunk's graph (`main`) is quantized, its LM
 head too, while the MTP module's graphs (`mtp_draft`, `mtp_commit`) keep the checkpoint's precision, the LM head the
 draft graph shares with the trunk included; config.json says which graphs were quantized; `--check` probes each
 package against the torch model as that package was built (the shared LM head int8 for `main`, float for
@@ -6,6 +8,10 @@ package against the torch model as that package was built (the shared LM head in
 
 One compiled build of test_int8_quantize.py's tiny bf16 checkpoint geometry (the default `--quantize-mtp same`, the
 LM head float, is that file's engine).
+
+`--int4-group-size G`: the int4 rewrite with another group, on an exported linear (no engine build): the weight is
+stored with K / G scales per row, the op is called with G, and the program computes the reference's dequantized
+product; what G may be is one line.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ import torch
 from builder import cli
 from builder.compile_check import as_built
 from builder.options import BuildError, BuildOptions
+from builder.quantized_weights import int4_weights
 from models.checkpoint import load_model
 from models.checkpoint_export import save_hf_checkpoint, to_hf_config
 from models.engine_format import load_engine_config
 from models.testing import random_model
+from plugins.reference import dequantize_int4_ref, quantize_int4
 from runtime.bench.quant_quality import perplexity
 from runtime.factory import create_engine
 from tests.builder.conftest import LIMITS, write_tokenizer
@@ -93,8 +101,11 @@ def test_check_probes_the_trunk_quantized_and_the_head_float(engine, capsys):
 @pytest.mark.parametrize("kw,match", [
     ({"quantize_mtp": "none"}, "--quantize-mtp none only matters with --quantize int8 or int4"),
     ({"quantize_lm_head": True}, "--quantize-lm-head stores the LM head int8 beside --quantize int8 or int4"),
+    ({"int4_group_size": 64, "quantize": "int8"}, "--int4-group-size 64 only applies to --quantize int4"),
+    ({"int4_group_size": 33, "quantize": "int4"}, "--int4-group-size 33: must be a positive even number"),
+    ({"int4_group_size": 0, "quantize": "int4"}, "--int4-group-size 0: must be a positive even number"),
 ])  # fmt: skip
-def test_without_quantize_they_are_refused_in_one_line(kw, match):
+def test_bad_combinations_are_refused_in_one_line(kw, match):
     opts = BuildOptions(checkpoint=Path("c"), output=Path("o"), **LIMITS, **kw)
     with pytest.raises(BuildError, match=match) as e:
         opts.validate()
@@ -117,3 +128,21 @@ def test_perplexity_is_the_built_models_own(engine):
             count += len(ids) - 1
     want = float(torch.tensor(nll / count).exp())
     assert abs(got - want) <= 1e-4 * want, (got, want)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_group_size_reaches_the_stored_weight_and_the_op(group):
+    """An exported fp32 linear (K = 256, N = 24) through int4_weights(group=G): scales [N, K / G], the rewritten node
+    calls mtp::linear_int4 with G, and the program's output equals x @ dequantize_int4_ref(...)^T + b."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 24)
+    x = torch.randn(3, 256)
+    program = torch.export.export(torch.nn.Sequential(lin), (x,))
+    stats = int4_weights(program, prefix="", group=group)
+    assert stats["int4_linears"] == 1 and stats["int4_names"] == ["0.weight"]
+    node = next(n for n in program.graph_module.graph.nodes if n.target is torch.ops.mtp.linear_int4.default)
+    assert node.args[3] == group
+    packed, scale = quantize_int4(lin.weight.detach(), group)
+    assert scale.shape == (24, 256 // group)
+    want = x @ dequantize_int4_ref(packed, scale, group).T + lin.bias.detach()
+    torch.testing.assert_close(program.module()(x), want, rtol=1e-5, atol=1e-5)
