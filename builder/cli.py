@@ -25,7 +25,7 @@ from builder.options import (
     BACKENDS,
     COMPILES,
     DTYPES,
-    INT4_GROUP,
+    INT4_GROUP_DEFAULT,
     QUANTIZE_MTPS,
     QUANTIZES,
     BuildError,
@@ -99,9 +99,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantize: the LM head int8 too (per output channel) in every quantized graph; by default "
                    "it stays float (its error reaches every logit); at real size it is most of a draft step's bytes")  # fmt: skip
-    p.add_argument("--int4-group-size", type=int, default=INT4_GROUP,
-                   help="with --quantize int4: input features per fp32 scale (even; default 32, as llama.cpp's Q4_0); "
-                   "a linear whose input width it does not divide is stored int8")  # fmt: skip
+    p.add_argument("--int4-group-size", type=int, default=INT4_GROUP_DEFAULT,
+                   help="with --quantize int4: input features per fp32 scale (even; default 64: the same bytes as "
+                   "llama.cpp's Q4_0); a linear whose input width it does not divide is stored int8")  # fmt: skip
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     return p
 

@@ -34,7 +34,7 @@ import torch
 
 from builder.export import dynamic_shapes
 from builder.graphs import SPECS, WRAPPERS, example_inputs
-from builder.options import BuildError
+from builder.options import INT4_GROUP_DEFAULT, BuildError
 from builder.quantized_weights import (
     INT8_KEPT_FLOAT,
     INT8_KEPT_FLOAT_BUT_HEAD,
@@ -47,7 +47,6 @@ from models.engine_format.compiled import AOTI_KIND, FP8_FORMAT, INT4_FORMAT, IN
 from models.fp8 import Fp8Weight
 from models.glm4_moe import Glm4MoeMTPModel
 from plugins.kv_pool import KVPoolGeometry
-from plugins.reference import INT4_GROUP
 
 # Inductor settings of every package (recorded in config.json). Freezing folds weights into constants and
 # prepacks the fp32 GEMMs for MKL; it would fold a bf16->fp32 upcast into fp32 constants, so bf16 weights
@@ -196,7 +195,8 @@ def model_weights(model: Glm4MoeMTPModel) -> str:
 
 def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, path: Path,
                   weights: str, fp8: Mapping[str, Fp8Weight] | None = None,
-                  quantize: str = "none", lm_head: bool = False, int4_group: int = INT4_GROUP) -> dict[str, Any]:  # fmt: skip
+                  quantize: str = "none", lm_head: bool = False,
+                  int4_group: int = INT4_GROUP_DEFAULT) -> dict[str, Any]:  # fmt: skip
     """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json).
     fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them.
     quantize "int8": the dense linears' and routed experts' weights stored int8 (`int8_weights`); "int4": the dense
@@ -238,7 +238,7 @@ def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, 
                  track: Callable[[Sequence[str], str], Iterable[str]] = lambda items, what: items,
                  fp8: Mapping[str, Fp8Weight] | None = None,
                  quantize: Callable[[str], str] = lambda graph: "none", lm_head: bool = False,
-                 int4_group: int = INT4_GROUP) -> dict[str, Any]:  # fmt: skip
+                 int4_group: int = INT4_GROUP_DEFAULT) -> dict[str, Any]:  # fmt: skip
     """Compile every graph of this rank next to its ONNX files; adds `aoti` paths to `graphs`. `track` shows the
     graphs as a progress bar (the builder's reporter); each graph's compile time goes into its record. fp8: the
     rank's FP8 weights as released; when some graph stores them, the record's `fp8` says how (FP8_FORMAT).

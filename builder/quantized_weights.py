@@ -12,9 +12,9 @@ stored int8 + fp32 scales and read by `mtp::linear_int8` / `mtp::moe_experts_int
 lossy (the engine decodes its own quantized model, which `mtp-build --check` probes against).
 
 `--quantize int4` (`int4_weights`, then `int8_weights` for the rest): the dense linears whose input width K is a
-multiple of the group (INT4_GROUP, 32) are stored as group-wise int4 (plugins/reference.py quantize_int4: one fp32
-scale per 32 input features of a row, two values per byte, 0.625 bytes per weight) and read by `mtp::linear_int4`;
-the other weights `--quantize int8` takes (the routed experts, which have no int4 kernel yet, and linears whose K the
+multiple of the group G (`--int4-group-size`, 64 by default) are stored as group-wise int4 (plugins/reference.py
+quantize_int4: one fp32 scale per G input features of a row, two values per byte, 0.5 + 4 / G bytes per weight) and
+read by `mtp::linear_int4`; the other weights `--quantize int8` takes (the routed experts, which have no int4 kernel yet, and linears whose K the
 group does not divide) are stored int8 as there.
 """
 
@@ -28,7 +28,7 @@ from torch._guards import detect_fake_mode
 from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
 from models.fp8 import Fp8Weight
-from plugins.reference import INT4_GROUP, dequantize_fp8_experts_ref, dequantize_fp8_ref, quantize_int4, quantize_int8
+from plugins.reference import dequantize_fp8_experts_ref, dequantize_fp8_ref, quantize_int4, quantize_int8
 
 LINEAR = torch.ops.aten.linear.default  # aten.linear, what export gives F.linear / nn.Linear
 
@@ -179,11 +179,11 @@ def int8_weights(program: torch.export.ExportedProgram, prefix: str = "model.",
     return {"int8_weights": len(chosen), "int8_linears": linears, "int8_experts": experts, "int8_names": names}
 
 
-def int4_weights(program: torch.export.ExportedProgram, prefix: str = "model.", group: int = INT4_GROUP) -> dict[str, Any]:
+def int4_weights(program: torch.export.ExportedProgram, group: int, prefix: str = "model.") -> dict[str, Any]:
     """`mtp-build --quantize int4`: store as group-wise int4 (plugins/reference.py quantize_int4, `group` input
     features per fp32 scale, `--int4-group-size`; the constant `<weight>_int4_scale`) every fp32 weight [N, K]
-    int8_weights would take for a linear whose K the group divides, and rewrite its uses into `mtp::linear_int4`. Run it before `int8_weights`,
-    which then takes the fp32 weights left (the routed experts, the linears of other K). Returns {"int4_weights":
+    int8_weights would take for a linear whose K the group divides, and rewrite its uses into `mtp::linear_int4`. Run
+    it before `int8_weights`, which then takes the fp32 weights left (the routed experts, the linears of other K). Returns {"int4_weights":
     count, "int4_linears": linears rewritten, "int4_names": the quantized weights' names less `prefix`}."""
     sig, graph = program.graph_signature, program.graph_module.graph
     chosen: dict[torch.fx.Node, tuple[str, torch.Tensor]] = {}

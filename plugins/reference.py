@@ -332,7 +332,7 @@ def linear_int8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 # cost of one of the 16 codes (-8, which the kernel still reads). Packed two per byte, column 2i in the low nibble of
 # byte i and 2i + 1 in the high one, each nibble the value's two's complement. 0.5 bytes per weight + 4 / group_size.
 INT4_MAX = 7
-INT4_GROUP = 32  # the default group size (`mtp-build --quantize int4`), llama.cpp's Q4_0 / Q4_K block
+INT4_GROUP = 32  # the reference's default group (llama.cpp's Q4_0 block); mtp-build's: builder/options.py INT4_GROUP_DEFAULT
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,9 @@ FP8_FORMAT: dict[str, Any] = {"fmt": "e4m3", "weight_block_size": [128, 128]}
 # `weights`, the checkpoint names of the weights stored int8 (`mtp-build --check` quantizes the same ones).
 INT8_FORMAT: dict[str, Any] = {"fmt": "int8", "scheme": "symmetric per output channel, fp32 scale = max|w| / 127"}
 # `build.compiled.int4` of an engine built with `mtp-build --quantize int4` (its other quantized weights are in `int8`):
-# this format, `ops` and `weights` as for int8 (plugins/reference.py quantize_int4 with group_size, its INT4_GROUP).
-INT4_FORMAT: dict[str, Any] = {"fmt": "int4", "group_size": 32, "packing": "two per byte, column 2i in the low nibble",
+# this format, `group_size` (`--int4-group-size`: input features per scale), `ops` and `weights` as for int8
+# (plugins/reference.py quantize_int4 with that group_size).
+INT4_FORMAT: dict[str, Any] = {"fmt": "int4", "packing": "two per byte, column 2i in the low nibble",
                                "scheme": "symmetric per group of input features, fp32 scale = max|w| / 7"}  # fmt: skip
 
 

@@ -8,6 +8,8 @@ last-level cache, so every weight comes from DRAM, as in a decode step of a larg
   fp32        F.linear on fp32 weights stored [N, K]
   fp32-in-out F.linear on fp32 weights stored [K, N] (models/feed_forward.py store_in_out: the eager layout)
   upcast+mm   F.linear(x, w.float()) on the bf16 weights (what the compiled engine generated before the op)
+  int8-op     (--quantized) torch.ops.mtp.linear_int8 on the same weights quantized per output channel
+  int4-gG     (--quantized) torch.ops.mtp.linear_int4 with group G, for each G of --int4-groups (default 32 64 128)
 Rounds rotate the order; a candidate's round time is the median over `--iters` passes over all weights. Prints
 per-matrix microseconds, the weight read rate (GB/s of the bytes each candidate stores) and the ratio to fp32.
 """
@@ -15,13 +17,21 @@ per-matrix microseconds, the weight read rate (GB/s of the bytes each candidate 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import plugins.cpp_ops  # noqa: F401  (torch.ops.mtp.linear_bf16)
+from plugins.reference import quantize_int4, quantize_int8
+
+
+def _int4(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor], group: int) -> torch.Tensor:
+    return torch.ops.mtp.linear_int4(x, *w, group, None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,17 +42,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--count", type=int, default=6, help="distinct weights (6 x 4096 x 4096 = 200 MB bf16)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--quantized", action="store_true", help="also the int8 and int4 ops (mtp-build --quantize)")
+    p.add_argument("--int4-groups", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--isa", default="best", choices=["best", "avx512", "avx2", "generic"],
+                   help="the kernels' body (an AVX-512 machine runs the AVX2 one too)")  # fmt: skip
     a = p.parse_args(argv)
+    plugins.cpp_ops.cpu_isa(a.isa)
     torch.manual_seed(0)
     low = [torch.randn(a.n, a.k).bfloat16() for _ in range(a.count)]
     full = [w.float() for w in low]
     in_out = [w.t().contiguous().t() for w in full]
-    cands = {
+    cands: dict[str, tuple[list[Any], Callable[[torch.Tensor, Any], torch.Tensor]]] = {
         "bf16-op": (low, lambda x, w: torch.ops.mtp.linear_bf16(x, w, None)),
         "fp32": (full, lambda x, w: F.linear(x, w)),
         "fp32-in-out": (in_out, lambda x, w: F.linear(x, w)),
         "upcast+mm": (low, lambda x, w: F.linear(x, w.float())),
     }
+    if a.quantized:  # a weight is a tuple (stored tensors...); its bytes are theirs together
+        cands["int8-op"] = ([quantize_int8(w) for w in full], lambda x, w: torch.ops.mtp.linear_int8(x, *w, None))
+        for g in a.int4_groups:
+            cands[f"int4-g{g}"] = ([quantize_int4(w, g) for w in full], functools.partial(_int4, group=g))
     print(f"N={a.n} K={a.k}, {a.count} weights, isa {plugins.cpp_ops.cpu_isa()}, threads {torch.get_num_threads()}")
     print("| M | " + " | ".join(f"{c} us (GB/s)" for c in cands) + " | bf16-op / fp32 |")
     print("|---:|" + "---:|" * (len(cands) + 1))
@@ -51,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         times: dict[str, list[float]] = {c: [] for c in cands}
         names = list(cands)
         for r in range(a.rounds):
-            for c in names[r % len(names):] + names[: r % len(names)]:
+            for c in names[r % len(names) :] + names[: r % len(names)]:
                 weights, fn = cands[c]
                 per = []
                 for _ in range(a.iters):
@@ -63,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         med = {c: statistics.median(v) for c, v in times.items()}
         cells = []
         for c, (weights, _) in cands.items():
-            gbs = weights[0].numel() * weights[0].element_size() / med[c] / 1e9
+            stored = weights[0] if isinstance(weights[0], tuple) else (weights[0],)
+            gbs = sum(t.numel() * t.element_size() for t in stored) / med[c] / 1e9
             cells.append(f"{med[c] * 1e6:.0f} ({gbs:.1f})")
         print(f"| {m} | " + " | ".join(cells) + f" | {med['bf16-op'] / med['fp32']:.2f} |")
 

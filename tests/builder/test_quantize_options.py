@@ -101,7 +101,7 @@ def test_check_probes_the_trunk_quantized_and_the_head_float(engine, capsys):
 @pytest.mark.parametrize("kw,match", [
     ({"quantize_mtp": "none"}, "--quantize-mtp none only matters with --quantize int8 or int4"),
     ({"quantize_lm_head": True}, "--quantize-lm-head stores the LM head int8 beside --quantize int8 or int4"),
-    ({"int4_group_size": 64, "quantize": "int8"}, "--int4-group-size 64 only applies to --quantize int4"),
+    ({"int4_group_size": 32, "quantize": "int8"}, "--int4-group-size 32 only applies to --quantize int4"),
     ({"int4_group_size": 33, "quantize": "int4"}, "--int4-group-size 33: must be a positive even number"),
     ({"int4_group_size": 0, "quantize": "int4"}, "--int4-group-size 0: must be a positive even number"),
 ])  # fmt: skip
