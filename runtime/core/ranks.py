@@ -8,6 +8,7 @@ before the engine exists (docs/ARCHITECTURE.md §8).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,9 @@ class RankStrategy:
 
     def stop(self) -> None:
         """The leader is done: release the followers (idempotent)."""
+
+    def on_collective_timeout(self, fn: Callable[[str], None]) -> None:
+        """Call fn(the collective watchdog's line) before this rank leaves through it (a rank alone has none)."""
 
 
 SINGLE_RANK = RankStrategy()

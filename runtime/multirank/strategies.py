@@ -13,6 +13,7 @@ runtime/core/ranks.py `RankStrategy`. Nothing outside the engine assigns to the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,9 @@ class Lockstep(RankStrategy):
 
     def gather_to_first(self, value: Any) -> list[Any] | None:
         return self.role.leaders_comm.gather(value, root=0) if self.lockstep else [value]
+
+    def on_collective_timeout(self, fn: Callable[[str], None]) -> None:
+        self.role.dog.on_fire(fn)
 
 
 class TPLeader(Lockstep):

@@ -7,8 +7,10 @@ one daemon thread checks the deadline a few times a second and, past it, prints
 
     mtp-run: error: [rank 1] step 17: main forward did not complete within 60 s (another rank stalled or died); exiting
 
-and leaves at once (os._exit, as runtime/parallel.exit_failed_rank: MPI_Finalize would block on the stalled
-peer), so the launcher ends the job. Arming is two attribute writes, so it costs nothing per call.
+and leaves (os._exit, as runtime/parallel.exit_failed_rank: MPI_Finalize would block on the stalled peer), so the
+launcher ends the job. Arming is two attribute writes, so it costs nothing per call. Before leaving, the rank says
+its line to whoever registered for it (`on_fire`: a serving leader fails its in-flight requests with it, so a client
+gets the error instead of a bare disconnect), for at most LAST_WORDS_S.
 
 Idle waits are NOT armed: a serving leader with no requests issues no collective, and its followers wait
 for the next step's first call with the deadline off (the leader tells them a step ended). A rank that
@@ -26,10 +28,12 @@ begins, so a test knows the stall is in place (a sampled "in a sleep" cannot tel
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.multirank.host_facts import rank_tag
@@ -40,6 +44,7 @@ STARTUP_ENV = "MTP_STARTUP_TIMEOUT"
 FAULT_ENV = "MTP_FAULT_STALL"
 FAULT_MARK_ENV = "MTP_FAULT_STALL_MARK"
 EXIT_CODE = 1
+LAST_WORDS_S = 1.5  # what the `on_fire` callbacks may take before the rank leaves (their events reach the clients)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class Watchdog:
         self._deadline: float | None = None
         self._poll = poll_s if poll_s is not None else min(0.25, self.timeout_s / 4)
         self.stall = parse_stall(os.environ.get(FAULT_ENV))
+        self._on_fire: list[Callable[[str], None]] = []
         threading.Thread(target=self._watch, name="mtp-collective-watchdog", daemon=True).start()
 
     def arm(self, what: str, timeout_s: float | None = None) -> None:
@@ -100,6 +106,11 @@ class Watchdog:
 
     def disarm(self) -> None:
         self._deadline = None
+
+    def on_fire(self, fn: Callable[[str], None]) -> None:
+        """Call fn(the watchdog's line) when it fires, before the rank leaves (from the watchdog's thread, while the
+        rank's main thread is still blocked: fn must only hand the line over, e.g. to an event loop)."""
+        self._on_fire.append(fn)
 
     def guard(self, what: str, timeout_s: float | None = None) -> _Guard:
         return _Guard(self, what, timeout_s)
@@ -144,11 +155,22 @@ class Watchdog:
             sys.stderr.flush()
         except (OSError, ValueError):  # stderr's reader (this host's Open MPI daemon) is gone: leave all the same
             pass
+        if self._on_fire:  # bounded: a callback that blocks must not keep the rank alive
+            last = threading.Thread(target=self._last_words, args=(self.message(what, limit),), daemon=True)
+            last.start()
+            last.join(LAST_WORDS_S)
         if "OMPI_COMM_WORLD_SIZE" not in os.environ:  # not Open MPI: its job-ending on a non-zero exit is not given
             from mpi4py import MPI
 
             MPI.COMM_WORLD.Abort(EXIT_CODE)
         os._exit(EXIT_CODE)
+
+    def _last_words(self, line: str) -> None:
+        t0 = time.monotonic()
+        for fn in self._on_fire:
+            with contextlib.suppress(Exception):  # leaving anyway; the line is on stderr
+                fn(line)
+        time.sleep(max(0.0, min(0.5, LAST_WORDS_S - (time.monotonic() - t0) - 0.2)))  # the frontends send them
 
 
 class _Guard:

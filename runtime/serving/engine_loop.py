@@ -109,6 +109,9 @@ class EngineLoop:
         self._stopping = False
         self._ids = 0
         self._thread = threading.Thread(target=self._run, name="mtp-engine-loop", daemon=True)
+        ranks = getattr(engine, "ranks", None)  # a multi-rank leader: its watchdog's line reaches the clients
+        if ranks is not None:
+            ranks.on_collective_timeout(self._last_words)
 
     # ------------------------------------------------------------------ called from the frontends
     def start(self) -> None:
@@ -234,6 +237,20 @@ class EngineLoop:
             return
         self.counts.add("admitted")
         self._active[req_id] = sink
+
+    def _last_words(self, line: str) -> None:
+        """The collective watchdog fired (its thread; the loop thread is blocked in a collective and the rank is
+        leaving): every request in flight, admitted or pending, ends with the watchdog's line as its error instead
+        of a bare disconnect. Only hands events to the frontends (Sink.put does not block)."""
+        error = line.split(": error: ", 1)[-1]
+        sinks = list(self._active.values())
+        if self._cv.acquire(timeout=0.2):  # pending requests; never wait on a lock the blocked thread holds
+            try:
+                sinks += [sink for *_, sink in self._pending]
+            finally:
+                self._cv.release()
+        for sink in sinks:  # "error": the engine failed them (HTTP 500), not a drain's cut (503)
+            self._put(sink, Event([], "", True, "error", error=error))
 
     def _drop_cancelled(self) -> None:
         for req_id, sink in list(self._active.items()):
