@@ -150,15 +150,70 @@ def test_tp2_across_two_hosts_matches_single_process(hosts):
         assert a["output_ids"] == b["output_ids"] and a["accepted_per_step"] == b["accepted_per_step"]
 
 
-def _rank_pid(hosts, host: str) -> int | None:
-    """The rank running in `host` (`python -m runtime.cli ...`; not mpirun, whose command line names it too)."""
+def _rank_pid(hosts, host: str, module: str = "runtime.cli") -> int | None:
+    """The rank running in `host` (`python -m MODULE ...`; not mpirun, whose command line names it too)."""
     for pid in hosts.pids(host):
         try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"runtime.cli"]:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", module.encode()]:
                 return pid
         except OSError:
             pass
     return None
+
+
+# A client inside host A: waits for the server, then one completion; prints the response body.
+CLIENT = """
+import json, sys, time, urllib.request
+port, body = int(sys.argv[1]), sys.argv[2].encode()
+deadline = time.monotonic() + 240
+while True:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).close()
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            sys.exit("the server never became ready")
+        time.sleep(0.5)
+req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                             headers={"content-type": "application/json"})
+print(urllib.request.urlopen(req, timeout=120).read().decode())
+"""
+SERVE = [sys.executable, "-m", "runtime.serving.triton_server"]
+
+
+def test_mtp_serve_across_two_hosts_answers_a_client(hosts):
+    """`mpirun mtp-serve --frontend openai --checkpoint models/tiny --tp-size 2`, one rank per host: rank 0 serves
+    HTTP inside host A and every forward's all-reduce crosses the link; a client in host A gets the single
+    process's greedy text; SIGTERM to the leader drains, every rank exits 0 and nothing is left in either host."""
+    from runtime.core.sampling import SamplingParams
+    from runtime.factory import create_engine
+
+    port = 18080  # host A's own network namespace: no other listener there
+    serve = [*SERVE, "--frontend", "openai", "--checkpoint", str(TINY), "--tp-size", "2", "--num-draft-tokens", "2",
+             "--port", str(port), "--acceptance-check", "off"]  # fmt: skip
+    proc = subprocess.Popen([*hosts.mpirun_argv(MPIRUN, 2), *serve], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        body = {"model": "tiny", "prompt": "def main(", "max_tokens": 16, "temperature": 0}
+        client = subprocess.run([*hosts.enter(hosts.names[0]), sys.executable, "-c", CLIENT, str(port),
+                                 json.dumps(body)], capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert client.returncode == 0, client.stderr[-2000:]
+        got = json.loads(client.stdout)["choices"][0]["text"]
+        want = (
+            create_engine(checkpoint=TINY, executor="torch", num_draft_tokens=2)
+            .generate(["def main("], SamplingParams(max_tokens=16))[0]
+            .text
+        )
+        assert got == want
+        leader = _rank_pid(hosts, hosts.names[0], "runtime.serving.triton_server")
+        assert leader, "the leader is not running in host A"
+        os.kill(leader, signal.SIGTERM)  # mpirun does not forward SIGTERM: a drain is asked of the leader
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            _end_job(hosts, proc)
+    assert proc.returncode == 0 and "mtp-serve: stopped (drained)" in out, out + err[-3000:]
+    assert _wait_empty(hosts, 20) == [], "a process outlived the job"
 
 
 def _wait_empty(hosts, within: float) -> list[int]:
