@@ -71,11 +71,12 @@ def _end_job(hosts, proc: subprocess.Popen) -> tuple[str, str]:
     return proc.communicate()
 
 
-def launch(hosts, argv: list[str], timeout: float, argv_b: list[str] | None = None) -> tuple[int, str, str, float]:
-    """(exit status, stdout, stderr, seconds) of `mpirun ... argv` across the hosts; on timeout every process of
-    both hosts is killed and the status is -9. With argv_b, one app context per host (MPMD `argv : argv_b`;
+def launch(hosts, argv: list[str], timeout: float, argv_b: list[str] | None = None,
+           np_: int = 2) -> tuple[int, str, str, float]:  # fmt: skip
+    """(exit status, stdout, stderr, seconds) of `mpirun -np NP_ ... argv` across the hosts; on timeout every process
+    of both hosts is killed and the status is -9. With argv_b, one app context per host (MPMD `argv : argv_b`;
     --map-by node puts the first on host A), so the two ranks can differ in what they run with."""
-    cmd = ([*hosts.mpirun_argv(MPIRUN, 2), *argv] if argv_b is None else
+    cmd = ([*hosts.mpirun_argv(MPIRUN, np_), *argv] if argv_b is None else
            [*hosts.mpirun_argv(MPIRUN, 1), *argv, ":", "-np", "1", *argv_b])  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -136,6 +137,23 @@ def test_ep2_across_two_hosts_matches_single_process(hosts, tiny_ep2_engine, k):
         assert len(a["output_ids"]) == 16
     for host in hosts.names:
         assert hosts.pids(host) == [], f"a process outlived the job in {host}"
+
+
+def test_dp2_tp2_across_two_hosts_matches_single_process(tmp_path):
+    """DP2 x TP2 on four ranks, two per host (`--map-by node`: ranks 0 and 2 on host A, 1 and 3 on B, so each TP
+    group spans both hosts and the DP leaders' lockstep allreduce crosses the link too), torch executor on
+    models/tiny: greedy ids and acceptance equal the single process's."""
+    flags = [*PROMPTS, "--max-tokens", "12", "--json", "--num-draft-tokens", "2", "--prefill-chunk", "2"]
+    with namespace_hosts(tmp_path / "hosts", slots=2) as hosts:
+        cmd = [*MTP_RUN, "--checkpoint", str(TINY), "--tp-size", "2", *flags]
+        status, out, err, _ = launch(hosts, cmd, timeout=400, np_=4)
+        left = {host: hosts.pids(host) for host in hosts.names}
+    assert status == 0, err[-3000:]
+    assert left == {host: [] for host in hosts.names}, f"a process outlived the job: {left}"
+    across, alone = records(out), _single_process_records(flags)
+    assert len(across) == 4, out  # 3 requests (2 groups' shares) + the summary, printed by rank 0 only
+    for a, b in zip(across[:3], alone[:3], strict=True):
+        assert a["output_ids"] == b["output_ids"] and a["accepted_per_step"] == b["accepted_per_step"]
 
 
 def test_tp2_across_two_hosts_matches_single_process(hosts):
