@@ -196,13 +196,13 @@ def build_engine(
     quantize: str = "none",
     quantize_mtp: str = "same",
     quantize_lm_head: bool = False,
-    int4_group_size: int | None = None,
+    int4_group_size: int = 64,  # builder/options.py INT4_GROUP_DEFAULT (tests/test_public_api.py pins them equal)
     verbose: bool = True,
 ) -> Path:
     """`mtp-build --checkpoint CHECKPOINT --output OUTPUT` from Python, with mtp-build's defaults: each keyword is the
     flag of the same name (--kv-block-size: kv_block_size); ep_size None: tp_size when it is > 1, else 1, and
-    compile / int4_group_size None: mtp-build's defaults (builder/options.py BuildOptions), as mtp-build. The build
-    is atomic: OUTPUT appears complete or not at all. verbose: mtp-build's step lines on stderr when it is a terminal.
+    compile None: mtp-build's default (builder/options.py BuildOptions), as mtp-build. The build is atomic: OUTPUT
+    appears complete or not at all. verbose: mtp-build's step lines on stderr when it is a terminal.
 
     Returns the engine directory (OUTPUT), ready for `LLM(...)`. Raises BuildError / CheckpointError /
     EngineDirError (ValueErrors, one line each) for bad options, a bad checkpoint or an OUTPUT it will not
@@ -213,13 +213,12 @@ def build_engine(
 
     if ep_size is None:
         ep_size = default_ep_size(tp_size)
-    defaults: dict[str, Any] = {"compile": compile, "int4_group_size": int4_group_size}  # None: mtp-build's default
     opts = BuildOptions(checkpoint=Path(checkpoint), output=Path(output), backend=backend, dtype=dtype,
                         max_batch=max_batch, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                         kv_block_size=kv_block_size, num_draft_tokens=num_draft_tokens, world_size=world_size,
                         ep_size=ep_size, tp_size=tp_size, force=force, quantize=quantize,
-                        quantize_mtp=quantize_mtp, quantize_lm_head=quantize_lm_head,
-                        **{k: v for k, v in defaults.items() if v is not None})  # fmt: skip
+                        quantize_mtp=quantize_mtp, quantize_lm_head=quantize_lm_head, int4_group_size=int4_group_size,
+                        **({} if compile is None else {"compile": compile}))  # fmt: skip
     reporter: Reporter | None = None
     if verbose and sys.stderr.isatty():
         from rich.console import Console

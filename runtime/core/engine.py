@@ -331,6 +331,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ emission and bookkeeping
     def _emit(self, req: Request, tokens: list[int]) -> list[int]:
         p = req.params
+        if p.max_tokens == 0:  # a scoring request (echo, max_tokens 0): its prompt's logprobs were the point
+            self._finish(req, "length")
+            logprobs.commit(req, 0)
+            return []
         stop_ids = {p.end_id} if p.end_id is not None else set(self.model_cfg.eos_token_id)
         new = []
         for t in tokens:

@@ -35,7 +35,7 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # keep the smallest set of tokens whose mass reaches top_p; 1 = off
     seed: int | None = None  # per-request np.random.Generator seed; None = engine generator
-    max_tokens: int = 16  # output tokens to generate at most
+    max_tokens: int = 16  # output tokens to generate at most; 0 with prompt_logprobs: score the prompt only
     stop: tuple[str, ...] = ()  # stop strings, matched by the runtime on detokenized output
     end_id: int | None = None  # end-of-sequence token id; None = never stop on a token
     acceptance: AcceptanceMethod = "exact"  # sampled-mode draft acceptance: "exact" match or "rejection"
@@ -61,8 +61,9 @@ class SamplingParams:
             raise ValueError(f"top_k={k!r}: must be an int >= 0 (use 0 to disable top-k filtering)")
         if not is_real(p) or not 0.0 < p <= 1.0:  # NaN and inf fail the range
             raise ValueError(f"top_p={p!r}: must be a number in (0, 1] (use 1.0 to disable nucleus filtering)")
-        if not is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens={self.max_tokens!r}: must be an int >= 1 (output tokens to generate)")
+        if not is_int(self.max_tokens) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens={self.max_tokens!r}: must be an int >= 1 (output tokens to generate), or 0 "
+                             "with prompt_logprobs (score the prompt, generate nothing)")  # fmt: skip
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed={self.seed!r}: must be an int in [0, 2**64) or None")
         if self.end_id is not None and (not is_int(self.end_id) or not 0 <= self.end_id < vocab_size):

@@ -82,6 +82,27 @@ def test_echo_with_prompt_logprobs_equals_mtp_off(client, mtp_off):
     assert plain.choices[0].text == prompt + ref.text and plain.choices[0].logprobs is None
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(client, mtp_off):
+    """`echo` + `logprobs` + `max_tokens: 0` (lm-eval-harness's loglikelihood request, as vLLM serves it): the
+    prompt back with its logprobs, nothing generated, finish "length"; the values are the engine's own prompt
+    logprobs. Without echo and logprobs, 0 stays a 400 naming max_tokens; streamed, the same text."""
+    prompt = PROMPTS[2]
+    ids = list(mtp_off.tokenizer.encode(prompt).ids)
+    ref = mtp_off.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=3))[0]
+    assert ref.output_ids == [] and len(ref.prompt_logprobs) == len(ids)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, temperature=0, logprobs=3, echo=True)
+    c = r.choices[0]
+    assert c.text == prompt and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == len(ids) and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in ref.prompt_logprobs[1:]], abs=TOL)
+    for bad in ({}, {"echo": True}, {"logprobs": 1}):
+        with pytest.raises(openai.BadRequestError, match="max_tokens=0: must be an int >= 1"):
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=0, temperature=0, **bad)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=0, temperature=0, logprobs=3,
+                                            echo=True, stream=True))  # fmt: skip
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == prompt
+
+
 def test_echo_with_logprobs_on_a_repeated_prompt(client):
     """Prompt logprobs need every prompt position computed: the request does not read the prefix cache."""
     prompt = PROMPTS[0] * 12

@@ -207,11 +207,14 @@ def message_text(msg: ChatMessage, i: int) -> dict:
 
 
 def max_tokens_of(req: _Common, num_prompt: int, max_seq_len: int, default: int) -> int:
-    """max_completion_tokens wins over max_tokens; a request beyond the context is refused as OpenAI/vLLM do."""
+    """max_completion_tokens wins over max_tokens; a request beyond the context is refused as OpenAI/vLLM do.
+    0 is a scoring request (completions with echo and logprobs: the prompt's logprobs, nothing generated)."""
+    scoring = bool(getattr(req, "echo", False)) and num_logprobs(req) is not None
     for name in ("max_tokens", "max_completion_tokens"):  # each one given is checked, the winner or not
         asked = getattr(req, name)
-        if asked is not None and asked < 1:
-            raise ProtocolError(f"{name}={asked}: must be an int >= 1 (output tokens to generate)", name)
+        if asked is not None and asked < (0 if scoring else 1):
+            raise ProtocolError(f"{name}={asked}: must be an int >= 1 (output tokens to generate), or 0 with echo "
+                                "and logprobs (the prompt's logprobs only)", name)  # fmt: skip
         if asked is not None and num_prompt + asked > max_seq_len:
             raise ProtocolError(f"This model's maximum context length is {max_seq_len} tokens. However, you "
                                 f"requested {num_prompt + asked} tokens ({num_prompt} in the messages, {asked} in the "
