@@ -63,18 +63,22 @@ def _argv(ckpt: Path, out: Path, *extra: str) -> list[str]:
     return argv
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    """A bf16-valued checkpoint, as releases are: the float engine stores its matrices bf16 (bf16_weights), so
-    the int8 engine's bytes compare with what it would otherwise store."""
-    root = tmp_path_factory.mktemp("int8ckpt")
+def write_bf16_checkpoint(path: Path) -> Path:
+    """CFG's random model with bf16-valued weights, as releases are (the float engine stores its matrices bf16:
+    bf16_weights), with a tokenizer; written to `path`."""
     model = random_model(CFG, seed=7)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.bfloat16().float())
-    save_hf_checkpoint(model, to_hf_config(CFG), root / "float")
-    write_tokenizer(root / "float" / "tokenizer.json", CFG.vocab_size)
-    return root / "float"
+    save_hf_checkpoint(model, to_hf_config(CFG), path)
+    write_tokenizer(path / "tokenizer.json", CFG.vocab_size)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """The bf16-valued checkpoint: the int8 engine's bytes compare with what the float engine would store."""
+    return write_bf16_checkpoint(tmp_path_factory.mktemp("int8ckpt") / "float")
 
 
 @pytest.fixture(scope="module", params=["int8", "int4"])

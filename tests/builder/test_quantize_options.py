@@ -26,14 +26,12 @@ from builder.compile_check import as_built
 from builder.options import BuildError, BuildOptions
 from builder.quantized_weights import int4_weights
 from models.checkpoint import load_model
-from models.checkpoint_export import save_hf_checkpoint, to_hf_config
 from models.engine_format import load_engine_config
-from models.testing import random_model
 from plugins.reference import dequantize_int4_ref, quantize_int4
 from runtime.bench.quant_quality import perplexity
 from runtime.factory import create_engine
-from tests.builder.conftest import LIMITS, write_tokenizer
-from tests.builder.test_int8_quantize import CFG, PARAMS, PROMPTS, _argv
+from tests.builder.conftest import LIMITS
+from tests.builder.test_int8_quantize import PARAMS, PROMPTS, _argv, write_bf16_checkpoint
 from tests.runtime.engine_utils import random_prompts
 
 GRAPHS = ("main", "mtp_draft", "mtp_commit")
@@ -42,12 +40,7 @@ GRAPHS = ("main", "mtp_draft", "mtp_commit")
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("quantize_mtp")
-    model = random_model(CFG, seed=7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.bfloat16().float())
-    save_hf_checkpoint(model, to_hf_config(CFG), root / "ckpt")
-    write_tokenizer(root / "ckpt" / "tokenizer.json", CFG.vocab_size)
+    write_bf16_checkpoint(root / "ckpt")
     out = root / "engine"
     assert (
         cli.main(
