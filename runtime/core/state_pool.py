@@ -8,7 +8,8 @@ chunk: its last row is the one that matters). No row ever writes the slot the fo
 (one program per head) has no read-after-write race on it. After acceptance the request's new `current` is the slot
 written by the row of its last committed position: rolling back rejected drafts is a choice of slot, never a
 recompute of the prompt and never a host copy (vLLM's per-position state slots). A fresh sequence (first position
-0) starts from zeros inside the op, so a slot's previous owner never leaks into it.
+0) starts from zeros inside the op, so a slot's previous owner never leaks into it. With prefix caching, `current` may
+also be a state snapshot's slot (a hit resumes from one, runtime/core/state_snapshots.py), read but never written.
 
 Torch-free: plain Python and numpy over slot ids; the executor owns the state tensors.
 """
