@@ -132,13 +132,13 @@ class StateSlots:
         return g
 
     def _snapshots_of(self, s: ScheduledRequest) -> dict[int, int]:
-        """Rows of this forward that store a state snapshot -> their slots: among the request's real (non-draft) rows,
-        the last that completes a block, and the end of the prefix hit it was cut back from (a branch point: the next
-        request sharing it then hits it whole)."""
+        """Rows of this forward that store a state snapshot -> their slots: among its prompt rows the last that completes
+        a block, and the end of the prefix hit it was cut back from (a branch point: the next request sharing it then
+        hits it whole). Decode steps take none: they would churn the budget the prompts' snapshots need."""
         if self.snapshots is None or self.kv is None:
             return {}
-        b, end = self.kv.block_size, s.start + s.num_new_tokens
-        positions = {end // b * b - 1, (self.kv.cut_at(s.req.req_id) or 0) - 1}
+        b, end = self.kv.block_size, s.start + s.num_new_tokens  # real rows: s.start .. end-1 (drafts after them)
+        positions = {min(end, s.req.num_prompt_tokens) // b * b - 1, (self.kv.cut_at(s.req.req_id) or 0) - 1}
         rows = {}
         for p in sorted(p for p in positions if s.start <= p < end):
             slot = self.snapshots.claim(s.req.req_id, p // b)
