@@ -104,7 +104,8 @@ def create_engine(
         elif executor == "onnxruntime":
             from runtime.executors.ort_executor import OrtExecutor
 
-            ex = OrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks, intra_op_threads=threads)
+            ex = OrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks, intra_op_threads=threads,
+                             num_state_snapshots=cfg.state_snapshot_slots)
         elif executor == "tensorrt":
             from runtime.executors.trt_executor import TrtExecutor
 
@@ -217,5 +218,6 @@ def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, parallel: Paralle
     model, _ = load_model(checkpoint, mapping=mapping)
     executor = TorchExecutor(model, cfg.num_blocks, cfg.block_size, device=device, cuda_graphs=cuda_graphs,
                              max_batch=cfg.max_batch, num_draft_tokens=cfg.num_draft_tokens,
-                             max_blocks_per_request=cfg.max_blocks_per_request)  # fmt: skip
+                             max_blocks_per_request=cfg.max_blocks_per_request,
+                             num_state_snapshots=cfg.state_snapshot_slots)  # fmt: skip
     return executor, model.cfg

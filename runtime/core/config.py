@@ -24,6 +24,9 @@ class RuntimeConfig:
     # Prefix hit under MTP: False = give up the last matched block (the anchors' rule); True = keep it and
     # recompute only its last token in a copy-on-write private copy (saves B-1 tokens of prefill per hit).
     prefix_cache_cow: bool = False
+    # Hybrid (Gated DeltaNet) models: recurrent-state snapshot slots kept for prefix caching (runtime/core/
+    # state_snapshots.py); None = 4 per request of max_batch (each costs one request's state: docs/MODELS.md)
+    num_state_snapshots: int | None = None
     commit_pass: bool = True  # False = ablation: skip the decode refresh of the MTP plane (measurement only)
 
     def __post_init__(self) -> None:
@@ -36,11 +39,20 @@ class RuntimeConfig:
              f"max_num_tokens={self.max_num_tokens} < max_batch*(1+k)={self.max_batch * (1 + k)}: "
              "raise max_num_tokens or lower max_batch / num_draft_tokens"),
             (self.max_prefill_chunk >= 1, f"max_prefill_chunk={self.max_prefill_chunk}: must be >= 1"),
+            (self.num_state_snapshots is None or self.num_state_snapshots >= 0,
+             f"num_state_snapshots={self.num_state_snapshots}: must be >= 0 (0 turns hybrid prefix caching off)"),
             (self.num_blocks >= 2, f"num_blocks={self.num_blocks}: need at least 2 (block 0 is reserved)"),
         ]  # fmt: skip
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+
+    @property
+    def state_snapshot_slots(self) -> int:
+        """Snapshot slots a hybrid model's state pool gets beyond its max_batch x (K+2) request slots."""
+        if not self.enable_prefix_caching:
+            return 0
+        return 4 * self.max_batch if self.num_state_snapshots is None else self.num_state_snapshots
 
     @property
     def max_blocks_per_request(self) -> int:

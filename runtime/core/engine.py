@@ -69,9 +69,6 @@ class LLMEngine:
         acceptance_watch: the acceptance-collapse detector (default sizes: acceptance_guard.CollapseDetector)."""
         if cfg.num_draft_tokens > 0 and model_cfg.num_mtp_modules == 0:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
-        # Hybrid models: K+2 recurrent-state slots per running request beside the KV pool; no prefix caching (a
-        # cached prefix has KV but no recurrent state): runtime/core/state_pool.py
-        self.state_slots = StateSlots(cfg.max_batch, cfg.num_draft_tokens) if model_cfg.is_hybrid else None
         cfg = hybrid_runtime_config(cfg, executor) if model_cfg.is_hybrid else cfg
         self.model_cfg, self.cfg, self.tokenizer = model_cfg, cfg, tokenizer
         self.ranks, self.executor = ranks, ranks.executor(executor)
@@ -79,6 +76,9 @@ class LLMEngine:
         self.k, self.seed = cfg.num_draft_tokens, seed
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                  mtp_cow=cfg.prefix_cache_cow, draft_kv=self.k > 0)  # fmt: skip
+        # Hybrid models: K+2 recurrent-state slots per request, and the state snapshots prefix hits resume from
+        self.state_slots = StateSlots.for_engine(cfg, self.kv) if model_cfg.is_hybrid else None
+        self.kv.usable_prefix = self.state_slots.usable_prefix if self.state_slots is not None else None
         self.scheduler = Scheduler(cfg, self.kv)
         self.metrics = Metrics(self.k)
         self.acceptance_watch = acceptance_watch or CollapseDetector()  # warns once when acceptance collapses
@@ -160,8 +160,7 @@ class LLMEngine:
         tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
         main_plan = plan_main(scheduled, tables)
         prompt_spans = logprobs.add_prompt_rows(scheduled, main_plan)  # echo: prompt logprobs (usually none)
-        inp = main_plan.inp if self.state_slots is None else self.state_slots.plan([s.req.req_id for s in scheduled],
-                                                                                   main_plan.inp)  # fmt: skip
+        inp = main_plan.inp if self.state_slots is None else self.state_slots.plan(scheduled, main_plan.inp)
         main = self._timed(self.executor.run_main, inp)  # 2. verify (main KV appended inside)
         logprobs.record_prompt(scheduled, prompt_spans, main.logits)
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
@@ -291,7 +290,8 @@ class LLMEngine:
         for s in scheduled:
             if not s.req.is_finished:
                 final = s.req.spec.mtp_exact_end(s.req.num_computed)
-                self.kv.publish_full_blocks(s.req.req_id, s.req.token_ids, final)
+                if self.kv.publish_full_blocks(s.req.req_id, s.req.token_ids, final) and self.state_slots is not None:
+                    self.state_slots.published(s.req.req_id)  # its snapshots of those blocks become cached
 
     def _dummy_drafts(self, k: int) -> None:
         """An idle lockstep rank's k draft depths (one padded row on the null block)."""

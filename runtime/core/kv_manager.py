@@ -31,7 +31,7 @@ positions. A shared or published block is never written (tests/runtime/test_kv_m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from models.engine_format.layout import cdiv
@@ -56,6 +56,7 @@ class PrefixHit:
     num_matched_blocks: int = 0  # full blocks whose tokens are cached, before the MTP next-token check
     cow_block_id: int | None = None  # mtp_cow: last matched block, copied into a private block
     cow_block_hash: int | None = None  # hash of cow_block_id (stale-hit guard)
+    num_reusable_tokens: int = 0  # positions reusable by the MTP rule, before `usable_prefix` cut the hit back
 
     def source_block_ids(self) -> list[int]:
         """Every cached block the hit depends on (shared ones plus the copy-on-write source)."""
@@ -84,7 +85,8 @@ class KVCacheManager:
     """Per-request block tables over one `BlockPool` (main and MTP draft planes share the block ids)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
-                 mtp_cow: bool = False, draft_kv: bool = True) -> None:
+                 mtp_cow: bool = False, draft_kv: bool = True,
+                 usable_prefix: Callable[[list[int]], int] | None = None) -> None:
         """
         Args:
             num_blocks: blocks in the pool, including the reserved null block 0.
@@ -99,12 +101,14 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.mtp_cow = mtp_cow
         self.draft_kv = draft_kv
+        self.usable_prefix = usable_prefix
         self.pool = BlockPool(num_blocks, block_size)
         self.num_blocks = num_blocks
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}  # req_id -> block_table
         self._block_hashes: dict[str, list[int]] = {}  # req_id -> hashes of its hashed prefix blocks
         self._pending: list[_PendingCopy] = []  # mtp_cow copies not yet performed by the executor
+        self._cut_at: dict[str, int] = {}  # req_id -> where its hit was reusable up to, when usable_prefix cut it back
 
     # ------------------------------------------------------------------ prefix lookup
     def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
@@ -132,9 +136,12 @@ class KVCacheManager:
         while (num_full < len(matched) and (num_full + 1) * B < len(token_ids)
                and (not self.draft_kv or matched[num_full][2] == token_ids[(num_full + 1) * B])):
             num_full += 1
+        reusable = num_full * B
+        if self.usable_prefix is not None:  # the cut happens after the MTP rule: it names the blocks really reused
+            num_full = self.usable_prefix([m[0] for m in matched[:num_full]])
         hit = PrefixHit(block_ids=[m[0] for m in matched[:num_full]], block_hashes=[m[1] for m in matched[:num_full]],
                         num_cached_tokens=num_full * B, num_prompt_tokens=len(token_ids),
-                        num_matched_blocks=len(matched))
+                        num_matched_blocks=len(matched), num_reusable_tokens=reusable)
         if self.mtp_cow and self.draft_kv and num_full < len(matched):  # main KV of the block fits, its last draft entry does not
             hit.cow_block_id, hit.cow_block_hash = matched[num_full][:2]
             hit.num_cached_tokens += B - 1
@@ -197,6 +204,8 @@ class KVCacheManager:
         self.stats.num_queried_tokens += prefix.num_prompt_tokens
         self.stats.num_hit_tokens += prefix.num_cached_tokens
         self.stats.num_given_up_tokens += prefix.num_matched_blocks * self.block_size - prefix.num_cached_tokens
+        if prefix.num_reusable_tokens > prefix.num_cached_tokens:
+            self._cut_at[req_id] = prefix.num_reusable_tokens
         if prefix.cow_block_id is not None:  # the src keeps the extra ref from incref until complete_copies()
             self._pending.append(_PendingCopy(req_id, prefix.cow_block_id, new_blocks[0]))
             self.stats.num_cow_copies += 1
@@ -214,6 +223,7 @@ class KVCacheManager:
         """Release every block of a finished or preempted request, tail first (tails evict first)."""
         table = self._tables.pop(req_id)
         del self._block_hashes[req_id]
+        self._cut_at.pop(req_id, None)
         mine = [c for c in self._pending if c.req_id == req_id]
         self._pending = [c for c in self._pending if c.req_id != req_id]
         self.pool.free(reversed(table))
@@ -260,6 +270,15 @@ class KVCacheManager:
     # ------------------------------------------------------------------ queries
     def block_table(self, req_id: str) -> list[int]:
         return list(self._tables[req_id])
+
+    def cut_at(self, req_id: str) -> int | None:
+        """Where the request's prefix hit could have ended had `usable_prefix` not cut it back (a branch point that
+        later requests will likely share: hybrid models snapshot their state there), or None."""
+        return self._cut_at.get(req_id)
+
+    def block_hashes(self, req_id: str) -> list[int]:
+        """Hashes of the request's blocks 0.. that are published (or reused from the cache), in order."""
+        return list(self._block_hashes[req_id])
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._tables

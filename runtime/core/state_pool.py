@@ -8,7 +8,8 @@ chunk: its last row is the one that matters). No row ever writes the slot the fo
 (one program per head) has no read-after-write race on it. After acceptance the request's new `current` is the slot
 written by the row of its last committed position: rolling back rejected drafts is a choice of slot, never a
 recompute of the prompt and never a host copy (vLLM's per-position state slots). A fresh sequence (first position
-0) starts from zeros inside the op, so a slot's previous owner never leaks into it.
+0) starts from zeros inside the op, so a slot's previous owner never leaks into it. With prefix caching, `current` may
+also be a state snapshot's slot (a hit resumes from one, runtime/core/state_snapshots.py), read but never written.
 
 Torch-free: plain Python and numpy over slot ids; the executor owns the state tensors.
 """
@@ -23,26 +24,35 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from runtime.core.config import ConfigError, RuntimeConfig
+from runtime.core.state_snapshots import StateSnapshots
 from runtime.executors.base import HybridMainInput, MainInput
 
 if TYPE_CHECKING:
+    from runtime.core.kv_manager import KVCacheManager
     from runtime.core.mtp_plan import RequestUpdate
     from runtime.core.scheduler import ScheduledRequest
 
 
 def hybrid_runtime_config(cfg: RuntimeConfig, executor: object) -> RuntimeConfig:
-    """The engine's config for a hybrid model. Prefix caching is off: a cached prefix has its KV but not the GDN state
-    after it. An executor with a state pool (the torch one) must hold max_batch x (K+2) slots."""
+    """The engine's config for a hybrid model. An executor with a state pool must hold max_batch x (K+2) slots; the
+    slots past those (at most `num_state_snapshots`) hold the state snapshots prefix caching needs
+    (runtime/core/state_snapshots.py). With none to spare, prefix caching is off; copy-on-write hits always are (they
+    resume mid-block, where no snapshot is taken)."""
     capacity = getattr(getattr(executor, "state", None), "num_slots", None)
     need = cfg.max_batch * (cfg.num_draft_tokens + 2)
     if capacity is not None and capacity < need:
         raise ConfigError(f"the executor's recurrent-state pool has {capacity} slots but max_batch={cfg.max_batch} "
                           f"with num_draft_tokens={cfg.num_draft_tokens} needs {need}; create the executor with the "
                           "same max_batch and num_draft_tokens as the engine")  # fmt: skip
-    if cfg.enable_prefix_caching:
-        logging.getLogger(__name__).info("prefix caching is off for hybrid (Gated DeltaNet) models")
-        cfg = dataclasses.replace(cfg, enable_prefix_caching=False)
-    return cfg
+    log = logging.getLogger(__name__)
+    spare = 0 if capacity is None else min(capacity - need, cfg.state_snapshot_slots)
+    if cfg.enable_prefix_caching and spare == 0:
+        log.info("prefix caching is off for this hybrid (Gated DeltaNet) model: no state snapshot slot")
+        return dataclasses.replace(cfg, enable_prefix_caching=False, num_state_snapshots=0)
+    if cfg.prefix_cache_cow:  # a copy-on-write hit resumes mid-block, where no snapshot is taken
+        log.info("prefix_cache_cow is off for hybrid (Gated DeltaNet) models: snapshots sit at block boundaries")
+        cfg = dataclasses.replace(cfg, prefix_cache_cow=False)
+    return dataclasses.replace(cfg, num_state_snapshots=spare if cfg.enable_prefix_caching else 0)
 
 
 def idle_input(inp: MainInput) -> HybridMainInput:
@@ -56,44 +66,89 @@ def idle_input(inp: MainInput) -> HybridMainInput:
 @dataclass(slots=True)
 class _Group:
     base: int  # first slot of the group
-    current: int = 0  # index in the group of the slot holding the committed state
-    written: dict[int, int] = field(default_factory=dict)  # this step: row index in the request -> group index
+    current: int  # absolute slot holding the committed state: one of the group's, or a state snapshot's
+    written: dict[int, int] = field(default_factory=dict)  # this step: row index in the request -> absolute slot
 
 
 class StateSlots:
-    """Slot groups of K+2 per running request, for at most `max_batch` requests at once."""
+    """Slot groups of K+2 per running request, for at most `max_batch` requests at once, and (with prefix caching) the
+    state snapshots after them: slots max_batch x (K+2) onwards (runtime/core/state_snapshots.py)."""
 
-    def __init__(self, max_batch: int, num_draft_tokens: int) -> None:
+    def __init__(self, max_batch: int, num_draft_tokens: int, kv: KVCacheManager | None = None,
+                 num_snapshots: int = 0) -> None:  # fmt: skip
         self.group_size = num_draft_tokens + 2  # the current slot + one per verify row (1 + K)
-        self.num_slots = max_batch * self.group_size
+        self.num_group_slots = max_batch * self.group_size
         self._free = list(range(max_batch))[::-1]
         self._groups: dict[str, _Group] = {}
+        self.kv = kv
+        self.snapshots = StateSnapshots(self.num_group_slots, num_snapshots, kv.pool) if kv and num_snapshots else None
+        self.num_slots = self.num_group_slots + num_snapshots
 
-    def plan(self, req_ids: list[str], inp: MainInput) -> HybridMainInput:
-        """`inp` plus the slot each request reads [R] and the slot each row writes [T] (groups assigned on first use)."""
-        reads = np.full(len(req_ids), -1, dtype=np.int32)
+    @classmethod
+    def for_engine(cls, cfg: RuntimeConfig, kv: KVCacheManager) -> StateSlots:
+        """The engine's slots: `cfg` as `hybrid_runtime_config` returned it (its snapshot count decided)."""
+        return cls(cfg.max_batch, cfg.num_draft_tokens, kv, cfg.num_state_snapshots or 0)
+
+    def usable_prefix(self, block_ids: list[int]) -> int:
+        """A prefix hit's reusable blocks, cut back to the last one with a state snapshot (KVCacheManager's hook)."""
+        return self.snapshots.usable_blocks(block_ids) if self.snapshots is not None else 0
+
+    def plan(self, scheduled: list[ScheduledRequest], inp: MainInput) -> HybridMainInput:
+        """`inp` plus the slot each request reads [R] and the slot each row writes [T]: its group's slots for the last
+        rows (never the slot it reads, so a parallel kernel has no read-after-write race), and a snapshot slot for the
+        row that completes its last full block among its real rows. Groups are assigned on first use; a request
+        resuming from a prefix hit reads the snapshot of its last cached block (pinned before any claim below)."""
+        reads = np.full(len(scheduled), -1, dtype=np.int32)
         writes = np.full(len(inp.input_ids), -1, dtype=np.int32)
+        for r, s in enumerate(scheduled):
+            reads[r] = self._group(s).current
         row = 0
-        for r, (req_id, q) in enumerate(zip(req_ids, inp.q_counts.tolist(), strict=True)):
-            g = self._groups.get(req_id)
-            if g is None:
-                if not self._free:
-                    raise RuntimeError("no free recurrent-state slot group: more running requests than max_batch")
-                g = self._groups[req_id] = _Group(self._free.pop() * self.group_size)
-            reads[r] = g.base + g.current
+        for s, q in zip(scheduled, inp.q_counts.tolist(), strict=True):
+            g = self._groups[s.req.req_id]
             m = min(q, self.group_size - 1)
-            g.written = {}
-            for i in range(m):  # the last m rows, into the slots after `current` (never `current` itself)
-                slot = (g.current + 1 + i) % self.group_size
-                g.written[q - m + i] = slot
-                writes[row + q - m + i] = g.base + slot
+            free = [g.base + (g.current - g.base + 1 + i) % self.group_size for i in range(self.group_size)]
+            free = [slot for slot in free if slot != g.current]  # g.current outside the group (a snapshot): all G
+            g.written = {q - m + i: free[i] for i in range(m)}  # the last m rows, into the slots after `current`
+            g.written |= self._snapshots_of(s)  # a row that is both stores only its snapshot (read from there)
+            for i, slot in g.written.items():
+                writes[row + i] = slot
             row += q
         return HybridMainInput(inp.input_ids, inp.positions, inp.q_counts, inp.kv_lens, inp.block_tables, inp.logit_rows,
                                reads, writes)  # fmt: skip
 
+    def _group(self, s: ScheduledRequest) -> _Group:
+        g = self._groups.get(s.req.req_id)
+        if g is not None:
+            return g
+        if not self._free:
+            raise RuntimeError("no free recurrent-state slot group: more running requests than max_batch")
+        base = self._free.pop() * self.group_size
+        current = base  # a fresh sequence (position 0): the op starts from zeros and reads nothing
+        if s.start > 0:  # a prefix hit: the state after position start-1 is the snapshot of the block ending there
+            assert self.kv is not None and self.snapshots is not None, "a prefix hit without state snapshots"
+            block_id = self.kv.block_table(s.req.req_id)[s.start // self.kv.block_size - 1]
+            current = self.snapshots.read(block_id)
+        g = self._groups[s.req.req_id] = _Group(base, current)
+        return g
+
+    def _snapshots_of(self, s: ScheduledRequest) -> dict[int, int]:
+        """Rows of this forward that store a state snapshot -> their slots: among its prompt rows the last that completes
+        a block, and the end of the prefix hit it was cut back from (a branch point: the next request sharing it then
+        hits it whole). Decode steps take none: they would churn the budget the prompts' snapshots need."""
+        if self.snapshots is None or self.kv is None:
+            return {}
+        b, end = self.kv.block_size, s.start + s.num_new_tokens  # real rows: s.start .. end-1 (drafts after them)
+        positions = {min(end, s.req.num_prompt_tokens) // b * b - 1, (self.kv.cut_at(s.req.req_id) or 0) - 1}
+        rows = {}
+        for p in sorted(p for p in positions if s.start <= p < end):
+            slot = self.snapshots.claim(s.req.req_id, p // b)
+            if slot is not None:
+                rows[p - s.start] = slot
+        return rows
+
     def commit(self, scheduled: list[ScheduledRequest], updates: list[RequestUpdate]) -> None:
         """After acceptance, per request: the state after its position num_computed-1, written by this step, becomes
-        `current` (requests already finished, hence freed, are skipped)."""
+        `current` (requests already finished, hence freed, are skipped). A snapshot slot becoming current is pinned."""
         for s, upd in zip(scheduled, updates, strict=True):
             req_id = s.req.req_id
             g = self._groups.get(req_id)
@@ -103,14 +158,32 @@ class StateSlots:
             if row not in g.written:
                 raise RuntimeError(f"request {req_id}: no state was stored for row {row} of this step (rows stored: "
                                    f"{sorted(g.written)}); the state slots and the plan disagree")  # fmt: skip
-            g.current, g.written = g.written[row], {}
+            self._set_current(g, g.written[row])
+            g.written = {}
+
+    def _set_current(self, g: _Group, slot: int) -> None:
+        if self.snapshots is not None and slot != g.current:
+            if slot >= self.num_group_slots:
+                self.snapshots.pin(slot)
+            self.snapshots.unpin(g.current)
+        g.current = slot
+
+    def published(self, req_id: str) -> None:
+        """The request published blocks: its pending snapshots of them become cached (runtime/core/state_snapshots.py)."""
+        if self.snapshots is not None and self.kv is not None and self.kv.has_request(req_id):
+            self.snapshots.publish(req_id, self.kv.block_hashes(req_id))
 
     def free(self, *req_ids: str) -> None:
-        """Finished or preempted requests give their groups back (a recompute starts fresh from position 0)."""
+        """Finished or preempted requests give their groups back (a recompute starts fresh from position 0, or from a
+        prefix hit) and their unpublished snapshots."""
         for req_id in req_ids:
             g = self._groups.pop(req_id, None)
             if g is not None:
                 self._free.append(g.base // self.group_size)
+                if self.snapshots is not None:
+                    self.snapshots.unpin(g.current)
+            if self.snapshots is not None:
+                self.snapshots.free(req_id)
 
     @property
     def num_free_groups(self) -> int:

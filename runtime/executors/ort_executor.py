@@ -6,12 +6,15 @@ plugin versions, ranks, config vs graphs). Plugin nodes are bound to the onnxrun
 by an in-memory domain rewrite (plugins.ort_ops.prepare_for_ort); the files on disk are not touched. The
 pool is allocated here, kept alive for the executor's lifetime (its address is baked into every step's
 `kv_pool_ptr`), and may be sized differently from the build default: the plugin nodes' `num_blocks`
-attribute is then rewritten in memory too, since it is part of the pool geometry the ops index with.
+attribute is then rewritten in memory too, since it is part of the pool geometry the ops index with (likewise the
+GdnStep nodes' `num_slots` when the state pool gets prefix-cache snapshot slots).
 Feeds come from the graph I/O spec (models.engine_format.graph_io), outputs are matched to it by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -24,22 +27,22 @@ from models.engine_format.graph_io import POOL_INPUT, STATE_INPUTS, feeds, graph
 from models.engine_format.ort_session import SESSION_OPTIONS, session_options
 from models.gdn import GDNStatePool
 from plugins.kv_pool import allocate_pool, pool_address
-from plugins.names import POOL_NODES
+from plugins.names import GDN_STEP, POOL_NODES
 from plugins.ort_ops import prepare_for_ort
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
 
 
-def _set_num_blocks(model: onnx.ModelProto, num_blocks: int) -> None:
+def _set_attr(model: onnx.ModelProto, op_types: Collection[str], name: str, value: int) -> None:
     for node in model.graph.node:
-        if node.op_type in POOL_NODES:
+        if node.op_type in op_types:
             for attr in node.attribute:
-                if attr.name == "num_blocks":
-                    attr.i = num_blocks
+                if attr.name == name:
+                    attr.i = value
 
 
 class OrtExecutor:
     def __init__(self, engine_dir: str | Path, rank: int = 0, num_blocks: int | None = None,
-                 intra_op_threads: int | None = None) -> None:
+                 intra_op_threads: int | None = None, num_state_snapshots: int = 0) -> None:
         self.config: EngineConfig = load_engine_config(engine_dir)
         cfg = self.config
         if not 0 <= rank < cfg.world_size:
@@ -54,8 +57,12 @@ class OrtExecutor:
         self._ptr = pool_address(self.pool).numpy()
         self._addresses = {POOL_INPUT: self._ptr}
         # Hybrid models: the Gated DeltaNet state pool, exactly the geometry the GdnStep nodes were built with
-        # (config.json `state`: max_batch x (K + 2) slots); runtime/core/state_pool.py hands out its slots.
-        self.state = GDNStatePool.of(cfg.state.geometry()) if cfg.state is not None else None
+        # (config.json `state`: max_batch x (K + 2) slots) plus the prefix cache's state snapshots, whose slot count
+        # the GdnStep nodes get rewritten in memory, like num_blocks; runtime/core/state_pool.py hands out the slots.
+        geom = None if cfg.state is None else cfg.state.geometry()
+        if geom is not None and num_state_snapshots:
+            geom = dataclasses.replace(geom, num_slots=geom.num_slots + num_state_snapshots)
+        self.state = GDNStatePool.of(geom) if geom is not None else None
         if self.state is not None:
             refs = self.state.ref
             self._addresses |= dict(zip(STATE_INPUTS, (refs.conv_ptr.numpy(), refs.ssm_ptr.numpy()), strict=True))
@@ -69,7 +76,9 @@ class OrtExecutor:
             assert path is not None
             model = prepare_for_ort(onnx.load(str(path), load_external_data=False))
             if blocks != cfg.kv.num_blocks:
-                _set_num_blocks(model, blocks)
+                _set_attr(model, POOL_NODES, "num_blocks", blocks)
+            if self.state is not None and cfg.state is not None and self.state.num_slots != cfg.state.num_slots:
+                _set_attr(model, (GDN_STEP,), "num_slots", self.state.num_slots)
             self.sessions[name] = ort.InferenceSession(
                 model.SerializeToString(), session_options(recorded, path.parent), providers=recorded["providers"]
             )

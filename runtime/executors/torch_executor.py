@@ -27,7 +27,7 @@ from runtime.executors.cuda_graphs import GraphedFunction
 class TorchExecutor:
     def __init__(self, model: Glm4MoeMTPModel, num_blocks: int, block_size: int, device: str = "cpu",
                  cuda_graphs: bool | str = False, max_batch: int = 8, num_draft_tokens: int = 0,
-                 max_blocks_per_request: int = 64) -> None:  # fmt: skip
+                 max_blocks_per_request: int = 64, num_state_snapshots: int = 0) -> None:  # fmt: skip
         cfg = model.cfg
         warn_spinning_threads()
         self.model = model.to(device).eval().fuse()  # fused QKV and gate|up: the fast path is the only path
@@ -40,9 +40,10 @@ class TorchExecutor:
         )  # fmt: skip
         self.pool = allocate_pool(self.geom, self.device)
         self.kv = PagedKV(pool_address(self.pool), self.geom)
-        # Hybrid models: the GDN state pool beside the KV pool, K+2 slots per request (runtime/core/state_pool.py)
-        self.state = GDNStatePool.allocate(cfg, max_batch * (num_draft_tokens + 2), self.dtype, self.device) \
-            if cfg.is_hybrid else None  # fmt: skip
+        # Hybrid models: the GDN state pool beside the KV pool, K+2 slots per request, then the state snapshots of
+        # prefix caching (runtime/core/state_pool.py, state_snapshots.py)
+        slots = max_batch * (num_draft_tokens + 2) + num_state_snapshots
+        self.state = GDNStatePool.allocate(cfg, slots, self.dtype, self.device) if cfg.is_hybrid else None
         if self.state is not None:
             cuda_graphs = False  # not captured for hybrid models: the state-slot inputs are not graph buffers
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size

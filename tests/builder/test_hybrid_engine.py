@@ -77,6 +77,11 @@ def test_ort_engine_is_lossless_against_the_torch_executor(hybrid):
         eng.executor.state.ssm.fill_(float("nan"))
         got = [o.output_ids for o in eng.generate(PROMPTS, PARAMS)]
         assert got == want, f"K={k}"
+        if k == 2:  # prefix hits: the state pool grew by the snapshot slots (GdnStep's num_slots rewritten in memory)
+            assert eng.executor.state.num_slots == 20 + eng.cfg.num_state_snapshots > 20
+            again = [o.output_ids for o in eng.generate([PROMPTS[3], PROMPTS[1]], PARAMS)]
+            assert again == [want[3], want[1]] and eng.metrics.prefix_hit_tokens >= 20 + 12
+            eng.state_slots.snapshots.assert_no_leaks()
         eng.kv.assert_no_leaks()
         assert eng.state_slots.num_free_groups == eng.cfg.max_batch
         if k:

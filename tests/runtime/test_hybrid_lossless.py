@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 6  # a random MTP module agrees with the main model ~1/vocab of the time: accepted AND rejected drafts
 PROMPTS = random_prompts((5, 13, 9, 22, 3), vocab=VOCAB, seed=0)
-PROMPTS.append(list(PROMPTS[1]))  # the same prompt twice: no prefix hit may happen (prefix caching is off)
+PROMPTS.append(list(PROMPTS[1]))  # the same prompt twice (prefix hits: tests/runtime/test_hybrid_prefix_cache.py)
 PARAMS = SamplingParams(max_tokens=16)
 TYPES = ["qwen3_next", "qwen3_5_moe", "qwen3_5_text"]
 
@@ -85,7 +85,6 @@ def test_mtp_greedy_is_lossless(checkpoint, reference, model_type, k, chunk):
     assert got == reference(model_type)
     rate = engine.metrics.acceptance_rate_per_position[0]
     assert 0.1 < rate < 0.9, f"acceptance {rate}: both accepted and rejected drafts (rollbacks) must be exercised"
-    assert not engine.cfg.enable_prefix_caching and engine.metrics.prefix_hit_tokens == 0
 
 
 @pytest.mark.parametrize("model_type", TYPES)

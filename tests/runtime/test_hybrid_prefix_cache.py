@@ -1,0 +1,148 @@
+"""Prefix caching for hybrid (Gated DeltaNet) models through state snapshots (runtime/core/state_snapshots.py): a prefix
+hit resumes the recurrence from the snapshot of its last reused block, so its output is token-identical to the same
+requests without prefix caching, with MTP off and on, chunked prefill and preemption; hits are reported; no KV block,
+state group or snapshot slot leaks; the snapshot budget evicts least recently used snapshots and snapshots whose block
+was evicted. Planting a restore from the block before's snapshot fails `test_hits_are_token_identical` (checked by hand:
+docs/RUNTIME.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.testing import make_hybrid_checkpoint
+from runtime.core.block_pool import BlockPool
+from runtime.core.sampling import SamplingParams
+from runtime.core.state_snapshots import StateSnapshots
+from runtime.factory import create_engine
+from tests.runtime.engine_utils import random_prompts
+
+VOCAB = 6  # a random MTP module then accepts some drafts and rejects others: rollbacks and hits together
+SHARED = random_prompts((22,), vocab=VOCAB, seed=7)[0]  # a "system prompt" of 5.5 blocks of 4
+TAILS = random_prompts((5, 9, 3, 7), vocab=VOCAB, seed=8)
+WAVE1 = [SHARED + TAILS[0], SHARED + TAILS[1]]  # admitted together: nothing is cached yet
+WAVE2 = [SHARED + TAILS[2], SHARED + TAILS[0], list(WAVE1[1]), SHARED + TAILS[3]]  # the same prefix, later
+PARAMS = SamplingParams(max_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_next")
+    make_hybrid_checkpoint(path, "qwen3_next", seed=2, vocab_size=VOCAB)
+    return path
+
+
+def engine_for(path, k: int, **rc):
+    opts = dict(num_draft_tokens=k, block_size=4, num_blocks=120, max_batch=4, max_num_tokens=64, max_seq_len=64)
+    return create_engine(checkpoint=path, executor="torch", **{**opts, **rc})
+
+
+def run_waves(engine, waves=(WAVE1, WAVE2)):
+    """Each wave runs to completion before the next is added; returns output ids and cached tokens per request."""
+    ids, cached = [], []
+    for wave in waves:
+        for out in engine.generate(wave, PARAMS):
+            ids.append(out.output_ids)
+            cached.append(out.num_cached_tokens)
+    return ids, cached
+
+
+def assert_nothing_leaked(engine):
+    slots, snaps = engine.state_slots, engine.state_slots.snapshots
+    engine.kv.assert_no_leaks()
+    assert engine.kv.num_free_blocks == engine.cfg.num_blocks - 1, "KV blocks leaked"
+    assert slots.num_free_groups == engine.cfg.max_batch, "state slot groups leaked"
+    if snaps is not None:
+        snaps.assert_no_leaks()
+        assert snaps.num_free == snaps.num_slots, "snapshot slots leaked (pinned or pending after every request)"
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """K=0 without prefix caching: what every configuration below must emit (invariant 4)."""
+    engine = engine_for(checkpoint, 0, enable_prefix_caching=False)
+    assert engine.state_slots.snapshots is None
+    return run_waves(engine)[0]
+
+
+@pytest.mark.parametrize(("k", "chunk"), [(0, 256), (2, 256), (2, 8), (1, 5)])
+def test_hits_are_token_identical(checkpoint, reference, k, chunk):
+    engine = engine_for(checkpoint, k, max_prefill_chunk=chunk)
+    ids, cached = run_waves(engine)
+    assert ids == reference
+    # a forward snapshots the last block boundary among its rows: a repeated prompt (27 and 31 tokens) reuses every
+    # full block the MTP rule lets it (6 and 7 blocks); a new tail after the 22 shared tokens reuses the shared full
+    # blocks up to the last snapshot inside them (chunked prefill leaves some; one whole-prompt forward none)
+    assert cached[0] == 0 and cached[3:5] == [24, 28], cached  # wave 1's second: a hit when prefilled after chunks
+    assert all(c <= 20 and c % 4 == 0 for c in (cached[2], cached[5])), cached
+    assert engine.metrics.prefix_hit_tokens == sum(cached) == engine.kv.stats.num_hit_tokens
+    assert_nothing_leaked(engine)
+
+
+def test_a_cut_back_hit_snapshots_its_branch_point_for_the_next_request(checkpoint, reference):
+    """One whole-prompt forward snapshots only its last block boundary (inside the first tail), so the first sharer's
+    hit is cut back (to nothing here) and it stores a snapshot at the end of the shared blocks; the next request with
+    that prefix then reuses all 20 shared tokens (>= 90% of the 22-token prefix)."""
+    engine = engine_for(checkpoint, 2)
+    waves = [[SHARED + TAILS[0]], [SHARED + TAILS[1]], [SHARED + TAILS[2]]]
+    ids, cached = run_waves(engine, waves)
+    assert ids == [reference[0], reference[1], reference[2]]
+    assert cached[0] == 0 and cached[1] < 20 and cached[2] == 20, cached
+    assert_nothing_leaked(engine)
+
+
+def test_preemption_and_a_tiny_snapshot_budget_stay_lossless(checkpoint, reference):
+    """Few KV blocks: requests are preempted and recomputed (from their own published prefix when it survived); two
+    snapshot slots: snapshots are evicted while others are read. Output unchanged, nothing leaks."""
+    engine = engine_for(checkpoint, 2, num_blocks=28, max_prefill_chunk=8, num_state_snapshots=2)
+    assert engine.state_slots.snapshots.num_slots == 2
+    ids, cached = run_waves(engine)
+    assert ids == reference and engine.metrics.num_preemptions > 0
+    assert_nothing_leaked(engine)
+
+
+def test_no_snapshot_slot_turns_prefix_caching_off(checkpoint, reference):
+    engine = engine_for(checkpoint, 1, num_state_snapshots=0)
+    assert not engine.cfg.enable_prefix_caching and engine.state_slots.snapshots is None
+    ids, cached = run_waves(engine, [WAVE1[:1], WAVE1[:1]])
+    assert ids == [reference[0]] * 2 and cached == [0, 0]
+
+
+# ---------------------------------------------------------------------- the snapshot store alone (no model)
+def published_pool(num_blocks: int = 6) -> BlockPool:
+    pool = BlockPool(num_blocks, 2)
+    for b in pool.allocate(num_blocks - 1) or []:
+        pool.publish(b, 1000 + b, [b, b])
+    return pool
+
+
+def test_snapshots_follow_their_block_and_evict_least_recently_used_first():
+    pool = published_pool()
+    snaps = StateSnapshots(first_slot=10, num_slots=2, pool=pool)
+    assert snaps.claim("a", 0) == 10 and snaps.claim("a", 1) == 11 and snaps.claim("a", 2) is None  # budget 2
+    snaps.publish("a", [1001, 1002])  # blocks 0 and 1 of "a" are pool blocks 1 and 2
+    assert (snaps.slot_of(1), snaps.slot_of(2)) == (10, 11) and snaps.num_free == 2
+    assert snaps.usable_blocks([1, 2, 3]) == 2 and snaps.usable_blocks([3, 4]) == 0
+    snaps.unpin(snaps.read(1))  # block 1's snapshot used: block 2's is now the least recently used
+    assert snaps.claim("b", 5) == 11 and snaps.slot_of(2) is None
+    snaps.free("b")
+    pool.free(range(1, 6))
+    pool.allocate(5)  # every cached block is evicted and reused, block 1 included: its snapshot dies with it
+    assert snaps.slot_of(1) is None and snaps.usable_blocks([1]) == 0
+    assert snaps.claim("c", 0) == 11 and snaps.claim("c", 1) == 10  # the stale snapshot's slot is reclaimed
+    snaps.free("c")
+    snaps.assert_no_leaks()
+
+
+def test_a_pinned_snapshot_is_never_evicted():
+    pool = published_pool()
+    snaps = StateSnapshots(first_slot=0, num_slots=1, pool=pool)
+    snaps.claim("a", 0)
+    snaps.publish("a", [1001])
+    slot = snaps.read(1)  # a request resumes from it: pinned
+    assert snaps.claim("b", 0) is None and snaps.num_free == 0
+    snaps.unpin(slot)
+    assert snaps.claim("b", 0) == slot
+    snaps.free("b")
+    with pytest.raises(RuntimeError, match="no state snapshot for block 1"):
+        snaps.read(1)
+    snaps.assert_no_leaks()
