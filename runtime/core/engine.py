@@ -191,7 +191,7 @@ class LLMEngine:
             c_step = self.draft_clock() - c_start
             self._cycle = (prev_seconds + c_step - c_draft, prev_k, prev_r, float(len(main_plan.inp.input_ids)))
             self._prev_draft = (c_draft, float(k), float(len(drafting)))
-        self._update_metrics(step_seconds, self._exec_seconds)
+        self.metrics.record_step(step_seconds, self._exec_seconds, self.kv)
         return outputs
 
     def _sample(self, scheduled: list[ScheduledRequest], accepted: list[int], errors: list[str | None]) -> StepSample:
@@ -381,15 +381,6 @@ class LLMEngine:
             s.req.accepted_per_step.append(a)
             self.metrics.record_verify(s.num_drafts, a, a + 1)
             self.acceptance_watch.feed(s.num_drafts, a)
-
-    def _update_metrics(self, step_seconds: float, exec_seconds: float) -> None:
-        m = self.metrics
-        m.num_steps += 1
-        m.step_seconds += step_seconds
-        m.executor_seconds += exec_seconds
-        m.prefix_hit_tokens = self.kv.stats.num_hit_tokens
-        m.kv_blocks_used, m.kv_blocks_free = self.kv.num_used_blocks, self.kv.num_free_blocks
-        m.kv_blocks_used_peak = max(m.kv_blocks_used_peak, m.kv_blocks_used)
 
     # ------------------------------------------------------------------ convenience
     def stream(self) -> Iterator[RequestOutput]:

@@ -53,6 +53,15 @@ class Metrics:
             self.accepted_per_position[i] += int(i < num_accepted)
             self.reached_per_position[i] += int(i <= num_accepted)
 
+    def record_step(self, step_seconds: float, exec_seconds: float, kv) -> None:
+        """One engine step ended: its times, and the KV cache's state after it (kv: the KVCacheManager)."""
+        self.num_steps += 1
+        self.step_seconds += step_seconds
+        self.executor_seconds += exec_seconds
+        self.prefix_hit_tokens = kv.stats.num_hit_tokens
+        self.kv_blocks_used, self.kv_blocks_free = kv.num_used_blocks, kv.num_free_blocks
+        self.kv_blocks_used_peak = max(self.kv_blocks_used_peak, self.kv_blocks_used)
+
     def record_draft_length(self, k: int) -> None:
         self.draft_length_counts[k] += 1
 
