@@ -50,6 +50,7 @@ BAD_FLAGS = [
     (["--seed", str(2**64)], "seed=18446744073709551616"),
     (["--stop", ""], "stop=('',): must be a tuple of non-empty strings"),
     (["--num-blocks", "1"], "num_blocks=1: need at least 2"),
+    (["--num-state-snapshots", "-1"], "num_state_snapshots=-1: must be >= 0"),
     (["--max-batch", "0"], "max_batch=0: must be >= 1"),
     (["--prefill-chunk", "0"], "max_prefill_chunk=0: must be >= 1"),
     (["--num-draft-tokens", "-1"], "num_draft_tokens=-1: must be >= 0"),

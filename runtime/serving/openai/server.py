@@ -43,7 +43,8 @@ def create_serving_engine(args: Any):
     engine = create_engine(engine_dir=args.engine, checkpoint=args.checkpoint,
                            executor=args.executor or "auto",
                            num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
-                           num_blocks=args.num_blocks, rank=rank, world_size=world,
+                           num_blocks=args.num_blocks, num_state_snapshots=getattr(args, "num_state_snapshots", None),
+                           rank=rank, world_size=world,
                            collective_timeout=getattr(args, "collective_timeout", 60.0),
                            tp_size=getattr(args, "tp_size", None), prog="mtp-serve")  # fmt: skip
     if engine.ranks.dp_size > 1:

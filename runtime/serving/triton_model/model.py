@@ -208,6 +208,7 @@ class TritonPythonModel:
             num_draft_tokens="auto" if opt.get("num_draft_tokens") == "auto" else as_int("num_draft_tokens"),
             max_batch=as_int("max_batch"),
             num_blocks=as_int("num_blocks"),
+            num_state_snapshots=as_int("num_state_snapshots"),
         )
         self.k = engine.k
         self._tokenizer = getattr(engine, "tokenizer", None)
