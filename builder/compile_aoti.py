@@ -22,6 +22,7 @@ builder/quantized_weights.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import time
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from builder.export import dynamic_shapes
-from builder.graphs import SPECS, WRAPPERS, example_inputs
+from builder.graphs import example_inputs, wrapper
 from builder.options import INT4_GROUP_DEFAULT, BuildError
 from builder.quantized_weights import (
     INT8_KEPT_FLOAT,
@@ -44,8 +45,11 @@ from builder.quantized_weights import (
     int8_weights,
 )
 from models.engine_format.compiled import AOTI_KIND, FP8_FORMAT, INT4_FORMAT, INT8_FORMAT, host_isa
+from models.engine_format.graph_io import graph_spec
+from models.engine_format.layout import SNAPSHOTS_PER_REQUEST
 from models.fp8 import Fp8Weight
 from models.glm4_moe import Glm4MoeMTPModel
+from plugins.gdn_pool import GDNPoolGeometry
 from plugins.kv_pool import KVPoolGeometry
 
 # Inductor settings of every package (recorded in config.json). Freezing folds weights into constants and
@@ -55,12 +59,15 @@ INDUCTOR_FLOAT32: dict[str, Any] = {"freezing": True}
 INDUCTOR_BF16: dict[str, Any] = {"freezing": False}
 
 
-def export_program(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int):
-    """torch.export of graph `name` with the contract's dynamic dims (plugin ops run as their fake impls)."""
-    wrapper = WRAPPERS[name](model, geom).eval()
-    args = example_inputs(name, model.cfg.hidden_size, max_blocks)
+def export_program(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int,
+                   state: GDNPoolGeometry | None = None):  # fmt: skip
+    """torch.export of graph `name` with the contract's dynamic dims (plugin ops run as their fake impls). state: a
+    hybrid model's GDN state pool (its main graph takes the state slots and the pools' addresses)."""
+    module = wrapper(name, model, geom, state).eval()
+    args = example_inputs(name, model.cfg.hidden_size, max_blocks, state is not None)
     with torch.no_grad():
-        return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(SPECS[name]), strict=False)
+        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes(graph_spec(name, state is not None)),
+                                   strict=False)  # fmt: skip
 
 
 _UPCASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
@@ -195,13 +202,14 @@ def model_weights(model: Glm4MoeMTPModel) -> str:
 
 def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, path: Path,
                   weights: str, fp8: Mapping[str, Fp8Weight] | None = None,
-                  quantize: str = "none", lm_head: bool = False,
-                  int4_group: int = INT4_GROUP_DEFAULT) -> dict[str, Any]:  # fmt: skip
+                  quantize: str = "none", lm_head: bool = False, int4_group: int = INT4_GROUP_DEFAULT,
+                  state: GDNPoolGeometry | None = None) -> dict[str, Any]:  # fmt: skip
     """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json).
     fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them.
     quantize "int8": the dense linears' and routed experts' weights stored int8 (`int8_weights`); "int4": the dense
     linears whose input width the group divides stored int4 (`int4_weights`), the rest of int8's weights int8;
-    lm_head: the LM head too, int8 (with either). int4_group: int4's group size (input features per scale)."""
+    lm_head: the LM head too, int8 (with either). int4_group: int4's group size (input features per scale).
+    state: a hybrid model's GDN state pool, with the slot count the package bakes in (`compiled_state`)."""
 
     def convert(program: torch.export.ExportedProgram, bf16: bool) -> dict[str, Any]:
         stats: dict[str, Any] = (fp8_weights(program, fp8) if fp8
@@ -213,10 +221,10 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
         return {**stats, **(bf16_weights(program) if bf16 else {"bf16_weights": 0})}
 
     try:
-        program = export_program(name, model, geom, max_blocks)
+        program = export_program(name, model, geom, max_blocks, state)
         stats = convert(program, weights == "checkpoint")
         if stats["bf16_weights"] and choose_weights(stats["upcast_bytes"], last_level_cache_bytes()) == "float32":
-            program = export_program(name, model, geom, max_blocks)  # the per-step upcasts would cost more than fp32
+            program = export_program(name, model, geom, max_blocks, state)  # the per-step upcasts would cost more than fp32
             stats = {**convert(program, False), "upcast_bytes_refused": stats["upcast_bytes"]}
         stats["weight_bytes"] = weight_bytes(program)
         options = INDUCTOR_BF16 if stats["bf16_weights"] else INDUCTOR_FLOAT32
@@ -233,28 +241,39 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
     return {**stats, "weights": "checkpoint" if stats["bf16_weights"] else "float32", "inductor": options}
 
 
+def compiled_state(state: GDNPoolGeometry, max_batch: int) -> GDNPoolGeometry:
+    """The GDN state pool a compiled hybrid engine's packages bake in: the request slots (config.json `state`) plus
+    the default prefix-cache snapshots (SNAPSHOTS_PER_REQUEST x max_batch). The slot count sets every layer's
+    address in the pool, so it cannot be rewritten at load as the ONNX graphs' is; a run may use fewer snapshots."""
+    return dataclasses.replace(state, num_slots=state.num_slots + SNAPSHOTS_PER_REQUEST * max_batch)
+
+
 def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, rdir: Path, work: Path,
                  graphs: dict[str, dict[str, str]], weights: str,
                  track: Callable[[Sequence[str], str], Iterable[str]] = lambda items, what: items,
                  fp8: Mapping[str, Fp8Weight] | None = None,
                  quantize: Callable[[str], str] = lambda graph: "none", lm_head: bool = False,
-                 int4_group: int = INT4_GROUP_DEFAULT) -> dict[str, Any]:  # fmt: skip
+                 int4_group: int = INT4_GROUP_DEFAULT, state: GDNPoolGeometry | None = None) -> dict[str, Any]:  # fmt: skip
     """Compile every graph of this rank next to its ONNX files; adds `aoti` paths to `graphs`. `track` shows the
     graphs as a progress bar (the builder's reporter); each graph's compile time goes into its record. fp8: the
     rank's FP8 weights as released; when some graph stores them, the record's `fp8` says how (FP8_FORMAT).
     quantize(graph) -> "none" | "int8" | "int4" (BuildOptions.graph_quantize: the MTP module's graphs may stay float);
     "int8": the record's `int8` says how (INT8_FORMAT), with the op and the quantized weights' names; "int4": also
     `int4` (INT4_FORMAT) for the weights stored int4. `quantized_graphs` names the graphs that were. lm_head: their LM
-    head int8 too (`--quantize-lm-head`); int4_group: int4's group size (`--int4-group-size`, in the record)."""
+    head int8 too (`--quantize-lm-head`); int4_group: int4's group size (`--int4-group-size`, in the record). state: a
+    hybrid model's GDN state pool as the packages bake it (`compiled_state`); its slot count goes in the record
+    (`state_slots`: the compiled executor allocates exactly that many)."""
     info: dict[str, Any] = {}
     for name in track(list(graphs), "AOTInductor compile"):
         path = rdir / f"{name}.{AOTI_KIND}.pt2"
         t0 = time.perf_counter()
         info[name] = compile_graph(name, model, geom, max_blocks, path, weights, fp8, quantize(name), lm_head,
-                                   int4_group)  # fmt: skip
+                                   int4_group, state)  # fmt: skip
         info[name]["seconds"] = round(time.perf_counter() - t0, 1)
         graphs[name][AOTI_KIND] = str(path.relative_to(work))
-    record = {"graphs": info, "isa": host_isa(), "torch_version": torch.__version__, "weights": weights}
+    record: dict[str, Any] = {"graphs": info, "isa": host_isa(), "torch_version": torch.__version__, "weights": weights}
+    if state is not None:
+        record["state_slots"] = state.num_slots
     ops = [op for op, n in (("linear_fp8", "fp8_linears"), ("moe_experts_fp8", "fp8_experts"))
            if any(g[n] for g in info.values())]  # fmt: skip
     if ops:

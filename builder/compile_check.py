@@ -12,6 +12,7 @@ weights quantized and dequantized (`as_built`): what its packages compute, up to
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -25,10 +26,11 @@ import torch
 import plugins.collectives  # noqa: F401  (the packages call the plugin ops by name; the collectives: multi-rank)
 import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
-from builder.graphs import WRAPPERS
+from builder.graphs import wrapper
 from builder.options import BuildError
 from models.engine_format import EngineConfig, EngineDirError
 from models.engine_format.compiled import AOTI_KIND, compiled_info, compiled_problem, load_package
+from models.gdn import GDNStatePool
 from plugins.kv_pool import allocate_pool, pool_address
 from plugins.reference import dequantize_int4_ref, dequantize_int8_ref, quantize_int4, quantize_int8
 
@@ -62,6 +64,11 @@ def probe_inputs(cfg: EngineConfig) -> dict[str, tuple[torch.Tensor, ...]]:
     out: dict[str, tuple[torch.Tensor, ...]] = {
         "main": (ids, positions, counts, kv_lens, tables, torch.arange(t)),
     }
+    if cfg.state is not None:  # a hybrid model: the prefill starts from slot 0, the verify from slot 1; the
+        # prefill's last row and every verify row store their state in slots of their own
+        write = torch.full((t,), -1, dtype=torch.int32)
+        write[prefill - 1], write[prefill:] = 2, torch.arange(3, 3 + verify, dtype=torch.int32)
+        out["main"] += (torch.tensor([0, 1, 0], dtype=torch.int32), write)
     if cfg.model.num_mtp_modules:
         hidden = torch.randn(3, h, generator=g)
         out["mtp_draft"] = (hidden, ids[:3], torch.tensor([prefill - 1, bs, 0]), torch.tensor([1, 1, 0], dtype=torch.int32),
@@ -104,6 +111,9 @@ def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
     model = as_built(cfg, model).eval().fuse()
     geom = cfg.kv.geometry()
     ours, theirs = allocate_pool(geom), allocate_pool(geom)
+    state = None if cfg.state is None else dataclasses.replace(  # a hybrid's state pool, as its packages bake it
+        cfg.state.geometry(), num_slots=int((compiled_info(cfg) or {}).get("state_slots", cfg.state.num_slots)))
+    our_state, their_state = (None, None) if state is None else (GDNStatePool.of(state), GDNStatePool.of(state))
     worst, bad = 0.0, None
     with torch.inference_mode():
         for name, inputs in probe_inputs(cfg).items():
@@ -111,20 +121,30 @@ def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
             assert path is not None
             try:
                 package = load_package(cfg, path)
-                got = package(*inputs, pool_address(ours))
+                got = package(*inputs, *_pointers(name, ours, our_state))
             except EngineDirError as e:  # damaged, or no room to unpack it: its own line says which
                 raise BuildError(str(e)) from None
             except Exception as e:  # a package that does not load or run here: one line naming it
                 raise BuildError(f"compiled package {_rel(cfg, path)} of {cfg.path} does not run here "
                                  f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); rebuild with "
                                  "`mtp-build --compile aoti --force`") from e  # fmt: skip
-            want = WRAPPERS[name](float_model if name in left_float else model, geom)(*inputs, pool_address(theirs))
+            built = float_model if name in left_float else model
+            want = wrapper(name, built, geom, state if name == "main" else None)(
+                *inputs, *_pointers(name, theirs, their_state))
             for a, b in zip(_tuple(got), _tuple(want), strict=True):
                 worst = max(worst, _diff(a, b))
             worst = max(worst, _diff(ours, theirs))
+            if our_state is not None and their_state is not None:  # the recurrent state each wrote
+                worst = max(worst, _diff(our_state.conv, their_state.conv), _diff(our_state.ssm, their_state.ssm))
             if worst > TOLERANCE and bad is None:
                 bad = _rel(cfg, path)
     return worst, bad
+
+
+def _pointers(name: str, pool: torch.Tensor, state: GDNStatePool | None) -> list[torch.Tensor]:
+    """The addresses graph `name` takes after its step inputs: the KV pool's (a hybrid's main: + conv, ssm)."""
+    extra = [state.ref.conv_ptr, state.ref.ssm_ptr] if name == "main" and state is not None else []
+    return [pool_address(pool), *extra]
 
 
 def as_built(cfg: EngineConfig, model):

@@ -171,24 +171,20 @@ class BuildOptions:
             )
 
     def _validate_hybrid(self, cfg: ModelConfig) -> None:
-        """What a hybrid (Gated DeltaNet) engine can be: ONNX Runtime, no AOTInductor packages (no TP: check_model)."""
+        """What a hybrid (Gated DeltaNet) engine can be: ONNX Runtime and its AOTInductor packages (no TP: check_model)."""
         what = f"{cfg.model_type} is a hybrid (Gated DeltaNet) model"
         if self.backend == "tensorrt":
             raise BuildError(f"{what}: its GdnStep TensorRT plugin is written and type-checked but has never been built "
                              "or run (no GPU here); build it with --backend onnxruntime")  # fmt: skip
-        if self.compile == "aoti":
-            raise BuildError(f"{what}: --compile aoti does not support its recurrent-state op; drop --compile")
 
     def resolve_compile(self, cfg: ModelConfig) -> tuple[str, str]:
         """What `--compile` means for this model: ("aoti" | "none", why). "auto" compiles wherever the packages
-        can be built: CPU engines (--backend onnxruntime) of every model but the hybrid ones (no compiled
-        recurrent-state op yet). The one rule `mtp-build` and `build_engine` follow."""
+        can be built: CPU engines (--backend onnxruntime) of every model. The one rule `mtp-build` and `build_engine`
+        follow."""
         if self.compile != "auto":
             return self.compile, f"--compile {self.compile}"
         if self.backend != "onnxruntime":
             return "none", f"--backend {self.backend} builds its own plans: no CPU packages"
-        if cfg.is_hybrid:
-            return "none", f"{cfg.model_type} is a hybrid (Gated DeltaNet) model: no compiled engine yet, ONNX Runtime runs it"
         return "aoti", "the fastest CPU executor; --compile none skips it"
 
     def validate_for_model(self, cfg: ModelConfig, fp8_checkpoint: bool = False) -> None:

@@ -123,8 +123,9 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
         fp8 = load_fp8_weights(opts.checkpoint, mapping) if opts.torch_dtype == torch.float32 else {}
         compiled = compile_aoti.compile_rank(model, layout.geometry(), layout.table_width, rdir, work, graphs,
                                             compile_aoti.model_weights(model), rep.track, fp8,
-                                            opts.graph_quantize, opts.quantize_lm_head,
-                                            opts.int4_group_size)  # fmt: skip
+                                            opts.graph_quantize, opts.quantize_lm_head, opts.int4_group_size,
+                                            None if state is None else
+                                            compile_aoti.compiled_state(state.geometry(), opts.max_batch))  # fmt: skip
         del fp8
         (rdir / COMPILED_INFO).write_text(json.dumps(compiled))
         rep.done(f"rank {rank}: {len(graphs)} .pt2 packages", time.perf_counter() - t0)

@@ -65,6 +65,11 @@ class KVLayout:
                               self.dtype_code, self.kv_kind)  # fmt: skip
 
 
+# Hybrid prefix caching's default state snapshots per request of max_batch (runtime/core/config.py RuntimeConfig,
+# and the snapshot slots a compiled hybrid engine's packages are built with: builder/compile_aoti.py).
+SNAPSHOTS_PER_REQUEST = 4
+
+
 @dataclass(frozen=True, slots=True)
 class StateLayout:
     """config.json `state` (hybrid Gated DeltaNet models only): the state pool the GdnStep nodes were built to index.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.config import ConfigError  # one error type for every bad configuration
-from models.engine_format.layout import table_width
+from models.engine_format.layout import SNAPSHOTS_PER_REQUEST, table_width
 
 __all__ = ["ConfigError", "RuntimeConfig"]
 
@@ -25,7 +25,7 @@ class RuntimeConfig:
     # recompute only its last token in a copy-on-write private copy (saves B-1 tokens of prefill per hit).
     prefix_cache_cow: bool = False
     # Hybrid (Gated DeltaNet) models: recurrent-state snapshot slots kept for prefix caching (runtime/core/
-    # state_snapshots.py); None = 4 per request of max_batch (each costs one request's state: docs/MODELS.md)
+    # state_snapshots.py); None = SNAPSHOTS_PER_REQUEST per request of max_batch (each costs one request's state)
     num_state_snapshots: int | None = None
     commit_pass: bool = True  # False = ablation: skip the decode refresh of the MTP plane (measurement only)
 
@@ -52,7 +52,8 @@ class RuntimeConfig:
         """Snapshot slots a hybrid model's state pool gets beyond its max_batch x (K+2) request slots."""
         if not self.enable_prefix_caching:
             return 0
-        return 4 * self.max_batch if self.num_state_snapshots is None else self.num_state_snapshots
+        default = SNAPSHOTS_PER_REQUEST * self.max_batch
+        return default if self.num_state_snapshots is None else self.num_state_snapshots
 
     @property
     def max_blocks_per_request(self) -> int:

@@ -8,7 +8,10 @@ replays the same code, no per-batch bucket and no padding). No Python runs betwe
 except the plugin ops' own bodies (C++ once registered by the C++ plugin library; the op names are the same).
 
 The pool is allocated here with exactly the geometry the packages were compiled for (its `num_blocks` is
-baked into their plugin calls): a runtime `num_blocks` up to the built one uses the first blocks of it.
+baked into their plugin calls): a runtime `num_blocks` up to the built one uses the first blocks of it. A hybrid
+(Gated DeltaNet) engine's main package also takes the state slots and the state pools' addresses; its state pool
+is allocated with the slot count the packages bake (`build.compiled.state_slots`: the request slots plus the
+default prefix-cache snapshots), of which a run may use fewer snapshots (runtime/core/state_pool.py).
 
 Multi-rank (mpirun): each rank loads its own rank's packages. The collectives inside them (`mtp::all_reduce`,
 `mtp::all_gather`, the MoE exchange behind `mtp::moe_experts`) are Python ops over mpi4py; a package calls them
@@ -19,6 +22,7 @@ unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +33,9 @@ import plugins.collectives  # noqa: F401  (registers the ops the packages call b
 import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from models.engine_format import EngineConfig, EngineDirError, load_engine_config
-from models.engine_format.compiled import AOTI_KIND, compiled_problem, load_package
-from models.engine_format.graph_io import SPECS, GraphSpec
+from models.engine_format.compiled import AOTI_KIND, compiled_info, compiled_problem, load_package
+from models.engine_format.graph_io import GraphSpec, graph_spec
+from models.gdn import GDNStatePool
 from plugins.kv_pool import allocate_pool, pool_address
 from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
 from runtime.executors.torch_executor import warn_spinning_threads
@@ -44,7 +49,7 @@ class ExecutionContext:
     run: object  # AOTIModelPackageLoader.boxed_run: list of tensors -> list of tensors
     buffers: dict[str, torch.Tensor]  # step input name -> flat preallocated tensor
     arrays: dict[str, np.ndarray]  # the same memory as numpy (the refill path)
-    pool_ptr: torch.Tensor
+    pool_ptrs: list[torch.Tensor]  # after the step inputs: the KV pool's address (a hybrid main: + conv, ssm)
 
     def __call__(self, inp: object) -> list[torch.Tensor]:
         args = []
@@ -56,7 +61,7 @@ class ExecutionContext:
                 raise ValueError(f"{self.spec.name}: {name} has {n} elements, the engine's limits allow {buf.size}")
             np.copyto(buf[:n], value.reshape(-1), casting="same_kind")
             args.append(self.buffers[name][:n].view(value.shape))
-        args.append(self.pool_ptr)
+        args += self.pool_ptrs
         return self.run(args)  # type: ignore[operator]
 
 
@@ -78,11 +83,18 @@ class CompiledExecutor:
         self.geom = cfg.kv.geometry(cfg.kv.num_blocks)
         self.pool = allocate_pool(self.geom)  # owned here: the packages only see its address
         ptr = pool_address(self.pool)
+        self.state: GDNStatePool | None = None  # a hybrid model's recurrent state (runtime/core/state_pool.py)
+        if cfg.state is not None:
+            slots = int((compiled_info(cfg) or {}).get("state_slots", cfg.state.num_slots))
+            self.state = GDNStatePool.of(dataclasses.replace(cfg.state.geometry(), num_slots=slots))
         self.hidden_size, self.vocab_size = cfg.model.hidden_size, cfg.model.vocab_size
         self.contexts = {name: self._context(name, rank, ptr) for name in cfg.graphs[rank]}
 
     def _context(self, name: str, rank: int, ptr: torch.Tensor) -> ExecutionContext:
-        cfg, spec = self.config, SPECS[name]
+        cfg, spec = self.config, graph_spec(name, self.state is not None)
+        ptrs = [ptr]
+        if name == "main" and self.state is not None:
+            ptrs += [self.state.ref.conv_ptr, self.state.ref.ssm_ptr]
         path = cfg.graph_file(rank, name, AOTI_KIND)
         assert path is not None
         loader = load_package(cfg, path).loader
@@ -94,7 +106,7 @@ class CompiledExecutor:
             size = int(np.prod([rows[d] if isinstance(d, str) else d for d in spec.dims[inp]]))
             buffers[inp] = torch.zeros(size, dtype=getattr(torch, spec.dtypes[inp]))
         arrays = {n: b.numpy() for n, b in buffers.items()}
-        return ExecutionContext(spec, loader.boxed_run, buffers, arrays, ptr)
+        return ExecutionContext(spec, loader.boxed_run, buffers, arrays, ptrs)
 
     def _graph(self, name: str) -> ExecutionContext:
         if name not in self.contexts:

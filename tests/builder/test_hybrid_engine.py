@@ -1,9 +1,10 @@
 """Hybrid Gated-DeltaNet checkpoints (Qwen3-Next, Qwen3.5-MoE) through `mtp-build`: the engine records its state pool
 (config.json `state`), `--check` passes, the main graph holds one GdnStep node per GDN layer while the draft and
-commit graphs take no state at all (the MTP layer is full attention), and the ONNX Runtime engine decodes greedy
-token-identical to the torch executor at K=0..3 with prefill chunks shorter than the prompts and a state pool
-poisoned with NaN (a slot is only read after its request wrote it). A `state` that disagrees with the model is
-refused with one line."""
+commit graphs take no state at all (the MTP layer is full attention), and the ONNX Runtime engine and (qwen3_next,
+built with mtp-build's default `--compile auto`) the compiled engine decode greedy token-identical to the torch
+executor at K=0..3 with prefill chunks shorter than the prompts, prefix hits and a state pool poisoned with NaN (a
+slot is only read after its request wrote it); the compiled engine is then the default executor. A `state` that
+disagrees with the model is refused with one line."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ import pytest
 
 from builder import cli
 from models.engine_format import EngineDirError, load_engine_config
+from models.engine_format.compiled import compiled_info
 from models.testing import make_hybrid_checkpoint
 from plugins.names import GDN_STEP
 from runtime.core.sampling import SamplingParams
+from runtime.executors.compiled_executor import CompiledExecutor
+from runtime.executors.ort_executor import OrtExecutor
 from runtime.factory import create_engine
 from tests.builder.engine_edits import copy_engine, edit_config
 from tests.runtime.engine_utils import random_prompts
@@ -35,7 +39,10 @@ PARAMS = SamplingParams(max_tokens=12)
 def hybrid(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     make_hybrid_checkpoint(root / "ckpt", request.param, seed=2, vocab_size=VOCAB, **LAYERS)
-    argv = ["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"), "--compile", "none"]
+    # qwen3_next: mtp-build's default, which compiles hybrids too (one compiled model type is enough: the
+    # packages' code path is the same for both); qwen3_5_moe: the ONNX Runtime engine alone
+    compile_ = [] if request.param == "qwen3_next" else ["--compile", "none"]
+    argv = ["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"), *compile_]
     for k, v in LIMITS.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     assert cli.main(argv) == 0  # ids-only (no tokenizer.json): requests are token ids
@@ -65,19 +72,35 @@ def test_build_records_the_state_pool_and_graphs_need_it_only_in_main(hybrid):
         assert not {i.name for i in g.input} & {"state_read_slots", "conv_pool_ptr", "ssm_pool_ptr"}
 
 
-def test_ort_engine_is_lossless_against_the_torch_executor(hybrid):
+def test_the_default_executor_is_the_compiled_one_where_built(hybrid):
+    ckpt, engine = hybrid
+    compiled = compiled_info(load_engine_config(engine))
+    executor = create_engine(engine_dir=engine, num_draft_tokens=0).executor
+    if compiled is None:  # qwen3_5_moe, built with --compile none
+        assert isinstance(executor, OrtExecutor)
+        return
+    assert isinstance(executor, CompiledExecutor) and set(compiled["graphs"]) == {"main", "mtp_draft", "mtp_commit"}
+    # the packages bake the state pool: the request slots (20) plus the default snapshots, 4 per request of max_batch
+    assert compiled["state_slots"] == 20 + 4 * 4 and executor.state is not None and executor.state.num_slots == 36
+
+
+def _executors(engine) -> list[str]:
+    return ["onnxruntime"] + (["compiled"] if compiled_info(load_engine_config(engine)) else [])
+
+
+def test_engines_are_lossless_against_the_torch_executor(hybrid):
     ckpt, engine = hybrid
     ref = create_engine(checkpoint=ckpt, executor="torch", num_draft_tokens=0, block_size=4, num_blocks=200,
                         max_batch=4, max_num_tokens=32, max_seq_len=64)  # fmt: skip
     want = [o.output_ids for o in ref.generate(PROMPTS, PARAMS)]
     assert len(set(map(tuple, want))) > 1
-    for k in (0, 1, 2, 3):
-        eng = create_engine(engine_dir=engine, executor="onnxruntime", num_draft_tokens=k, max_prefill_chunk=6)
+    for executor, k in [(e, k) for e in _executors(engine) for k in (0, 1, 2, 3)]:
+        eng = create_engine(engine_dir=engine, executor=executor, num_draft_tokens=k, max_prefill_chunk=6)
         eng.executor.state.conv.fill_(float("nan"))  # every state slot poisoned: read only after written
         eng.executor.state.ssm.fill_(float("nan"))
         got = [o.output_ids for o in eng.generate(PROMPTS, PARAMS)]
-        assert got == want, f"K={k}"
-        if k == 2:  # prefix hits: the state pool grew by the snapshot slots (GdnStep's num_slots rewritten in memory)
+        assert got == want, f"{executor} K={k}"
+        if k == 2:  # prefix hits: the state pool has the snapshot slots (ORT: GdnStep's num_slots rewritten in memory)
             assert eng.executor.state.num_slots == 20 + eng.cfg.num_state_snapshots > 20
             again = [o.output_ids for o in eng.generate([PROMPTS[3], PROMPTS[1]], PARAMS)]
             assert again == [want[3], want[1]] and eng.metrics.prefix_hit_tokens >= 20 + 12
@@ -86,7 +109,7 @@ def test_ort_engine_is_lossless_against_the_torch_executor(hybrid):
         assert eng.state_slots.num_free_groups == eng.cfg.max_batch
         if k:
             rate = eng.metrics.acceptance_rate_per_position[0]
-            assert 0 < rate < 1, f"K={k}: acceptance {rate}: both accepted and rejected drafts must be exercised"
+            assert 0 < rate < 1, f"{executor} K={k}: acceptance {rate}: accepted and rejected drafts must both occur"
 
 
 def test_a_state_pool_that_disagrees_is_refused_with_one_line(hybrid, tmp_path):
