@@ -227,7 +227,7 @@ def test_unsupported_combinations_are_refused_in_one_line(checkpoint, tmp_path, 
 
 
 def test_a_model_without_a_compiled_engine_is_refused():
-    """--compile auto resolves to none for --backend tensorrt (and hybrid models): no int8 reader there."""
+    """--compile auto resolves to none for --backend tensorrt: no int8 reader there."""
     opts = BuildOptions(checkpoint=Path("c"), output=Path("o"), backend="tensorrt", dtype="float16", quantize="int8",
                         **LIMITS)  # fmt: skip
     opts.validate()

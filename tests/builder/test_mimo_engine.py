@@ -63,10 +63,10 @@ def test_mtp_run_on_the_engine_is_lossless(mimo):
     assert [got[p] for p in prompts] == expected
 
 
-@pytest.mark.parametrize("flags", [["--compile", "aoti"], ["--tp-size", "2", "--world-size", "2", "--ep-size", "2"]])
-def test_hybrid_checkpoint_compiled_or_tensor_parallel_is_refused_with_one_line(tmp_path, capsys, flags):
-    """Hybrid engines build for ONNX Runtime (tests/builder/test_hybrid_engine.py; expert-parallel ones: tests/runtime/
-    test_mpi_hybrid.py); AOTInductor packages and tensor parallelism are refused before anything is exported."""
+@pytest.mark.parametrize("flags", [["--tp-size", "2", "--world-size", "2", "--ep-size", "2"]])
+def test_hybrid_checkpoint_tensor_parallel_is_refused_with_one_line(tmp_path, capsys, flags):
+    """Hybrid engines build for ONNX Runtime and AOTInductor (tests/builder/test_hybrid_engine.py; expert-parallel
+    ones: tests/runtime/test_mpi_hybrid.py); tensor parallelism is refused before anything is exported."""
     make_hybrid_checkpoint(tmp_path / "ckpt", "qwen3_next", seed=1)
     assert cli.main(_argv(tmp_path / "ckpt", tmp_path / "engine") + flags) != 0
     err = capsys.readouterr().err
