@@ -49,8 +49,8 @@ install: $(STAMP) $(OPS_LIB)
 # Which tests to run when (README "Tests"): `make test-quick` in the inner loop (unit and property tests: no mpirun,
 # no server, no engine build or compile; the tiers are assigned in tests/conftest.py), `make test` before a commit
 # and in CI: everything but the `scale` tests (`make test-scale`, below), on 2 pytest-xdist workers (TEST_WORKERS=0
-# runs it in one process). A file's tests, the files
-# sharing an engine build and all mpirun tests each stay on one worker (tests/conftest.py xdist_groups).
+# runs it in one process). A file's tests, the files sharing an engine build and all mpirun tests each stay on one
+# worker (tests/conftest.py xdist_groups).
 TEST_WORKERS ?= 2
 QUICK        := not (mpi or server or compile or build or slow or scale or gpu or triton)
 PYTEST       := $(PY) -m pytest -q -p no:cacheprovider
