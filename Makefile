@@ -6,7 +6,7 @@ TINY    := models/tiny
 DEEP    := models/deep
 ENGINE  := engines/deep
 
-.PHONY: install ops test test-quick lint demo bench bench-auto bench-realsize bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
+.PHONY: install ops test test-quick test-scale lint demo bench bench-auto bench-realsize bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	python3 -m venv .venv
@@ -48,16 +48,22 @@ install: $(STAMP) $(OPS_LIB)
 
 # Which tests to run when (README "Tests"): `make test-quick` in the inner loop (unit and property tests: no mpirun,
 # no server, no engine build or compile; the tiers are assigned in tests/conftest.py), `make test` before a commit
-# and in CI: everything, on 2 pytest-xdist workers (TEST_WORKERS=0 runs it in one process). A file's tests, the files
-# sharing an engine build and all mpirun tests each stay on one worker (tests/conftest.py xdist_groups).
+# and in CI: everything but the `scale` tests (`make test-scale`, below), on 2 pytest-xdist workers (TEST_WORKERS=0
+# runs it in one process). A file's tests, the files sharing an engine build and all mpirun tests each stay on one
+# worker (tests/conftest.py xdist_groups).
 TEST_WORKERS ?= 2
-QUICK        := not (mpi or server or compile or build or slow or gpu or triton)
+QUICK        := not (mpi or server or compile or build or slow or scale or gpu or triton)
 PYTEST       := $(PY) -m pytest -q -p no:cacheprovider
 # the groups' order is tests/conftest.py's (costliest first), not pytest-xdist's by test count
 XDIST        := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 test: install
-	$(PYTEST) --durations=25 $(XDIST) tests
+	$(PYTEST) --durations=25 $(XDIST) -m "not scale" tests
+
+# The tests whose point needs a GiB-size workload (peak RSS of a multi-rank build of an 848 MiB checkpoint): minutes
+# each, so not in `make test`; CI runs them after it (.ci/run).
+test-scale: install
+	$(PYTEST) --durations=10 -m scale tests
 
 test-quick: install
 	$(PYTEST) --durations=10 $(XDIST) -m "$(QUICK)" tests

@@ -113,6 +113,7 @@ TIERS = {
 }
 MARKERS = {
     "slow": "long-running tests (still run by make test)",
+    "scale": "needs a GiB-size workload to show what it checks (make test-scale and CI, not make test)",
     "gpu": "needs a CUDA device (skipped on CPU)",
     "mpi": "launches mpirun (assigned in tests/conftest.py)",
     "server": "starts tritonserver or the OpenAI HTTP server (assigned in tests/conftest.py)",

@@ -30,7 +30,9 @@ def tiny_opts(ckpt: Path, out: Path, **kw) -> BuildOptions:
     return BuildOptions(checkpoint=ckpt, output=out, **{**LIMITS, "compile": "none", **kw})
 
 
-@pytest.fixture(scope="package")
+# Session scope (not package): the same lifetime here, and tests/conftest.py's xdist_groups keeps the files that share
+# a session build fixture on one worker, so tp2_build below is built once, not once per worker.
+@pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("ckpt") / "tiny"
     make_checkpoint(path, tiny_config(), seed=3)
@@ -49,7 +51,7 @@ def engine(checkpoint, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def tp2_build(checkpoint, tmp_path_factory) -> tuple[Path, str]:
     """TP2 engine of `checkpoint` built through the CLI *without* --ep-size, with what the CLI printed: one build
     serves the TP tests (test_tp_build.py, which need EP2 = the default) and the default's own test
@@ -65,6 +67,6 @@ def tp2_build(checkpoint, tmp_path_factory) -> tuple[Path, str]:
     return out, printed.getvalue()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def tp2(tp2_build) -> Path:
     return tp2_build[0]

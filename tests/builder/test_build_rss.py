@@ -5,6 +5,11 @@ An 848 MiB bf16 checkpoint (4 MoE layers + MTP, 64 experts each) is built for EP
 and the per-rank export children of builder/rank_process.py) must stay within the peak of a tiny build (python
 + torch + onnx + ORT baseline) + the largest tensor + one rank's share + slack. Before the per-rank children,
 the exporter kept every exported rank's weights and this build peaked at 1,639 MiB (the bound is ~1,500).
+
+Marked `scale` (`make test-scale`, run by CI after `make test`): it takes 2.5-3 min on the 2-core machine and cannot
+be made cheap without losing its point. The regression it guards overshot the bound by only ~140 MiB at this size,
+and that overshoot scales with the model (the ranks' shares the exporter kept), while the slack does not: a smaller
+checkpoint would put the regression inside the slack and the test would pass on the broken exporter.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ def _peak_of_build(ckpt: Path, out: Path, *flags: str) -> tuple[int, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.scale
 def test_multi_rank_build_peak_rss_is_one_ranks_share(tmp_path):
     if shutil.disk_usage(tmp_path).free < 4 << 30:
         pytest.skip("the build RSS test needs 4 GiB free under the pytest temporary directory")
