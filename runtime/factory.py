@@ -81,6 +81,9 @@ def create_engine(
     if overrides.get("num_draft_tokens") == "auto":  # K_max = what the engine was built for (or the default)
         del overrides["num_draft_tokens"]
         overrides["auto_draft_tokens"] = True
+    elif overrides.get("num_draft_tokens") == "per-request":  # k_i per request, up to the built K
+        del overrides["num_draft_tokens"]
+        overrides["per_request_draft_tokens"] = True
     if engine_dir is not None and ecfg is not None:
         if ecfg.world_size != world_size:
             raise ConfigError(f"engine {engine_dir} was built for world_size={ecfg.world_size} but "
