@@ -39,8 +39,8 @@ BAD_INPUT = (ConfigError, RequestError, ValueError, FileNotFoundError, IsADirect
 
 
 def _draft_tokens_flag(text: str) -> int | str:
-    """An int (range-checked with the other settings, one line) or "auto"."""
-    return text if text == "auto" else int(text)
+    """An int (range-checked with the other settings, one line), "auto" or "per-request"."""
+    return text if text in ("auto", "per-request") else int(text)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     r = p.add_argument_group("runtime")
     r.add_argument("--num-draft-tokens", type=_draft_tokens_flag, default=None,
-                   help="K draft depths; 0 disables MTP; auto picks 0..K per step")
+                   help="K draft depths; 0 disables MTP; auto picks 0..K per step; per-request: 0..K per request")
     r.add_argument("--no-commit-pass", action="store_true", help="ablation: skip the MTP decode refresh")
     r.add_argument("--max-batch", type=int, default=None)
     r.add_argument("--max-num-tokens", type=int, default=None)

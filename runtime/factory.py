@@ -18,6 +18,7 @@ from plugins.mapping import MappingError, Parallel, check_model, rank_mapping
 from runtime.core.config import ConfigError, RuntimeConfig
 from runtime.core.draft_length import DraftLengthController
 from runtime.core.engine import LLMEngine
+from runtime.core.verify_lengths import VerifyLengthPolicy
 from runtime.executors.base import Executor
 from runtime.multirank.strategies import rank_strategy
 from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S
@@ -49,6 +50,7 @@ def create_engine(
     prog: str | None = None,
     wrap_executor: Callable[[Executor], Executor] | None = None,
     draft_length: DraftLengthController | None = None,
+    verify_lengths: VerifyLengthPolicy | None = None,
     share_executor_of: LLMEngine | None = None,
     **overrides,
 ) -> LLMEngine:
@@ -66,6 +68,7 @@ def create_engine(
         collective_timeout, prog: multi-rank only: the watchdog's deadline and the program its line names.
         wrap_executor: wraps the executor before the engine is built (tests record or fault its calls).
         draft_length: a controller for `auto` in place of the default one (runtime/core/draft_length.py).
+        verify_lengths: a per-request k_i policy in place of per-request's own (runtime/core/verify_lengths.py).
         share_executor_of: run on this engine's executor (its weights and KV pool) instead of loading another:
             engines of one model that take turns, e.g. the bench's K variants. Separate copies of the same
             weights measured up to 19% apart in speed from their memory placement alone, which swamped the
@@ -81,6 +84,9 @@ def create_engine(
     if overrides.get("num_draft_tokens") == "auto":  # K_max = what the engine was built for (or the default)
         del overrides["num_draft_tokens"]
         overrides["auto_draft_tokens"] = True
+    elif overrides.get("num_draft_tokens") == "per-request":  # k_i per request, up to the built K
+        del overrides["num_draft_tokens"]
+        overrides["per_request_draft_tokens"] = True
     if engine_dir is not None and ecfg is not None:
         if ecfg.world_size != world_size:
             raise ConfigError(f"engine {engine_dir} was built for world_size={ecfg.world_size} but "
@@ -134,6 +140,7 @@ def create_engine(
     ranks = rank_strategy(ex, model_cfg, cfg, parallel, collective_timeout, prog or Path(sys.argv[0]).stem or "mtp")
     cpu = executor in ("compiled", "onnxruntime") or (executor == "torch" and device == "cpu")
     return LLMEngine(ex, model_cfg, cfg, tokenizer, seed=seed, ranks=ranks, draft_length=draft_length,
+                     verify_lengths=verify_lengths,
                      draft_clock=time.process_time if cpu else time.perf_counter, executor_name=executor)  # fmt: skip
 
 

@@ -142,7 +142,7 @@ def engine_factory(args, work: Workload) -> Callable[..., LLMEngine]:
         # from memory placement alone (three identical K=0 engines, one process), more than K differences
         if executor not in owners:
             owners[executor] = make(executor, max_k, True, None)  # sized for the largest K
-        return make(executor, k if k == "auto" else int(k), commit_pass, owners[executor])
+        return make(executor, k if k in ("auto", "per-request") else int(k), commit_pass, owners[executor])
 
     return engine_for
 

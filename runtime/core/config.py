@@ -19,6 +19,8 @@ class RuntimeConfig:
     num_blocks: int = 256  # KV pool blocks, block 0 reserved
     num_draft_tokens: int = 3  # k MTP draft depths; 0 disables MTP (with auto_draft_tokens: the maximum)
     auto_draft_tokens: bool = False  # --num-draft-tokens auto: pick k <= num_draft_tokens per step (draft_length.py)
+    # --num-draft-tokens per-request: each request its own k_i <= num_draft_tokens per step (verify_lengths.py)
+    per_request_draft_tokens: bool = False
     max_prefill_chunk: int = 256  # longest prefill chunk per step (chunked prefill)
     enable_prefix_caching: bool = True
     # Prefix hit under MTP: False = give up the last matched block (the anchors' rule); True = keep it and
@@ -38,6 +40,8 @@ class RuntimeConfig:
             (self.max_num_tokens >= self.max_batch * (1 + k),
              f"max_num_tokens={self.max_num_tokens} < max_batch*(1+k)={self.max_batch * (1 + k)}: "
              "raise max_num_tokens or lower max_batch / num_draft_tokens"),
+            (not (self.auto_draft_tokens and self.per_request_draft_tokens),
+             "num_draft_tokens: choose one of auto and per-request"),
             (self.max_prefill_chunk >= 1, f"max_prefill_chunk={self.max_prefill_chunk}: must be >= 1"),
             (self.num_state_snapshots is None or self.num_state_snapshots >= 0,
              f"num_state_snapshots={self.num_state_snapshots}: must be >= 0 (0 turns hybrid prefix caching off)"),

@@ -29,14 +29,14 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from models.config import ModelConfig
-from runtime.core import grammar, logprobs, mtp_plan
+from runtime.core import draft_loop, grammar, logprobs, mtp_plan
 from runtime.core.acceptance_guard import CollapseDetector
 from runtime.core.admission import RequestError, validate_params, validate_prompt, validate_request_id
 from runtime.core.config import ConfigError, RuntimeConfig
 from runtime.core.draft_length import DraftLengthController, StepSample, combine
 from runtime.core.kv_manager import KVCacheManager
 from runtime.core.metrics import Metrics
-from runtime.core.mtp_plan import MainPlan, RequestUpdate, StepPlan, plan_draft, plan_main, plan_step, table_array
+from runtime.core.mtp_plan import MainPlan, RequestUpdate, StepPlan, plan_main, plan_step, table_array
 from runtime.core.ranks import SINGLE_RANK, RankStrategy
 from runtime.core.request import Request, RequestOutput, RequestStatus, request_rng
 from runtime.core.sampling import (
@@ -44,12 +44,12 @@ from runtime.core.sampling import (
     accept_exact_match,
     accept_greedy,
     accept_rejection,
-    draft_token,
     probs_from_logits,  # fmt: skip
     sample,
 )
 from runtime.core.scheduler import ScheduledRequest, Scheduler
 from runtime.core.state_pool import StateSlots, hybrid_runtime_config, idle_input
+from runtime.core.verify_lengths import AcceptancePolicy, VerifyLengthPolicy
 from runtime.executors.base import Executor
 
 __all__ = ["LLMEngine", "RequestError", "RequestOutput"]
@@ -59,14 +59,16 @@ class LLMEngine:
     def __init__(self, executor: Executor, model_cfg: ModelConfig, cfg: RuntimeConfig, tokenizer=None,
                  seed: int = 0, ranks: RankStrategy = SINGLE_RANK,
                  draft_length: DraftLengthController | None = None, draft_clock=time.perf_counter,
-                 executor_name: str = "", acceptance_watch: CollapseDetector | None = None) -> None:  # fmt: skip
+                 executor_name: str = "", acceptance_watch: CollapseDetector | None = None,
+                 verify_lengths: VerifyLengthPolicy | None = None) -> None:  # fmt: skip
         """seed: engine seed; an unseeded request samples from a generator derived from (seed, request id).
         ranks: this rank's part in an mpirun job (runtime/core/ranks.py); the default is a rank alone.
         draft_length: the controller of `auto` (default: DraftLengthController(K) when cfg asks for auto).
         draft_clock: auto's clock; wall time (the objective) by default, time.process_time for CPU executors,
             whose wall time on shared cores mostly measures the other jobs (create_engine picks).
         executor_name: which executor runs (compiled, onnxruntime, torch, tensorrt), for the summaries.
-        acceptance_watch: the acceptance-collapse detector (default sizes: acceptance_guard.CollapseDetector)."""
+        acceptance_watch: the acceptance-collapse detector (default sizes: acceptance_guard.CollapseDetector).
+        verify_lengths: per-request k_i (default: AcceptancePolicy when cfg asks for per-request; verify_lengths.py)."""
         if cfg.num_draft_tokens > 0 and model_cfg.num_mtp_modules == 0:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
         cfg = hybrid_runtime_config(cfg, executor) if model_cfg.is_hybrid else cfg
@@ -90,6 +92,9 @@ class LLMEngine:
         if draft_length is None and cfg.auto_draft_tokens and self.k:
             draft_length = DraftLengthController(self.k)
         self.draft_length = draft_length
+        if verify_lengths is None and cfg.per_request_draft_tokens and self.k:
+            verify_lengths = AcceptancePolicy()
+        self.verify_lengths = verify_lengths
         # rows a request holds back while `auto` runs k = 0 (mtp_plan.plan_step): the request's whole commit segment
         # (carry + up to 2K verified rows + the tail) must fit one commit call of max_num_tokens rows
         self._max_carry_rows = max(0, min(4 * cfg.block_size, cfg.max_num_tokens - 2 * self.k - 1))
@@ -154,7 +159,7 @@ class LLMEngine:
             if self.ranks.lockstep:  # invariant 9: an idle rank still enters every collective-bearing forward
                 idle = mtp_plan.plan_idle_main(self.width)
                 self.executor.run_main(idle if self.state_slots is None else idle_input(idle))
-                self._dummy_drafts(self._choose_draft_length(StepSample)[0])
+                self._dummy_drafts(self._agreed_depths([], self._choose_draft_length(StepSample)[0]))
             return []
         scheduled = sched.scheduled
         tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
@@ -166,8 +171,11 @@ class LLMEngine:
         accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
         may_draft = self.k > 0 and any(s.req.spec.may_draft for s in scheduled)  # False: all frozen, plan as K=0
         k, freeze = self._choose_draft_length(lambda: self._sample(scheduled, accepted, errors), may_draft)
+        ks: int | list[int] = k  # per-request: k_i each, and k = the draft loop's depths (agreed across ranks)
+        if self.verify_lengths is not None and may_draft:
+            ks = self.verify_lengths.choose(mtp_plan.verify_candidates(scheduled, accepted, errors, self.cfg.max_seq_len), k)
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=may_draft,
-                         draft_depths=k, refresh_drafts=self.cfg.commit_pass, max_carry_rows=self._max_carry_rows,
+                         draft_depths=ks, refresh_drafts=self.cfg.commit_pass, max_carry_rows=self._max_carry_rows,
                          max_commit_rows=self.cfg.max_num_tokens, freeze=freeze)  # 4. plan  # fmt: skip
         for commit in plan.commits:  # 5. commit (no collective inside, so skipping an empty write keeps lockstep)
             self._timed(self.executor.run_commit, commit)
@@ -176,9 +184,11 @@ class LLMEngine:
             self.state_slots.commit(scheduled, plan.updates)
         c_draft = self.draft_clock()
         if self.k:  # 7. draft
+            k_i = [k] * len(drafting) if isinstance(ks, int) else [ks[i] for i in drafting]
+            k = self._agreed_depths(k_i, k)
             if drafting and k:
                 self._draft_loop([scheduled[i].req for i in drafting], [plan.updates[i] for i in drafting],
-                                 main.hidden, tables[drafting], outputs, k)  # fmt: skip
+                                 main.hidden, tables[drafting], outputs, k_i, k)  # fmt: skip
             elif self.ranks.lockstep:
                 self._dummy_drafts(k)
             if drafting:
@@ -216,6 +226,14 @@ class LLMEngine:
         ctl.observe(sample)
         k = ctl.choose(sample.num_drafting, sample.base_rows, sample.remaining)
         return k, ctl.gives_up_drafting
+
+    def _agreed_depths(self, k_i: list[int], k: int) -> int:
+        """The draft loop's depths: k, or per-request the deepest k_i (lockstep: over every rank, so each rank issues
+        the same number of collective-bearing draft forwards; a rank whose requests stopped earlier pads)."""
+        if self.verify_lengths is None:
+            return k
+        k = max(k_i, default=0)
+        return int(max(s[0] for s in self.ranks.gather_draft_samples(np.array([k], float)))) if self.ranks.lockstep else k
 
     def _timed(self, fn, *args):
         """Call an executor method, adding its time to this step's executor time."""
@@ -299,34 +317,11 @@ class LLMEngine:
             self.executor.run_draft(mtp_plan.plan_idle_draft(self.executor.hidden_size, self.width))
 
     def _draft_loop(self, reqs: list[Request], updates: list[RequestUpdate], main_hidden: np.ndarray,
-                    tables: np.ndarray, outputs: list[RequestOutput], k: int) -> None:  # fmt: skip
-        """k serial depths; depth d writes base-1+d. A request failing here is aborted after the loop (its
-        row keeps its place in every depth, so the batch shape and the lockstep call count never change).
-        k may differ from the previous step's: the next verify checks exactly the drafts made here."""
-        bases = [u.num_computed for u in updates]
-        failed: dict[int, str] = {}
-        for j, (r, b) in enumerate(zip(reqs, bases, strict=True)):
-            if r.num_tokens - 1 != b:  # invariant 3: the draft start is derived from base, never tracked
-                failed[j] = f"base position {b} is not the last token's ({r.num_tokens - 1})"
-        hidden = main_hidden[[u.draft_row for u in updates]]
-        tokens = [r.token_ids[-1] for r in reqs]
-        probs: list[list[np.ndarray]] = [[] for _ in reqs]
-        for depth in range(k):
-            out = self._timed(self.executor.run_draft, plan_draft(hidden, tokens, bases, depth, tables))
-            for j, r in enumerate(reqs):
-                try:
-                    tokens[j] = draft_token(r.params, r.rng, grammar.mask_draft(r, out.logits[j : j + 1]), probs[j])
-                    grammar.push_draft(r, tokens[j])
-                except Exception as e:  # noqa: BLE001 - one request's failure must not fail the batch
-                    failed.setdefault(j, f"drafting failed: {type(e).__name__}: {e}")
-                r.spec.drafts.append(tokens[j])
-            hidden = out.hidden_out
-        for j, r in enumerate(reqs):
-            if j in failed:
-                outputs.append(self._fail(r, failed[j]))
-            elif probs[j]:
-                r.spec.draft_probs = np.stack(probs[j])
-            grammar.end_drafts(r)  # matcher back at the last emitted token; drafts it rejected are cut
+                    tables: np.ndarray, outputs: list[RequestOutput], k_i: list[int], k: int) -> None:  # fmt: skip
+        """k serial depths (runtime/core/draft_loop.py); a request failing there is aborted after the loop."""
+        failed = draft_loop.run(lambda inp: self._timed(self.executor.run_draft, inp), lambda: self._dummy_drafts(1),
+                                reqs, updates, main_hidden, tables, k_i, k)  # fmt: skip
+        outputs += [self._fail(reqs[j], error) for j, error in failed.items()]
 
     # ------------------------------------------------------------------ emission and bookkeeping
     def _emit(self, req: Request, tokens: list[int]) -> list[int]:

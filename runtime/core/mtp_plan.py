@@ -30,6 +30,7 @@ from runtime.core.block_pool import NULL_BLOCK_ID
 from runtime.core.draft_length import StepSample
 from runtime.core.request import ChunkCarry
 from runtime.core.scheduler import ScheduledRequest
+from runtime.core.verify_lengths import Candidate
 from runtime.executors.base import CommitInput, DraftInput, MainInput
 
 
@@ -117,7 +118,8 @@ def plan_step(
     *,
     errors: list[str | None] | None = None,  # per request: why accept failed (that request is aborted)
     mtp: bool,  # MTP on: plan the commit pass, chunk carries and draft rows
-    draft_depths: int = 1,  # k of this step's draft loop (0: `auto` chose not to draft)
+    draft_depths: int | list[int] = 1,  # k of this step's draft loop (0: `auto` chose not to draft), or k_i per
+    # request (--num-draft-tokens per-request: runtime/core/verify_lengths.py)
     refresh_drafts: bool = True,  # False = --no-commit-pass ablation (decode refresh skipped)
     max_carry_rows: int = 16,  # with k = 0: rows a request may hold back before every carry is written
     max_commit_rows: int | None = None,  # rows one commit call may carry (the engine's token budget)
@@ -125,7 +127,7 @@ def plan_step(
 ) -> StepPlan:
     """All the hidden-row arithmetic of a step after verify lives here (module docstring has the layout).
 
-    With k = 0 nobody runs depth 0, so row p = base-1 (h_{base-1}, base token) is written by the commit pass
+    With k = 0 (per request: k_i = 0) nobody runs its depth 0, so row p = base-1 (h_{base-1}, base token) is written by the commit pass
     instead. To keep K=0-like steps free of a commit call, such rows are carried (like a chunk seam) while
     no request has other rows to write and no carry is full; the next commit then writes them all. Carried rows
     of a batch can outnumber one commit's row limit (8 requests x 64 rows > 256), so the write is split into
@@ -136,10 +138,11 @@ def plan_step(
     unwritten, so its plane stays exact below the first unwritten position (main KV and outputs are untouched).
     """
     errors = errors if errors is not None else [None] * len(scheduled)
+    ks = [draft_depths] * len(scheduled) if isinstance(draft_depths, int) else draft_depths
     freezing = [freeze and mtp and err is None and s.reaches_end and not s.num_drafts and s.req.spec.may_draft
                 for s, err in zip(scheduled, errors, strict=True)]  # fmt: skip
     writes = [mtp and s.req.spec.may_draft and not f for s, f in zip(scheduled, freezing, strict=True)]
-    defer = mtp and draft_depths == 0 and all(
+    defer = mtp and not any(ks) and all(
         not w or err is not None or (s.num_new_tokens - 1 + a == 0 and _carried(s) < max_carry_rows)
         for s, a, err, w in zip(scheduled, accepted, errors, writes, strict=True))  # fmt: skip
     updates, segments = [], []
@@ -155,7 +158,7 @@ def plan_step(
             upd.mtp_frozen_at = s.start if s.req.spec.carry is None else s.req.spec.carry.position
         if upd.error is None and writes[i]:
             try:
-                seg, upd.carry = _plan_rows(s, a, nxt, hidden, main.row_offsets[i], draft_depths, defer,
+                seg, upd.carry = _plan_rows(s, a, nxt, hidden, main.row_offsets[i], ks[i], defer,
                                             refresh_drafts)  # fmt: skip
             except ValueError as e:  # this request's state is inconsistent: it alone is aborted, unwritten
                 upd.error = str(e)
@@ -163,7 +166,7 @@ def plan_step(
             segments.append(CommitSegment(s.start, hidden[:0], []))
             continue
         segments.append(seg)
-        if s.reaches_end and draft_depths > 0:
+        if s.reaches_end and ks[i] > 0:
             upd.draft_row = main.row_offsets[i] + s.num_new_tokens - 1 + a
     commits = []
     if mtp and any(seg.token_ids for seg in segments):
@@ -298,3 +301,20 @@ def step_sample(scheduled: list[ScheduledRequest], accepted: list[int], errors: 
             remaining[min(left, k_max + 1) - 1] += 1
     return StepSample(*cycle, sum(remaining), float(sum(s.num_new_tokens for s in scheduled)), trials,
                       successes, remaining)  # fmt: skip
+
+
+def verify_candidates(scheduled: list[ScheduledRequest], accepted: list[int], errors: list[str | None],
+                      max_seq_len: int) -> list[Candidate]:  # fmt: skip
+    """After accept (--num-draft-tokens per-request, runtime/core/verify_lengths.py): folds this step's verify
+    into each request's acceptance counts (their only writer), and returns its candidate for the next draft loop
+    (remaining 0, hence k_i = 0, for a request that does not draft: a prefill chunk, an error, a frozen plane)."""
+    out = []
+    for s, a, err in zip(scheduled, accepted, errors, strict=True):
+        req, remaining = s.req, 0
+        if err is None and s.reaches_end and req.spec.may_draft:
+            if s.num_drafts:
+                req.verify_counts.observe(s.num_drafts, a)
+            left = min(req.params.max_tokens - req.num_output_tokens, max_seq_len - req.num_tokens)
+            remaining = left - a - 1  # tokens it may emit after this step's a + 1
+        out.append(Candidate(req.verify_counts, remaining))
+    return out

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from runtime.core.sampling import SamplingParams
+from runtime.core.verify_lengths import AcceptanceCounts
 
 
 class RequestStatus(enum.IntEnum):
@@ -93,6 +94,7 @@ class Request:
     num_steps: int = 0  # verify steps that emitted tokens
     num_proposed: int = 0  # drafts verified over all steps (k may change per step)
     accepted_per_step: list[int] = field(default_factory=list)  # append-only
+    verify_counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)  # per-request k's running acceptance
     num_cached_tokens: int = 0  # prefix-cache hit tokens at admission
     text: str = ""
     # asked-for extras (runtime/core/logprobs.py, runtime/core/grammar.py); empty / None when not asked for

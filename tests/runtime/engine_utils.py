@@ -23,15 +23,17 @@ def cached_model(seed: int = 3, **overrides):
     return _MODELS[key]
 
 
-def make_engine(k: int, model=None, executor_cls=TorchExecutor, wrap=None, draft_length=None, **rc) -> LLMEngine:
+def make_engine(k: int, model=None, executor_cls=TorchExecutor, wrap=None, draft_length=None, verify_lengths=None,
+                **rc) -> LLMEngine:  # fmt: skip
     """wrap: wraps the executor before the engine is built (recording, fault injection); draft_length: a
-    DraftLengthController in place of auto's own."""
+    DraftLengthController in place of auto's own; verify_lengths: a per-request k_i policy (verify_lengths.py)."""
     cfg, m = model or cached_model()
     defaults = dict(max_batch=4, max_num_tokens=64, max_seq_len=128, block_size=4, num_blocks=200, num_draft_tokens=k)
     defaults.update(rc)
     rcfg = RuntimeConfig(**defaults)
     executor = executor_cls(m, rcfg.num_blocks, rcfg.block_size)
-    return LLMEngine(wrap(executor) if wrap else executor, cfg, rcfg, draft_length=draft_length)
+    return LLMEngine(wrap(executor) if wrap else executor, cfg, rcfg, draft_length=draft_length,
+                     verify_lengths=verify_lengths)
 
 
 def make_recorded_engine(k: int, **kw) -> tuple[LLMEngine, RecordingExecutor]:

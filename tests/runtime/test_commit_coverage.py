@@ -19,9 +19,9 @@ def last_mtp_writes(writes):
     return last
 
 
-def run_and_check(k, chunk, lengths, seed, commit_pass=True, max_batch=3, budget=24):
+def run_and_check(k, chunk, lengths, seed, commit_pass=True, max_batch=3, budget=24, **kw):
     engine, rec = make_recorded_engine(k, max_prefill_chunk=chunk, max_batch=max_batch, max_num_tokens=budget,
-                                       commit_pass=commit_pass, num_blocks=120)  # fmt: skip
+                                       commit_pass=commit_pass, num_blocks=120, **kw)  # fmt: skip
     prompts = random_prompts(lengths, seed=seed)
     prompts.append(prompts[0] + prompts[-1])  # shares prompt 0 as a prefix
     for p in prompts:
@@ -35,7 +35,8 @@ def run_and_check(k, chunk, lengths, seed, commit_pass=True, max_batch=3, budget
         last = last_mtp_writes(rec.writes)
         for req in engine.scheduler.running:
             table, bs = engine.kv.block_table(req.req_id), engine.cfg.block_size
-            base = req.num_computed - (1 if req.spec.carry is not None else 0)  # a carried position is not final yet
+            base = req.spec.mtp_exact_end(req.num_computed)  # carried positions are not final yet (a k = 0 step
+            # may carry several: mtp_plan.plan_step)
             for p in range(base):
                 w = last.get((table[p // bs], p % bs))
                 if w is None or w.hidden_source != "main" or w.token != req.token_ids[p + 1]:

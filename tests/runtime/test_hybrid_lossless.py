@@ -13,6 +13,7 @@ import torch
 from models.testing import make_hybrid_checkpoint
 from runtime.core.sampling import SamplingParams
 from runtime.core.state_pool import StateSlots
+from runtime.core.verify_lengths import FixedPattern
 from runtime.factory import create_engine
 from tests.runtime.engine_utils import random_prompts
 from tests.runtime.test_sampling_lossless import chi2_critical, chi2_stat
@@ -39,9 +40,9 @@ def checkpoint(tmp_path_factory):
     return get
 
 
-def run(path, k: int, prompts=PROMPTS, params=PARAMS, poison: bool = False, **rc):
+def run(path, k: int, prompts=PROMPTS, params=PARAMS, poison: bool = False, verify_lengths=None, **rc):
     opts = dict(num_draft_tokens=k, block_size=4, num_blocks=200, max_batch=4, max_num_tokens=64, max_seq_len=128)
-    engine = create_engine(checkpoint=path, executor="torch", **{**opts, **rc})
+    engine = create_engine(checkpoint=path, executor="torch", verify_lengths=verify_lengths, **{**opts, **rc})
     if poison:  # every state slot NaN: a slot is only ever read after this request wrote it
         engine.executor.state.conv.fill_(float("nan"))
         engine.executor.state.ssm.fill_(float("nan"))
@@ -91,6 +92,13 @@ def test_mtp_greedy_is_lossless(checkpoint, reference, model_type, k, chunk):
 def test_lossless_with_preemption_and_a_poisoned_state_pool(checkpoint, reference, model_type):
     got, engine = run(checkpoint(model_type), 3, num_blocks=20, max_seq_len=64, max_prefill_chunk=6, poison=True)
     assert got == reference(model_type) and engine.metrics.num_preemptions > 0
+
+
+def test_ragged_per_request_lengths_are_lossless(checkpoint, reference):
+    """Per-request k_i (forced ragged, runtime/core/verify_lengths.py): each request's state slot is chosen from
+    its own accepted count; chunked prefill, a poisoned state pool."""
+    got, _ = run(checkpoint("qwen3_next"), 3, max_prefill_chunk=6, poison=True, verify_lengths=FixedPattern((3, 0, 1, 2)))
+    assert got == reference("qwen3_next")
 
 
 def test_an_off_by_one_state_slot_breaks_the_output(checkpoint, reference, monkeypatch):

@@ -14,11 +14,11 @@ from tests.runtime.engine_utils import random_prompts
 from tests.runtime.test_mpi_lockstep import MPIRUN, ROOT, checkpoint, pytestmark  # noqa: F401 - shared fixture/marker
 
 
-def mpirun(np_: int, *args, timeout: int = 300) -> subprocess.CompletedProcess:
+def mpirun(np_: int, *args, timeout: int = 300, worker: str = "mpi_auto_worker.py") -> subprocess.CompletedProcess:
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS="1")  # fmt: skip
     cmd = [str(MPIRUN), "-np", str(np_), "--oversubscribe", sys.executable,
-           str(ROOT / "tests/runtime/mpi_auto_worker.py"), *map(str, args)]  # fmt: skip
+           str(ROOT / "tests/runtime" / worker), *map(str, args)]  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 

@@ -1,0 +1,59 @@
+"""The draft loop of one step (phase 7 of runtime/core/engine.py): k serial MTP depths from (h_{base-1}, base token).
+
+Depth d writes the MTP plane at base-1+d for the requests with k_i > d (a fixed K: every request, every depth;
+--num-draft-tokens per-request: the packed rows shrink per depth, runtime/core/verify_lengths.py). A depth with no
+request left here (a lockstep rank whose requests stopped earlier than another rank's) is one padded row, so
+every rank issues the same number of collective-bearing draft forwards (invariant 9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from runtime.core import grammar
+from runtime.core.mtp_plan import RequestUpdate, plan_draft
+from runtime.core.request import Request
+from runtime.core.sampling import draft_token
+from runtime.executors.base import DraftInput, DraftOutput
+
+
+def run(run_draft: Callable[[DraftInput], DraftOutput], idle_draft: Callable[[], None], reqs: list[Request],
+        updates: list[RequestUpdate], main_hidden: np.ndarray, tables: np.ndarray, k_i: list[int],
+        k: int) -> dict[int, str]:  # fmt: skip
+    """Appends each request's drafts (and draft probs) to its SpecState. Returns the requests (index into reqs)
+    that failed, with why: the caller aborts them after the loop (a failed row keeps its place in every depth,
+    so the batch shape and the lockstep call count never change). k may differ from the previous step's: the
+    next verify checks exactly the drafts made here."""
+    bases = [u.num_computed for u in updates]
+    failed: dict[int, str] = {}
+    for j, (r, b) in enumerate(zip(reqs, bases, strict=True)):
+        if r.num_tokens - 1 != b:  # invariant 3: the draft start is derived from base, never tracked
+            failed[j] = f"base position {b} is not the last token's ({r.num_tokens - 1})"
+    hidden = main_hidden[[u.draft_row for u in updates]]
+    tokens = [r.token_ids[-1] for r in reqs]
+    probs: list[list[np.ndarray]] = [[] for _ in reqs]
+    rows = list(range(len(reqs)))  # the requests whose rows `hidden` holds, in order
+    for depth in range(k):
+        if any(k_i[j] <= depth for j in rows):  # their drafts are done: drop their rows (a prefix of depths each)
+            hidden = hidden[[n for n, j in enumerate(rows) if k_i[j] > depth]]
+            rows = [j for j in rows if k_i[j] > depth]
+        if not rows:
+            idle_draft()
+            continue
+        out = run_draft(plan_draft(hidden, [tokens[j] for j in rows], [bases[j] for j in rows], depth, tables[rows]))
+        for n, j in enumerate(rows):
+            r = reqs[j]
+            try:
+                tokens[j] = draft_token(r.params, r.rng, grammar.mask_draft(r, out.logits[n : n + 1]), probs[j])
+                grammar.push_draft(r, tokens[j])
+            except Exception as e:  # noqa: BLE001 - one request's failure must not fail the batch
+                failed.setdefault(j, f"drafting failed: {type(e).__name__}: {e}")
+            r.spec.drafts.append(tokens[j])
+        hidden = out.hidden_out
+    for j, r in enumerate(reqs):
+        if j not in failed and probs[j]:
+            r.spec.draft_probs = np.stack(probs[j])
+        grammar.end_drafts(r)  # matcher back at the last emitted token; drafts it rejected are cut
+    return failed
