@@ -1,0 +1,162 @@
+// The chunked (WY) form of the gated delta rule for mtp::gdn_step (gdn_step.cpp): a run of one value head's rows
+// whose states need not be stored (write_slots -1, except maybe the run's last row) goes through the state once per
+// chunk of kGdnChunk rows instead of once per row; transformers' `torch_chunk_gated_delta_rule`, the same math.
+//
+// Per chunk of n rows (row i: q_i, k_i, v_i, log decay g_i, beta_i; G_i = g_0 + ... + g_i, all <= 0 differences
+// below, so every exp is <= 1):
+//   L[i][j] = -beta_i (k_i . k_j) exp(G_i - G_j) (j < i),  T = (I - L)^-1 (forward substitution, unit diagonal)
+//   U = T diag(beta) V,  W = T diag(beta exp(G)) K       (the chunk's rows with the intra-chunk updates applied)
+//   Vn = U - W S                                          (what each row adds, given the state entering the chunk)
+//   O_i = exp(G_i) q_i S + sum_{j <= i} (q_i . k_j) exp(G_i - G_j) Vn_j
+//   S <- exp(G_{n-1}) S + sum_j exp(G_{n-1} - G_j) k_j Vn_j^T
+// The products with S (and the n x n ones) are register-tiled matrix products (gemm_acc), compiled per ISA by
+// MTP_ISA_KERNEL like the other kernels; fp32 throughout. Equal to the row-by-row form up to fp32 rounding (its
+// order of sums differs), tested against both references in tests/plugins/test_gdn_chunk.py.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "common.h"
+
+namespace mtp {
+
+// Rows per chunk and the shortest run that takes the chunked form (shorter runs stay row by row): measured with
+// runtime/bench/gdn_prefill.py (docs/MODELS.md "Prefill").
+constexpr int64_t kGdnChunk = 64;
+constexpr int64_t kGdnMinChunkRun = 16;
+
+// One value head's chunk-form input: rows are `stride` floats apart (the packed conv output and the op's output).
+struct GdnChunkRows {
+  const float* q;       // [n, Dk] row stride `stride` (already l2-normalised and scaled)
+  const float* k;       // [n, Dk]
+  const float* v;       // [n, Dv]
+  const float* g;       // [n] log decays
+  const float* beta;    // [n]
+  float* out;           // [n, Dv] row stride out_stride, starts at zero
+  int64_t n, stride, out_stride, dk, dv;
+};
+
+// C[M x N] (row stride ldc) += A[M x K] (lda) @ B[K x N] (ldb): tiles of 4 rows x 16 columns kept in registers, the
+// K products added in order (each C value's sum order is fixed by its row and column alone).
+template <class V>
+MTP_INLINE void gemm_acc(int64_t m, int64_t n, int64_t kk, const float* a, int64_t lda, const float* b, int64_t ldb,
+                         float* c, int64_t ldc) {
+  constexpr int R = 4, NB = 16;
+  int64_t i = 0;
+  for (; i + R <= m; i += R) {
+    int64_t e = 0;
+    for (; e + NB <= n; e += NB) {
+      float acc[R][NB];
+      for (int r = 0; r < R; ++r)
+        for (int l = 0; l < NB; ++l) acc[r][l] = c[(i + r) * ldc + e + l];
+      for (int64_t p = 0; p < kk; ++p) {
+        const float* bp = b + p * ldb + e;
+        for (int r = 0; r < R; ++r) {
+          const float ar = a[(i + r) * lda + p];
+          for (int l = 0; l < NB; ++l) acc[r][l] += ar * bp[l];
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int l = 0; l < NB; ++l) c[(i + r) * ldc + e + l] = acc[r][l];
+    }
+    for (int r = 0; r < R; ++r)  // the column tail, same order of sums
+      for (int64_t f = e; f < n; ++f) {
+        float s = c[(i + r) * ldc + f];
+        for (int64_t p = 0; p < kk; ++p) s += a[(i + r) * lda + p] * b[p * ldb + f];
+        c[(i + r) * ldc + f] = s;
+      }
+  }
+  for (; i < m; ++i)  // the row tail
+    for (int64_t f = 0; f < n; ++f) {
+      float s = c[i * ldc + f];
+      for (int64_t p = 0; p < kk; ++p) s += a[i * lda + p] * b[p * ldb + f];
+      c[i * ldc + f] = s;
+    }
+}
+
+// One chunk (n <= kGdnChunk rows) of one value head: out rows written, S [Dk, Dv] advanced past the chunk.
+// `buf` holds at least gdn_chunk_scratch(dk, dv) floats.
+inline int64_t gdn_chunk_scratch(int64_t dk, int64_t dv) {
+  const int64_t c = kGdnChunk;
+  return 4 * c * c + 2 * c + c * dk + 2 * c * dv + dk * c;
+}
+
+template <class V>
+void gdn_chunk_body(const GdnChunkRows& x, float* s, float* buf) {
+  const int64_t n = x.n, dk = x.dk, dv = x.dv, c = kGdnChunk;
+  float* t = buf;             // [c, c] T, then T diag(beta)
+  float* tw = t + c * c;      // [c, c] T diag(beta exp(G))
+  float* qk = tw + c * c;     // [c, c] (q_i . k_j) exp(G_i - G_j), j <= i
+  float* l = qk + c * c;      // [c, c] L
+  float* gc = l + c * c;      // [c] G
+  float* eg = gc + c;         // [c] exp(G)
+  float* w = eg + c;          // [c, dk] W
+  float* vn = w + c * dk;     // [c, dv] U, then Vn
+  float* ws = vn + c * dv;    // [c, dv] W S
+  float* kt = ws + c * dv;    // [dk, c] exp(G_{n-1} - G_j) k_j, transposed
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    acc += x.g[i];
+    gc[i] = acc;
+    eg[i] = std::exp(acc);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float* qi = x.q + i * x.stride;
+    const float* ki = x.k + i * x.stride;
+    for (int64_t j = 0; j < i; ++j) {
+      const float* kj = x.k + j * x.stride;
+      const float decay = std::exp(gc[i] - gc[j]);
+      l[i * c + j] = -x.beta[i] * V::dot(ki, kj, dk) * decay;
+      qk[i * c + j] = V::dot(qi, kj, dk) * decay;
+    }
+    qk[i * c + i] = V::dot(qi, ki, dk);
+  }
+  // T = (I - L)^-1, row by row: T[i][j] = L[i][j] + sum_{j < m < i} L[i][m] T[m][j]
+  for (int64_t i = 0; i < n; ++i) {
+    float* ti = t + i * c;
+    for (int64_t j = 0; j < n; ++j) ti[j] = 0.0f;
+    ti[i] = 1.0f;
+    for (int64_t m = 0; m < i; ++m) {
+      const float lm = l[i * c + m];
+      const float* tm = t + m * c;
+      for (int64_t j = 0; j <= m; ++j) ti[j] += lm * tm[j];
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const float tij = j <= i ? t[i * c + j] : 0.0f;
+      tw[i * c + j] = tij * x.beta[j] * eg[j];
+      t[i * c + j] = tij * x.beta[j];
+      if (j > i) qk[i * c + j] = 0.0f;
+    }
+  // U = T diag(beta) V, W = T diag(beta exp(G)) K
+  std::fill(vn, vn + n * dv, 0.0f);
+  std::fill(w, w + n * dk, 0.0f);
+  gemm_acc<V>(n, dv, n, t, c, x.v, x.stride, vn, dv);
+  gemm_acc<V>(n, dk, n, tw, c, x.k, x.stride, w, dk);
+  // Vn = U - W S
+  std::fill(ws, ws + n * dv, 0.0f);
+  gemm_acc<V>(n, dv, dk, w, dk, s, dv, ws, dv);
+  for (int64_t i = 0; i < n * dv; ++i) vn[i] -= ws[i];
+  // O = diag(exp(G)) Q S + qk Vn
+  gemm_acc<V>(n, dv, dk, x.q, x.stride, s, dv, x.out, x.out_stride);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t e = 0; e < dv; ++e) x.out[i * x.out_stride + e] *= eg[i];
+  gemm_acc<V>(n, dv, n, qk, c, vn, dv, x.out, x.out_stride);
+  // S <- exp(G_{n-1}) S + Kd^T Vn
+  const float last = gc[n - 1];
+  for (int64_t j = 0; j < n; ++j) {
+    const float dj = std::exp(last - gc[j]);
+    const float* kj = x.k + j * x.stride;
+    for (int64_t i = 0; i < dk; ++i) kt[i * c + j] = kj[i] * dj;
+  }
+  const float el = eg[n - 1];
+  for (int64_t i = 0; i < dk * dv; ++i) s[i] *= el;
+  gemm_acc<V>(dk, dv, n, kt, c, vn, dv, s, dv);
+}
+
+MTP_ISA_KERNEL(gdn_chunk, gdn_chunk_body)
+
+}  // namespace mtp
