@@ -25,8 +25,8 @@ namespace mtp {
 
 // Rows per chunk and the shortest run that takes the chunked form (shorter runs stay row by row): measured with
 // runtime/bench/gdn_prefill.py (docs/MODELS.md "Prefill").
-constexpr int64_t kGdnChunk = 64;
-constexpr int64_t kGdnMinChunkRun = 16;
+constexpr int64_t kGdnChunk = 32;
+constexpr int64_t kGdnMinChunkRun = 8;
 
 // One value head's chunk-form input: rows are `stride` floats apart (the packed conv output and the op's output).
 struct GdnChunkRows {
