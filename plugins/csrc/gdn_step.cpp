@@ -8,6 +8,8 @@
 //
 // Each request's rows in order (the recurrence is sequential); per row the work is Hv x Dk x Dv multiply-adds
 // over a state that stays in L1 for these head sizes; requests and value heads on torch's threads (run_requests).
+// Prompt rows: a run of >= kGdnMinChunkRun rows storing no state (all but maybe its last) takes the chunked form
+// (gdn_chunk.h), which goes through S once per chunk of kGdnChunk rows; verify rows (each stores) stay row by row.
 // Plain C++ the compiler vectorises (-O3): the inner loops run over Dv, contiguous in the state. fp32 math, the pool's conv window in its own dtype.
 #include <torch/library.h>
 
