@@ -122,17 +122,20 @@ void gdn_chunk_body(const GdnChunkRows& x, float* s, float* buf) {
     gc[i] = acc;
     eg[i] = std::exp(acc);
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const float* qi = x.q + i * x.stride;
-    const float* ki = x.k + i * x.stride;
+  // k_i . k_j and q_i . k_j for every pair as two products against K^T (one short dot per pair was the chunk's
+  // hottest loop), then L and the decayed scores from them
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < dk; ++i) kt[i * c + j] = x.k[j * x.stride + i];
+  std::fill(l, l + n * c, 0.0f);
+  std::fill(qk, qk + n * c, 0.0f);
+  gemm_acc<V>(n, n, dk, x.k, x.stride, kt, c, l, c);
+  gemm_acc<V>(n, n, dk, x.q, x.stride, kt, c, qk, c);
+  for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < i; ++j) {
-      const float* kj = x.k + j * x.stride;
       const float decay = std::exp(gc[i] - gc[j]);
-      l[i * c + j] = -x.beta[i] * V::dot(ki, kj, dk) * decay;
-      qk[i * c + j] = V::dot(qi, kj, dk) * decay;
+      l[i * c + j] = -x.beta[i] * l[i * c + j] * decay;
+      qk[i * c + j] *= decay;
     }
-    qk[i * c + i] = V::dot(qi, ki, dk);
-  }
   // T = (I - L)^-1, row by row: T[i][j] = L[i][j] + sum_{j < m < i} L[i][m] T[m][j]
   for (int64_t i = 0; i < n; ++i) {
     float* ti = t + i * c;
