@@ -41,4 +41,11 @@ def cpu_isa(choose: str = "") -> str:
     return torch.ops.mtp.cpu_isa(choose)
 
 
+def gdn_chunk_min_run(set_to: int = -1) -> int:
+    """The shortest run of prompt rows (rows storing no state) that `mtp::gdn_step` runs in the chunked form
+    (plugins/csrc/gdn_chunk.h); set_to >= 1 sets it (1 << 30: row by row everywhere; tests and the prefill bench)."""
+    load()
+    return int(torch.ops.mtp.gdn_chunk_min_run(set_to))
+
+
 load()

@@ -11,7 +11,8 @@ Runtime op and the TensorRT plugin (its spec: plugins/op_spec.py). `gdn_step_ten
 one layer's pool tensors [S, C, K-1] / [S, Hv, Dk, Dv].
 
 The op's CPU kernel is C++ (plugins/csrc/gdn_step.cpp, loaded by plugins/cpp_ops.py, like every plugin op's):
-eager torch and the ONNX Runtime op call it. CUDA tensors go through `_op` to the Triton kernel
+eager torch and the ONNX Runtime op call it; runs of prompt rows take the chunked delta rule there
+(plugins/csrc/gdn_chunk.h, docs/MODELS.md "Prefill"). CUDA tensors go through `_op` to the Triton kernel
 (plugins/gdn_triton.py). `gdn_step_tensors` is the torch form on one layer's pool tensors: on CPU it vectorises over
 requests and heads (the conv of every row at once, an unfold over window ++ rows, then the recurrence one row index
 at a time for all requests together); the GDN rollback bench (runtime/bench/gdn_rollback.py) runs it.

@@ -8,15 +8,19 @@
 //
 // Each request's rows in order (the recurrence is sequential); per row the work is Hv x Dk x Dv multiply-adds
 // over a state that stays in L1 for these head sizes; requests and value heads on torch's threads (run_requests).
+// Prompt rows: a run of >= kGdnMinChunkRun rows storing no state (all but maybe its last) takes the chunked form
+// (gdn_chunk.h), which goes through S once per chunk of kGdnChunk rows; verify rows (each stores) stay row by row.
 // Plain C++ the compiler vectorises (-O3): the inner loops run over Dv, contiguous in the state. fp32 math, the pool's conv window in its own dtype.
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
 
+#include <atomic>
 #include <cmath>
 
 #include "common.h"
+#include "gdn_chunk.h"
 
 namespace mtp {
 namespace {
@@ -44,11 +48,12 @@ struct GdnRequest {
 
 // The causal conv of request q's rows, in order (the window slides row by row), with silu and the l2-normalised
 // q / k heads (q also scaled by Dk^-0.5): x[t] = the row's q | k | v. After row t the window goes to the conv pool
-// at write_slots[t]. Window in the calling thread's scratch slot 0.
-template <class P>
-void conv_rows(const Gdn& g, const GdnRequest& q, const Ints& writes, float* xs) {
+// at write_slots[t]. Window in the calling thread's scratch slot 0, the silu exps in slot 5.
+template <class V, class P>
+void conv_rows_body(const Gdn& g, const GdnRequest& q, const Ints& writes, float* xs) {
   const int64_t c = g.c, win = g.kk - 1, kd = g.hk * g.dk;
   float* window = scratch(0, c * win);
+  float* neg = scratch(5, c);
   if (q.fresh) {
     std::fill(window, window + c * win, 0.0f);
   } else {
@@ -65,10 +70,15 @@ void conv_rows(const Gdn& g, const GdnRequest& q, const Ints& writes, float* xs)
       float s = 0.0f;
       for (int64_t j = 0; j < win; ++j) s += wn[j] * wt[j];
       s += in[ch] * wt[win];
-      x[ch] = s / (1.0f + std::exp(-s));  // silu
+      x[ch] = s;
       for (int64_t j = 0; j + 1 < win; ++j) wn[j] = wn[j + 1];
       wn[win - 1] = in[ch];
     }
+    // silu(s) = s / (1 + exp(-s)), the exps of the whole row at once (V's vector exp: a third of the prompt
+    // rows' time went to a scalar expf per channel)
+    for (int64_t ch = 0; ch < c; ++ch) neg[ch] = -x[ch];
+    V::exp_sub(neg, 0.0f, c);
+    for (int64_t ch = 0; ch < c; ++ch) x[ch] = x[ch] / (1.0f + neg[ch]);
     for (int64_t h = 0; h < g.hk; ++h) {  // l2-normalise each q / k head (q also scaled by Dk^-0.5)
       float* qh = x + h * g.dk;
       float* kh = x + kd + h * g.dk;
@@ -91,21 +101,37 @@ void conv_rows(const Gdn& g, const GdnRequest& q, const Ints& writes, float* xs)
   }
 }
 
+// The shortest run of rows that takes the chunked form (gdn_chunk.h); settable through mtp::gdn_chunk_min_run (the
+// tests and runtime/bench/gdn_prefill.py compare both forms on one build). A huge value: row by row everywhere.
+std::atomic<int64_t> g_min_chunk_run{kGdnMinChunkRun};
+
+MTP_ISA_KERNEL(conv_rows, conv_rows_body)
+
 // Value head h of request q over its rows, in order: the gated delta rule on S_h [Dk, Dv] (the calling thread's
 // scratch slot 1), o = S^T q into out, S_h to the ssm pool at write_slots[t] after row t. Reads x from conv_rows.
+// A run of rows that store no state (write_slots -1, the run's last row may store) of at least g_min_chunk_run rows
+// goes through the chunked form (gdn_chunk.h: prompt rows touch S once per chunk); shorter runs and rows that each
+// store their state (verify rows) go row by row.
 void head_rows(const Gdn& g, const GdnRequest& q, int64_t h, const Ints& writes, const float* xs) {
   const int64_t kd = g.hk * g.dk, rep = g.hv / g.hk, head_size = g.dk * g.dv, state_size = g.hv * head_size;
   float* s = scratch(1, head_size);
   float* __restrict__ d = scratch(2, g.dv);
   if (q.fresh) std::fill(s, s + head_size, 0.0f);
   else std::memcpy(s, g.ssm + q.read_slot * state_size + h * head_size, sizeof(float) * head_size);
-  for (int64_t t = q.row0; t < q.row0 + q.n; ++t) {
+  const float a_scale = -std::exp(g.a_log[h]);
+  auto log_decay = [&](int64_t t) { return a_scale * softplus(g.a[t * g.hv + h] + g.dt_bias[h]); };
+  auto beta_of = [&](int64_t t) { return 1.0f / (1.0f + std::exp(-g.b[t * g.hv + h])); };
+  auto store = [&](int64_t t) {
+    const int64_t slot = writes[t];
+    if (slot >= 0) std::memcpy(g.ssm + slot * state_size + h * head_size, s, sizeof(float) * head_size);
+  };
+  auto row = [&](int64_t t) {
     const float* x = xs + t * g.c;
     const float* qh = x + (h / rep) * g.dk;
     const float* k = x + kd + (h / rep) * g.dk;
     const float* v = x + 2 * kd + h * g.dv;
-    const float decay = std::exp(-std::exp(g.a_log[h]) * softplus(g.a[t * g.hv + h] + g.dt_bias[h]));
-    const float beta = 1.0f / (1.0f + std::exp(-g.b[t * g.hv + h]));
+    const float decay = std::exp(log_decay(t));
+    const float beta = beta_of(t);
     // two passes over S (decay with S^T k, then the update with S^T q); each sum runs over Dk in order
     for (int64_t e = 0; e < g.dv; ++e) d[e] = 0.0f;
     for (int64_t i = 0; i < g.dk; ++i) {
@@ -126,8 +152,31 @@ void head_rows(const Gdn& g, const GdnRequest& q, int64_t h, const Ints& writes,
         o[e] += si[e] * qi;
       }
     }
-    const int64_t slot = writes[t];
-    if (slot >= 0) std::memcpy(g.ssm + slot * state_size + h * head_size, s, sizeof(float) * head_size);
+    store(t);
+  };
+  const int64_t end = q.row0 + q.n, min_run = std::max<int64_t>(g_min_chunk_run.load(), 1);
+  for (int64_t t = q.row0; t < end;) {
+    int64_t last = t;  // the run: rows t..last, none but the last storing its state
+    while (last + 1 < end && writes[last] < 0) ++last;
+    if (last - t + 1 < min_run) {
+      for (; t <= last; ++t) row(t);
+      continue;
+    }
+    float* buf = scratch(4, gdn_chunk_scratch(g.dk, g.dv));
+    float lg[kGdnChunk], beta[kGdnChunk];
+    for (; t <= last; t += kGdnChunk) {  // leaves t past the run
+      const int64_t n = std::min(kGdnChunk, last + 1 - t);
+      for (int64_t i = 0; i < n; ++i) {
+        lg[i] = log_decay(t + i);
+        beta[i] = beta_of(t + i);
+      }
+      const float* x = xs + t * g.c;
+      gdn_chunk(GdnChunkRows{x + (h / rep) * g.dk, x + kd + (h / rep) * g.dk, x + 2 * kd + h * g.dv, lg, beta,
+                             g.out + (t * g.hv + h) * g.dv, n, g.c, g.hv * g.dv, g.dk, g.dv},
+                s, buf);
+    }
+    store(last);
+    t = last + 1;
   }
 }
 
@@ -258,6 +307,15 @@ at::Tensor gdn_step_cpu(const at::Tensor& mixed, const at::Tensor& b, const at::
 }
 
 }  // namespace
+
+// "mtp::gdn_chunk_min_run": -1 reads the shortest run that takes the chunked form, n >= 1 sets it (registration.cpp).
+int64_t gdn_chunk_min_run(int64_t set) {
+  TORCH_CHECK_VALUE(set == -1 || set >= 1, "mtp::gdn_chunk_min_run: ", set,
+                    " is not a run length (>= 1, or -1 to read the current one)");
+  if (set >= 1) g_min_chunk_run.store(set);
+  return g_min_chunk_run.load();
+}
+
 }  // namespace mtp
 
 TORCH_LIBRARY_IMPL(mtp, CPU, m) { m.impl("gdn_step", &mtp::gdn_step_cpu); }

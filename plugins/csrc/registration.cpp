@@ -22,6 +22,8 @@ static std::string cpu_isa(c10::string_view set) {
   return isa_name(active_isa());
 }
 
+int64_t gdn_chunk_min_run(int64_t set);  // gdn_step.cpp
+
 }  // namespace mtp
 
 TORCH_LIBRARY_FRAGMENT(mtp, m) {
@@ -74,4 +76,6 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
   // k / group_size]; plugins/reference.py quantize_int4), unpacked in registers, fp32 math -> fp32 [..., N]
   m.def("linear_int4(Tensor x, Tensor weight, Tensor scale, int group_size, Tensor? bias) -> Tensor");
   m.def("cpu_isa(str set='') -> str", &mtp::cpu_isa);
+  // gdn_step's shortest run of prompt rows that takes the chunked form: -1 reads it, n >= 1 sets it (tests, bench)
+  m.def("gdn_chunk_min_run(int set=-1) -> int", &mtp::gdn_chunk_min_run);
 }

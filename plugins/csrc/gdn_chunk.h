@@ -1,0 +1,185 @@
+// The chunked (WY) form of the gated delta rule for mtp::gdn_step (gdn_step.cpp): a run of one value head's rows
+// whose states need not be stored (write_slots -1, except maybe the run's last row) goes through the state once per
+// chunk of kGdnChunk rows instead of once per row; transformers' `torch_chunk_gated_delta_rule`, the same math.
+//
+// Per chunk of n rows (row i: q_i, k_i, v_i, log decay g_i, beta_i; G_i = g_0 + ... + g_i, all <= 0 differences
+// below, so every exp is <= 1):
+//   L[i][j] = -beta_i (k_i . k_j) exp(G_i - G_j) (j < i),  T = (I - L)^-1 (forward substitution, unit diagonal)
+//   U = T diag(beta) V,  W = T diag(beta exp(G)) K       (the chunk's rows with the intra-chunk updates applied)
+//   Vn = U - W S                                          (what each row adds, given the state entering the chunk)
+//   O_i = exp(G_i) q_i S + sum_{j <= i} (q_i . k_j) exp(G_i - G_j) Vn_j
+//   S <- exp(G_{n-1}) S + sum_j exp(G_{n-1} - G_j) k_j Vn_j^T
+// The products with S (and the n x n ones) are register-tiled matrix products (gemm_acc), compiled per ISA by
+// MTP_ISA_KERNEL like the other kernels; fp32 throughout. Equal to the row-by-row form up to fp32 rounding (its
+// order of sums differs), tested against both references in tests/plugins/test_gdn_chunk.py.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "common.h"
+
+namespace mtp {
+
+// Rows per chunk and the shortest run that takes the chunked form (shorter runs stay row by row): measured with
+// runtime/bench/gdn_prefill.py (docs/MODELS.md "Prefill").
+constexpr int64_t kGdnChunk = 32;
+constexpr int64_t kGdnMinChunkRun = 8;
+
+// One value head's chunk-form input: rows are `stride` floats apart (the packed conv output and the op's output).
+struct GdnChunkRows {
+  const float* q;       // [n, Dk] row stride `stride` (already l2-normalised and scaled)
+  const float* k;       // [n, Dk]
+  const float* v;       // [n, Dv]
+  const float* g;       // [n] log decays
+  const float* beta;    // [n]
+  float* out;           // [n, Dv] row stride out_stride, starts at zero
+  int64_t n, stride, out_stride, dk, dv;
+};
+
+// 16 floats as one value (GCC's vector extension): one zmm register where gemm_acc is compiled for AVX-512, two ymm
+// for AVX2, four xmm for the baseline; the compiler keeps a tile of them in registers, which plain loops over a
+// float[4][16] did not get (measured: 3x slower).
+typedef float GdnF16 __attribute__((vector_size(64), aligned(4), may_alias));
+#define ld16(p) (*reinterpret_cast<const GdnF16*>(p))  // macros: a function returning it would warn (-Wpsabi)
+#define st16(p, x) (*reinterpret_cast<GdnF16*>(p) = (x))
+
+// C[M x N] (row stride ldc) += A[M x K] (lda) @ B[K x N] (ldb): tiles of 4 rows x 32 columns kept in registers, the
+// K products added in order (each C value's sum order is fixed by its row and column alone).
+template <class V>
+MTP_INLINE void gemm_acc(int64_t m, int64_t n, int64_t kk, const float* a, int64_t lda, const float* b, int64_t ldb,
+                         float* c, int64_t ldc) {
+  constexpr int R = 4, NB = 32;  // 8 accumulators, named so they stay in registers (arrays of them were spilled)
+  int64_t i = 0;
+  for (; i + R <= m; i += R) {
+    const float* a0 = a + i * lda;
+    const float* a1 = a0 + lda;
+    const float* a2 = a1 + lda;
+    const float* a3 = a2 + lda;
+    float* c0 = c + i * ldc;
+    float* c1 = c0 + ldc;
+    float* c2 = c1 + ldc;
+    float* c3 = c2 + ldc;
+    int64_t e = 0;
+    for (; e + NB <= n; e += NB) {
+      GdnF16 x0 = ld16(c0 + e), y0 = ld16(c0 + e + 16), x1 = ld16(c1 + e), y1 = ld16(c1 + e + 16);
+      GdnF16 x2 = ld16(c2 + e), y2 = ld16(c2 + e + 16), x3 = ld16(c3 + e), y3 = ld16(c3 + e + 16);
+      for (int64_t p = 0; p < kk; ++p) {
+        const GdnF16 bx = ld16(b + p * ldb + e), by = ld16(b + p * ldb + e + 16);
+        const float s0 = a0[p], s1 = a1[p], s2 = a2[p], s3 = a3[p];
+        x0 += s0 * bx;
+        y0 += s0 * by;
+        x1 += s1 * bx;
+        y1 += s1 * by;
+        x2 += s2 * bx;
+        y2 += s2 * by;
+        x3 += s3 * bx;
+        y3 += s3 * by;
+      }
+      st16(c0 + e, x0), st16(c0 + e + 16, y0), st16(c1 + e, x1), st16(c1 + e + 16, y1);
+      st16(c2 + e, x2), st16(c2 + e + 16, y2), st16(c3 + e, x3), st16(c3 + e + 16, y3);
+    }
+    for (int r = 0; r < R; ++r)  // the column tail, same order of sums
+      for (int64_t f = e; f < n; ++f) {
+        float s = c[(i + r) * ldc + f];
+        for (int64_t p = 0; p < kk; ++p) s += a[(i + r) * lda + p] * b[p * ldb + f];
+        c[(i + r) * ldc + f] = s;
+      }
+  }
+  for (; i < m; ++i)  // the row tail
+    for (int64_t f = 0; f < n; ++f) {
+      float s = c[i * ldc + f];
+      for (int64_t p = 0; p < kk; ++p) s += a[i * lda + p] * b[p * ldb + f];
+      c[i * ldc + f] = s;
+    }
+}
+
+// One chunk (n <= kGdnChunk rows) of one value head: out rows written, S [Dk, Dv] advanced past the chunk.
+// `buf` holds at least gdn_chunk_scratch(dk, dv) floats.
+inline int64_t gdn_chunk_scratch(int64_t dk, int64_t dv) {
+  const int64_t c = kGdnChunk;
+  return 4 * c * c + 2 * c + c * dk + 2 * c * dv + dk * c;
+}
+
+template <class V>
+void gdn_chunk_body(const GdnChunkRows& x, float* s, float* buf) {
+  const int64_t n = x.n, dk = x.dk, dv = x.dv, c = kGdnChunk;
+  float* t = buf;             // [c, c] T, then T diag(beta)
+  float* tw = t + c * c;      // [c, c] T diag(beta exp(G))
+  float* qk = tw + c * c;     // [c, c] (q_i . k_j) exp(G_i - G_j), j <= i
+  float* l = qk + c * c;      // [c, c] L
+  float* gc = l + c * c;      // [c] G
+  float* eg = gc + c;         // [c] exp(G)
+  float* w = eg + c;          // [c, dk] W
+  float* vn = w + c * dk;     // [c, dv] U, then Vn
+  float* ws = vn + c * dv;    // [c, dv] W S
+  float* kt = ws + c * dv;    // [dk, c] exp(G_{n-1} - G_j) k_j, transposed
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    acc += x.g[i];
+    gc[i] = acc;
+    eg[i] = std::exp(acc);
+  }
+  // k_i . k_j and q_i . k_j for every pair as two products against K^T (one short dot per pair was the chunk's
+  // hottest loop), then L and the decayed scores from them
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < dk; ++i) kt[i * c + j] = x.k[j * x.stride + i];
+  std::fill(l, l + n * c, 0.0f);
+  std::fill(qk, qk + n * c, 0.0f);
+  gemm_acc<V>(n, n, dk, x.k, x.stride, kt, c, l, c);
+  gemm_acc<V>(n, n, dk, x.q, x.stride, kt, c, qk, c);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < i; ++j) {
+      const float decay = std::exp(gc[i] - gc[j]);
+      l[i * c + j] = -x.beta[i] * l[i * c + j] * decay;
+      qk[i * c + j] *= decay;
+    }
+  // T = (I - L)^-1, row by row: T[i][j] = L[i][j] + sum_{j < m < i} L[i][m] T[m][j]
+  for (int64_t i = 0; i < n; ++i) {
+    float* ti = t + i * c;
+    for (int64_t j = 0; j < n; ++j) ti[j] = 0.0f;
+    ti[i] = 1.0f;
+    for (int64_t m = 0; m < i; ++m) {
+      const float lm = l[i * c + m];
+      const float* tm = t + m * c;
+      for (int64_t j = 0; j <= m; ++j) ti[j] += lm * tm[j];
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const float tij = j <= i ? t[i * c + j] : 0.0f;
+      tw[i * c + j] = tij * x.beta[j] * eg[j];
+      t[i * c + j] = tij * x.beta[j];
+      if (j > i) qk[i * c + j] = 0.0f;
+    }
+  // U = T diag(beta) V, W = T diag(beta exp(G)) K
+  std::fill(vn, vn + n * dv, 0.0f);
+  std::fill(w, w + n * dk, 0.0f);
+  gemm_acc<V>(n, dv, n, t, c, x.v, x.stride, vn, dv);
+  gemm_acc<V>(n, dk, n, tw, c, x.k, x.stride, w, dk);
+  // Vn = U - W S
+  std::fill(ws, ws + n * dv, 0.0f);
+  gemm_acc<V>(n, dv, dk, w, dk, s, dv, ws, dv);
+  for (int64_t i = 0; i < n * dv; ++i) vn[i] -= ws[i];
+  // O = diag(exp(G)) Q S + qk Vn
+  gemm_acc<V>(n, dv, dk, x.q, x.stride, s, dv, x.out, x.out_stride);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t e = 0; e < dv; ++e) x.out[i * x.out_stride + e] *= eg[i];
+  gemm_acc<V>(n, dv, n, qk, c, vn, dv, x.out, x.out_stride);
+  // S <- exp(G_{n-1}) S + Kd^T Vn
+  const float last = gc[n - 1];
+  for (int64_t j = 0; j < n; ++j) {
+    const float dj = std::exp(last - gc[j]);
+    const float* kj = x.k + j * x.stride;
+    for (int64_t i = 0; i < dk; ++i) kt[i * c + j] = kj[i] * dj;
+  }
+  const float el = eg[n - 1];
+  for (int64_t i = 0; i < dk * dv; ++i) s[i] *= el;
+  gemm_acc<V>(dk, dv, n, kt, c, vn, dv, s, dv);
+}
+
+MTP_ISA_KERNEL(gdn_chunk, gdn_chunk_body)
+
+}  // namespace mtp
