@@ -12,7 +12,6 @@ weights quantized and dequantized (`as_built`): what its packages compute, up to
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ import plugins.ops  # noqa: F401
 from builder.graphs import wrapper
 from builder.options import BuildError
 from models.engine_format import EngineConfig, EngineDirError
-from models.engine_format.compiled import AOTI_KIND, compiled_info, compiled_problem, load_package
+from models.engine_format.compiled import AOTI_KIND, baked_state, compiled_info, compiled_problem, load_package
 from models.gdn import GDNStatePool
 from plugins.kv_pool import allocate_pool, pool_address
 from plugins.reference import dequantize_int4_ref, dequantize_int8_ref, quantize_int4, quantize_int8
@@ -111,8 +110,7 @@ def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
     model = as_built(cfg, model).eval().fuse()
     geom = cfg.kv.geometry()
     ours, theirs = allocate_pool(geom), allocate_pool(geom)
-    state = None if cfg.state is None else dataclasses.replace(  # a hybrid's state pool, as its packages bake it
-        cfg.state.geometry(), num_slots=int((compiled_info(cfg) or {}).get("state_slots", cfg.state.num_slots)))
+    state = baked_state(cfg)  # a hybrid's state pool, as its packages bake it
     our_state, their_state = (None, None) if state is None else (GDNStatePool.of(state), GDNStatePool.of(state))
     worst, bad = 0.0, None
     with torch.inference_mode():

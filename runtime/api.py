@@ -196,7 +196,8 @@ def build_engine(
     quantize: str = "none",
     quantize_mtp: str = "same",
     quantize_lm_head: bool = False,
-    int4_group_size: int = 64,  # builder/options.py INT4_GROUP_DEFAULT (tests/test_public_api.py pins them equal)
+    int4_group_size: int = 64,  # builder/options.py INT4_GROUP_DEFAULT (not imported: `import runtime` stays cheap;
+    # tests/test_public_api.py pins the two equal)
     verbose: bool = True,
 ) -> Path:
     """`mtp-build --checkpoint CHECKPOINT --output OUTPUT` from Python, with mtp-build's defaults: each keyword is the

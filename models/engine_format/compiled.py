@@ -11,15 +11,19 @@ the one place a package is loaded (the compiled executor, `mtp-build --check`): 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models.engine_format.config import EngineConfig
 from models.engine_format.paths import EngineDirError
+
+if TYPE_CHECKING:
+    from plugins.gdn_pool import GDNPoolGeometry
 
 AOTI_KIND = "aoti"  # graph kind in config.json's `graphs`, and the package name suffix (main.aoti.pt2)
 # `build.compiled.fp8` of an engine whose packages store FP8 release weights as released (absent otherwise): this
@@ -50,6 +54,16 @@ def compiled_info(cfg: EngineConfig) -> dict[str, Any] | None:
     if not all(AOTI_KIND in kinds for per_graph in cfg.graphs for kinds in per_graph.values()):
         return None
     return info
+
+
+def baked_state(cfg: EngineConfig) -> GDNPoolGeometry | None:
+    """A hybrid engine's GDN state pool as its compiled packages bake it: config.json `state` with
+    `build.compiled.state_slots` slots (the request slots plus the default prefix-cache snapshots; the slot count
+    sets every layer's address, so the compiled executor and `--check` allocate exactly this). None: not hybrid."""
+    if cfg.state is None:
+        return None
+    slots = int((compiled_info(cfg) or {}).get("state_slots", cfg.state.num_slots))
+    return dataclasses.replace(cfg.state.geometry(), num_slots=slots)
 
 
 def compiled_problem(cfg: EngineConfig) -> str | None:

@@ -22,7 +22,6 @@ unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import plugins.collectives  # noqa: F401  (registers the ops the packages call b
 import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from models.engine_format import EngineConfig, EngineDirError, load_engine_config
-from models.engine_format.compiled import AOTI_KIND, compiled_info, compiled_problem, load_package
+from models.engine_format.compiled import AOTI_KIND, baked_state, compiled_problem, load_package
 from models.engine_format.graph_io import GraphSpec, graph_spec
 from models.gdn import GDNStatePool
 from plugins.kv_pool import allocate_pool, pool_address
@@ -84,9 +83,8 @@ class CompiledExecutor:
         self.pool = allocate_pool(self.geom)  # owned here: the packages only see its address
         ptr = pool_address(self.pool)
         self.state: GDNStatePool | None = None  # a hybrid model's recurrent state (runtime/core/state_pool.py)
-        if cfg.state is not None:
-            slots = int((compiled_info(cfg) or {}).get("state_slots", cfg.state.num_slots))
-            self.state = GDNStatePool.of(dataclasses.replace(cfg.state.geometry(), num_slots=slots))
+        if (state := baked_state(cfg)) is not None:
+            self.state = GDNStatePool.of(state)
         self.hidden_size, self.vocab_size = cfg.model.hidden_size, cfg.model.vocab_size
         self.contexts = {name: self._context(name, rank, ptr) for name in cfg.graphs[rank]}
 
