@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -144,6 +145,35 @@ def shaped_link(hosts: Hosts, qdisc: list[str]) -> Iterator[None]:
     finally:
         for host in hosts.names:
             subprocess.run(["tc", "-n", host, "qdisc", "del", "dev", "eth0", "root"], capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def delayed_link(hosts: Hosts, delay_s: float) -> Iterator[str]:
+    """The hosts' link made slow: netem's `delay` on each host's eth0 where the kernel has sch_netem, else both
+    root-side veths taken off the bridge and joined by a userspace delay line (tests/delay_line.py) that sends
+    every frame on DELAY_S later. Either way each direction is DELAY_S (round trip 2 x DELAY_S). Yields which was
+    used; on leaving, the delay line is stopped and the veths are back on the bridge."""
+    if qdisc_unavailable("netem") is None:
+        with shaped_link(hosts, ["netem", "delay", f"{round(delay_s * 1000)}ms"]):
+            yield "netem"
+        return
+    for veth in hosts.veths:
+        _ip("link", "set", veth, "nomaster")
+    line = subprocess.Popen([sys.executable, "-m", "tests.delay_line", *hosts.veths, str(delay_s)],
+                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        if line.stdout is None or line.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the delay line did not start (status {line.wait(timeout=30)})")
+        yield "delay line"
+    finally:
+        line.terminate()
+        try:
+            line.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            line.kill()
+            line.wait()
+        for veth in hosts.veths:
+            _ip("link", "set", veth, "master", hosts.bridge, check=False)
 
 
 def leftovers(hosts: Hosts) -> list[str]:

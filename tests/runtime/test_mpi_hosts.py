@@ -21,11 +21,10 @@ import pytest
 from tests.mpi_launch import mpirun_path
 from tests.multihost import (
     KEEPALIVE_ARGS,
+    delayed_link,
     leftovers,
     link_down,
     namespace_hosts,
-    qdisc_unavailable,
-    shaped_link,
     unavailable,
 )
 
@@ -385,28 +384,58 @@ def test_link_cut_with_daemon_keepalive_ends_the_job_with_nothing_left(hosts, ti
     assert len(lines) == 1 and "step 3" in lines[0], err
 
 
-SLOW_LINKS = {"netem-delay-50ms": ["netem", "delay", "50ms"]}  # each host's sends: 100 ms round trip
+SLOW_LINK_DELAY_S = 0.05  # each direction: 100 ms round trip
 
 
-@pytest.mark.parametrize("link", list(SLOW_LINKS))
-def test_slow_link_gives_the_same_tokens(hosts, tiny_ep2_engine, link):
-    """A slow link between the hosts (tc qdisc on each host's eth0, for the whole run) is slowness, not a fault:
-    the EP2 engine at K=2 finishes with exactly the single process's ids and acceptance, the watchdog at its
-    default (60 s) untouched. Needs the kernel's sch_netem, else skipped with the reason."""
-    qdisc = SLOW_LINKS[link]
-    reason = qdisc_unavailable(qdisc[0])
-    if reason:
-        pytest.skip(reason)
-    flags = [*PROMPTS, "--max-tokens", "16", "--json", "--num-draft-tokens", "2", "--prefill-chunk", "2"]
-    with shaped_link(hosts, qdisc):
+def test_slow_link_gives_the_same_tokens(hosts, tiny_ep2_engine):
+    """A slow link between the hosts (50 ms each way for the whole run: netem where the kernel has sch_netem, else
+    the userspace delay line of tests/delay_line.py) is slowness, not a fault: the EP2 engine at K=2 finishes with
+    exactly the single process's ids and acceptance, the watchdog at its default (60 s) untouched."""
+    flags = [*PROMPTS, "--max-tokens", "12", "--json", "--num-draft-tokens", "2", "--prefill-chunk", "2"]
+    with delayed_link(hosts, SLOW_LINK_DELAY_S) as how:
         status, out, err, secs = launch(hosts, [*MTP_RUN, "--engine", str(tiny_ep2_engine), *flags], timeout=400)
+        round_trip = _round_trip_s(hosts)
+    assert round_trip >= 2 * SLOW_LINK_DELAY_S, f"{how}: the link was not slow ({round_trip * 1000:.1f} ms)"
     assert status == 0, err[-3000:]
     assert not our_lines(err), err
     across, alone = records(out), _single_process_records(flags)
     assert len(across) == 4, out
     for a, b in zip(across[:3], alone[:3], strict=True):
         assert a["output_ids"] == b["output_ids"] and a["accepted_per_step"] == b["accepted_per_step"]
-    print(f"{link}: {secs:.1f} s")  # the run's wall time, for the record (pytest -s)
+    print(f"{how}: {secs:.1f} s, round trip {round_trip * 1000:.1f} ms")  # for the record (pytest -s)
+
+
+ECHO = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 9998)); s.listen()
+print("listening", flush=True)
+c, _ = s.accept()
+while (d := c.recv(16)):
+    c.sendall(d)
+"""
+PING = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], 9998), timeout=30); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+times = []
+for _ in range(3):
+    t = time.monotonic(); s.sendall(b"a"); s.recv(16); times.append(time.monotonic() - t)
+print(min(times))
+"""
+
+
+def _round_trip_s(hosts) -> float:
+    """The smallest of three TCP round trips from host A to host B (no ping binary needed)."""
+    echo = subprocess.Popen([*hosts.enter(hosts.names[1]), sys.executable, "-c", ECHO], stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert echo.stdout is not None and echo.stdout.readline().strip() == "listening"
+        ping = subprocess.run([*hosts.enter(hosts.names[0]), sys.executable, "-c", PING, hosts.addresses[1]],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert ping.returncode == 0, ping.stderr
+        return float(ping.stdout)
+    finally:
+        echo.kill()
+        echo.wait()
 
 
 @pytest.fixture
