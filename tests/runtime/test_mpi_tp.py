@@ -324,3 +324,30 @@ def test_mtp_serve_refuses_what_it_cannot_serve_under_mpirun(tmp_path, frontend)
     lines = our_lines(proc.stderr, "mtp-serve")
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert ("2 data-parallel groups" if frontend == "openai" else "--frontend triton cannot run under mpirun") in lines[0]
+
+
+def test_a_host_without_the_engines_isa_ends_start_up_with_one_line(tp2_engine, tmp_path):
+    """Issue 31, start-up agreement across hosts, the CPU half: the TP2 engine's compiled packages are native code
+    for this CPU's vector ISA; host B's rank runs with ATEN_CPU_CAPABILITY=default (what torch sees on a CPU without
+    it). Launched per host across two namespace hosts (`mpirun A : B`): the job ends before any step with one line
+    naming both hosts and both ISAs, nothing left running in either host."""
+    from runtime.multirank.host_facts import host_facts
+    from tests.multihost import leftovers, namespace_hosts, unavailable
+    from tests.runtime.test_mpi_hosts import launch as launch_across
+
+    if unavailable():
+        pytest.skip(unavailable() or "")
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+        pytest.skip("this process already runs with ATEN_CPU_CAPABILITY=default: nothing to lower")
+    run = [str(MTP_RUN), "--engine", str(tp2_engine), *RUN_ARGS[:2], "--max-tokens", "4", "--collective-timeout", "60"]
+    with namespace_hosts(tmp_path / "hosts") as hosts:
+        status, out, err, _ = launch_across(hosts, run, 300, argv_b=["env", "ATEN_CPU_CAPABILITY=default", *run])
+        left = {host: hosts.pids(host) for host in hosts.names}
+    assert leftovers(hosts) == [] and left == {host: [] for host in hosts.names}, left
+    assert status != 0 and not _json_lines(out), out + err
+    mine = host_facts(True)["host.cpu_isa"]
+    lines = [line for line in err.splitlines() if line.startswith("mtp-run")]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"mtp-run: error: ranks disagree on host.cpu_isa: rank 0 ({hosts.names[0]}) has {mine!r}, rank 1 "
+        f"({hosts.names[1]}) has "), err  # fmt: skip
+    assert "Traceback" not in err
