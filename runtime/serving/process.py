@@ -56,6 +56,22 @@ class ServeError(RuntimeError):
     """The repository cannot be generated or the server did not come up; the message says why."""
 
 
+class ModelLoadError(ServeError):
+    """The model's initialize() raised inside the stub (a damaged engine, no room to unpack it, ...): a start-up
+    error of ours, reported as its own one line like the other frontend's, not as tritonserver's log."""
+
+
+# tritonserver's line when initialize() raised: `failed to load 'mtp' version 1: Internal: EngineDirError: MESSAGE\n\nAt:
+# ...` (the traceback follows, newlines escaped). MESSAGE is our one-line error.
+_LOAD_ERROR = re.compile(r"failed to load '[^']+' version \d+: \w+: (?:\w+: )?(.+?)(?:\\n|\"$|$)", re.MULTILINE)
+
+
+def model_load_error(log: str) -> str | None:
+    """The model's own error message when its initialize() raised (from tritonserver's log), else None."""
+    found = _LOAD_ERROR.search(log)
+    return found.group(1).replace('\\"', '"').strip() if found else None
+
+
 # ---------------------------------------------------------------------- the tritonserver binary
 def _site_packages() -> Path:
     import pytriton
@@ -270,6 +286,8 @@ class TritonServer:
                 raise ServeError(f"tritonserver exited with code {self.proc.returncode} before it was ready; "
                                  f"log {self.log_path}:\n{self.log_tail()}")  # fmt: skip
             log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+            if message := model_load_error(log):
+                raise ModelLoadError(message)
             bad = [s for s in FAILURE_STRINGS if s in log]
             if bad:
                 raise ServeError(f"tritonserver log shows {bad[0]!r}; log {self.log_path}:\n{self.log_tail()}")

@@ -29,7 +29,7 @@ from runtime.factory import EXECUTORS
 from runtime.multirank.parallel import launched_by_mpi, mpi_world
 from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S
 from runtime.serving.openai.cli_args import add_openai_args
-from runtime.serving.process import MODEL_NAME, ServeError, TritonServer, free_ports, port_is_free
+from runtime.serving.process import MODEL_NAME, ModelLoadError, ServeError, TritonServer, free_ports, port_is_free
 from runtime.serving.signals import DRAIN_SIGNALS
 
 __all__ = ["MODEL_NAME", "ServeError", "TritonServer", "free_ports", "main", "port_is_free", "write_model_repo"]
@@ -182,7 +182,7 @@ def serve(server: TritonServer, ready_timeout: float, drain_timeout: float) -> i
             raise _StopDuringStartup
 
     old = {s: signal.signal(s, on_signal) for s in DRAIN_SIGNALS}
-    code, drain = 1, 0.0
+    code, drain, start_up_error = 1, 0.0, False
     try:
         problem = _run(server, ready_timeout, stop_requested, ready)
         if problem:
@@ -194,6 +194,9 @@ def serve(server: TritonServer, ready_timeout: float, drain_timeout: float) -> i
                   flush=True)  # fmt: skip
     except _StopDuringStartup:
         print("mtp-serve: stopped during start-up", file=sys.stderr)
+    except ModelLoadError as e:  # our own start-up line (the model said why), as --frontend openai prints it
+        print(f"mtp-serve: error: {e}", file=sys.stderr)
+        start_up_error = True
     except ServeError as e:
         print(f"mtp-serve: error: {e}", file=sys.stderr)
     finally:
@@ -201,6 +204,8 @@ def serve(server: TritonServer, ready_timeout: float, drain_timeout: float) -> i
         rc = server.stop(drain_timeout_s=drain)
         for s, h in old.items():
             signal.signal(s, h)
+    if start_up_error:
+        return 2
     if server.held_after_drain:  # see TritonServer._wait_exit: nothing was lost, so this is a clean stop
         print(f"mtp-serve: stopped (every request had ended; tritonserver {server.exit_timeout_s} s after SIGTERM "
               f"still waited for its model, held by clients' open gRPC streams, so it was killed)", flush=True)

@@ -181,8 +181,9 @@ def test_check_refuses_a_resealed_wrong_package(compiled, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "main.aoti.pt2" in err
 
 
-def _start_up_lines(capsys, argv_tail: list[str]) -> dict[str, tuple[int, list[str]]]:
-    """(exit code, stderr lines) of mtp-run and `mtp-serve --frontend openai` started on an engine (in process)."""
+def _start_up_lines(capsys, argv_tail: list[str], triton_repo: Path | None = None) -> dict[str, tuple[int, list[str]]]:
+    """(exit code, stderr lines) of mtp-run and `mtp-serve --frontend openai` started on an engine (in process), and
+    with triton_repo also of `mtp-serve --frontend triton` (a real tritonserver, whose stub loads the engine)."""
     from runtime import cli as run_cli
     from runtime.serving.process import free_ports
     from runtime.serving.triton_server import main as serve_main
@@ -193,18 +194,27 @@ def _start_up_lines(capsys, argv_tail: list[str]) -> dict[str, tuple[int, list[s
     out["mtp-run"] = rc, capsys.readouterr().err.strip().splitlines()
     rc = serve_main(["--frontend", "openai", *argv_tail, "--port", str(free_ports(1)[0])])
     out["mtp-serve"] = rc, capsys.readouterr().err.strip().splitlines()
+    if triton_repo is not None:
+        ports = [str(p) for p in free_ports(3)]
+        rc = serve_main(["--frontend", "triton", *argv_tail, "--model-repo", str(triton_repo), "--http-port", ports[0],
+                         "--grpc-port", ports[1], "--metrics-port", ports[2], "--ready-timeout", "240"])  # fmt: skip
+        out["mtp-serve --frontend triton"] = rc, capsys.readouterr().err.strip().splitlines()
     return out
 
 
 def test_a_damaged_package_is_one_line_at_start_up(compiled, tmp_path, capsys):
     """A truncated .pt2 sealed in the manifest: mtp-run said "RuntimeError: Failed to initialize zip archive ... rerun
-    with --debug" (exit 1) after torch's "Loading outdated pt2 file" warning, mtp-serve a 35-line traceback."""
+    with --debug" (exit 1) after torch's "Loading outdated pt2 file" warning, mtp-serve a 35-line traceback, and
+    `--frontend triton` (the engine loads in tritonserver's stub) "tritonserver log shows 'failed to load'" and 50
+    lines of its log, exit 1. Now each prints the engine's own line and exits 2."""
     copy = tmp_path / "copy"
     shutil.copytree(compiled, copy)
     pkg = copy / "rank0" / "main.aoti.pt2"
     pkg.write_bytes(pkg.read_bytes()[: pkg.stat().st_size // 2])
     write_engine_config(load_engine_config(copy, verify_checksums=False))
-    for prog, (rc, lines) in _start_up_lines(capsys, ["--engine", str(copy), "--executor", "compiled"]).items():
+    argv = ["--engine", str(copy), "--executor", "compiled"]
+    for prog, (rc, lines) in _start_up_lines(capsys, argv, triton_repo=tmp_path / "repo").items():
+        prog = prog.split()[0]  # the triton frontend's line is mtp-serve's too
         assert rc == 2 and len(lines) == 1, (prog, lines)
         assert lines[0].startswith(f"{prog}: error: engine file rank0/main.aoti.pt2 in {copy} is damaged (")
         assert f"rebuild it with `mtp-build --checkpoint CKPT --output {copy} --force`" in lines[0]
@@ -214,7 +224,9 @@ def test_a_flipped_byte_in_a_package_is_refused_before_serving(compiled, tmp_pat
     """Issue 31 item 9: a package with one byte flipped (its manifest not resealed) is refused by mtp-run and
     mtp-serve at start-up against the manifest's checksums, in one line, not served."""
     copy = _copy_with_a_flipped_byte(compiled, tmp_path)
-    for prog, (rc, lines) in _start_up_lines(capsys, ["--engine", str(copy), "--executor", "compiled"]).items():
+    argv = ["--engine", str(copy), "--executor", "compiled"]
+    for prog, (rc, lines) in _start_up_lines(capsys, argv, triton_repo=tmp_path / "repo").items():
+        prog = prog.split()[0]
         assert rc != 0 and len(lines) == 1, (prog, lines)
         assert lines[0].startswith(f"{prog}: error: ") and "main.aoti.pt2" in lines[0] and "corrupted" in lines[0]
 
