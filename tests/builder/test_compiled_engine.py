@@ -251,7 +251,8 @@ def _full_disk(limit_bytes: int):
 def test_no_room_to_unpack_the_packages_is_one_line_and_leaves_nothing(compiled, tmp_path, capsys, monkeypatch):
     """The packages are unpacked into $TMPDIR to load. With no room there (each .so is ~1.7 MB; writes past 512 KiB
     fail) mtp-serve printed a 30-line traceback and two empty aotinductor_* folders stayed behind per start; with
-    TMPDIR naming a file, the same. Now one line naming the directory and the fix, exit 2, and no folder left."""
+    TMPDIR naming a file, the same (also through `--frontend triton`, whose stub unpacks them). Now one line naming
+    the directory and the fix, exit 2, and no folder left."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
@@ -259,7 +260,9 @@ def test_no_room_to_unpack_the_packages_is_one_line_and_leaves_nothing(compiled,
         started = _start_up_lines(capsys, ["--engine", str(compiled), "--executor", "compiled"])
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("TMPDIR", str(tmp_path / "a-file"))
-    started["TMPDIR=file"] = _start_up_lines(capsys, ["--engine", str(compiled), "--executor", "compiled"])["mtp-run"]
+    with_file = _start_up_lines(capsys, ["--engine", str(compiled), "--executor", "compiled"], tmp_path / "repo")
+    started["TMPDIR=file"] = with_file["mtp-run"]
+    started["TMPDIR=file, triton"] = with_file["mtp-serve --frontend triton"]
     for prog, (rc, lines) in started.items():
         assert rc == 2 and len(lines) == 1, (prog, lines)
         assert "could not be unpacked into the temporary directory" in lines[0] and "point TMPDIR at" in lines[0]
