@@ -161,9 +161,6 @@ class BuildOptions:
         if self.quantize != "none" and self.compile == "none":
             raise BuildError(f"--quantize {self.quantize} with --compile none is not supported yet: only the compiled "
                              "(aoti) engine reads int8 weights; drop --compile none")  # fmt: skip
-        if self.quantize != "none" and self.world_size > 1:
-            raise BuildError(f"--quantize {self.quantize} with --world-size {self.world_size} is not supported yet: "
-                             "quantized weights are single-rank only for now; build with --world-size 1 or drop --quantize")  # fmt: skip
         if self.backend == "onnxruntime" and self.dtype != "float32":
             raise BuildError(
                 f"--backend onnxruntime supports --dtype float32 only (its plugin ops are onnxruntime-extensions "

@@ -217,7 +217,6 @@ def test_check_probes_against_the_quantized_float_model(int8_engine, capsys):
 
 @pytest.mark.parametrize("extra,match", [
     (["--compile", "none"], "--quantize int8 with --compile none is not supported yet"),
-    (["--world-size", "2", "--ep-size", "2"], "--quantize int8 with --world-size 2 is not supported yet"),
 ])  # fmt: skip
 def test_unsupported_combinations_are_refused_in_one_line(checkpoint, tmp_path, capsys, extra, match):
     assert cli.main(_argv(checkpoint, tmp_path / "engine", "--quantize", "int8", *extra)) == 2
