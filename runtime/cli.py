@@ -28,7 +28,7 @@ from runtime.core.admission import RequestError, validate_params
 from runtime.core.config import ConfigError
 from runtime.core.sampling import SamplingParams
 from runtime.core.self_check import start_up_check
-from runtime.factory import EXECUTORS, create_engine
+from runtime.factory import EXECUTORS, create_engine, torch_threads, use_threads
 from runtime.multirank.parallel import EveryRankError, describe, exit_failed_rank, mpi_world
 from runtime.multirank.strategies import lead_or_follow
 from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S, check_timeout
@@ -66,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
                    help="K draft depths; 0 disables MTP; auto picks 0..K per step; per-request: 0..K per request")
     r.add_argument("--no-commit-pass", action="store_true", help="ablation: skip the MTP decode refresh")
     r.add_argument("--max-batch", type=int, default=None)
+    r.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (torch, our kernels, ONNX Runtime); default: OMP_NUM_THREADS, else the cores this "
+                   "process may use")  # fmt: skip
     r.add_argument("--max-num-tokens", type=int, default=None)
     r.add_argument("--num-blocks", type=int, default=None)
     r.add_argument("--prefill-chunk", type=int, default=None, help="longest prefill chunk per step")
@@ -127,8 +130,9 @@ def run(args, rank: int = 0, world: int = 1) -> int:
         missing = tensorrt_runtime_missing()
         if missing:
             raise ConfigError(f"--executor tensorrt cannot run here: {missing}; use --executor onnxruntime on CPU")
+    threads = use_threads(args.threads)
     engine = create_engine(
-        args.engine, args.checkpoint, executor, rank=rank, world_size=world,
+        args.engine, args.checkpoint, executor, rank=rank, world_size=world, threads=threads,
         num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch, max_num_tokens=args.max_num_tokens,
         num_blocks=args.num_blocks, max_prefill_chunk=args.prefill_chunk,
         enable_prefix_caching=False if args.no_prefix_caching else None, num_state_snapshots=args.num_state_snapshots,
@@ -169,7 +173,8 @@ def _lead(engine, args, params: SamplingParams, prompts: list[str], world: int) 
     wall = time.perf_counter() - t0
     ranks.stop()  # the followers leave follow() and exit 0
     records = [_record(prompts[i], finals.get(i), errors.get(i)) for i in mine]
-    summary = {"executor": engine.executor_name, **engine.metrics.summary(wall, len(mine))}
+    summary = {"executor": engine.executor_name, "threads": torch_threads(),
+               **engine.metrics.summary(wall, len(mine))}  # fmt: skip
     if dp_size > 1:  # one record set per DP group, from its leader
         gathered = ranks.gather_to_first((mine, records, summary, engine.metrics, wall))
         if gathered is None:
@@ -179,7 +184,8 @@ def _lead(engine, args, params: SamplingParams, prompts: list[str], world: int) 
         merged = gathered[0][3]
         for g in gathered[1:]:
             merged.merge(g[3])
-        summary = {"executor": engine.executor_name, **merged.summary(max(g[4] for g in gathered), len(records)),
+        summary = {"executor": engine.executor_name, "threads": torch_threads(),
+                   **merged.summary(max(g[4] for g in gathered), len(records)),
                    "per_rank": [g[2] for g in gathered]}  # fmt: skip
     if stream_live:
         print()
@@ -219,7 +225,7 @@ def _print(records: list[dict], summary: dict, as_json: bool) -> None:
     table = Table(title="mtp-run")
     table.add_column("metric")
     table.add_column("value")
-    for key in ("executor", "num_requests", "num_generated_tokens", "tokens_per_second", "mean_acceptance_length",
+    for key in ("executor", "threads", "num_requests", "num_generated_tokens", "tokens_per_second", "mean_acceptance_length",
                 "acceptance_rate_per_position", "conditional_acceptance_per_position", "step_time_ms",
                 "host_fraction", "prefix_cache_hit_tokens", "kv_blocks_used_peak", "kv_blocks_free"):  # fmt: skip
         table.add_row(key, str(summary.get(key)))

@@ -6,6 +6,7 @@ and the benchmarks all call `create_engine`.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +25,36 @@ from runtime.multirank.strategies import rank_strategy
 from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S
 
 EXECUTORS = ("auto", "compiled", "onnxruntime", "torch", "tensorrt")
+
+
+def default_threads() -> int:
+    """How many CPU threads a run uses unless `--threads N` (mtp-run, mtp-serve both frontends, mtp-bench) says
+    otherwise: OMP_NUM_THREADS when the environment sets it, else the cores this process may run on (its affinity
+    mask: a container's or `taskset`'s limit, not the machine's count). `use_threads` gives it to torch (the torch
+    and compiled executors, our kernels' OpenMP); the callers give it to ONNX Runtime's intra-op pool. Workers wait
+    passively (runtime/__init__.py), so threads a step cannot use cost nothing while idle."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def use_threads(threads: int | None, flag: str = "--threads") -> int:
+    """Resolve `threads` (None: `default_threads()`), set torch's count, and return it (for ONNX Runtime)."""
+    n = default_threads() if threads is None else threads
+    if n < 1:
+        raise ConfigError(f"{flag} {n}: must be >= 1 (default: OMP_NUM_THREADS, else the cores this process may use)")
+    import torch
+
+    torch.set_num_threads(n)
+    return n
+
+
+def torch_threads() -> int:
+    """The count torch runs with now (what a run's summary reports)."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def load_tokenizer(directory: Path):

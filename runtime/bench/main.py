@@ -72,7 +72,9 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--batches", type=parse_ints, default=[1, 8], help="batch sizes (default 1,8)")
     w.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported")
     w.add_argument("--quick", action="store_true", help="4 prompts, 32 tokens, 2 repeats (a smoke run)")
-    w.add_argument("--threads", type=int, default=1, help="threads for every engine (torch, ORT, llama.cpp; default 1)")
+    w.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="threads for every engine (torch, ORT, llama.cpp); default: OMP_NUM_THREADS, else the cores "
+                   "this process may use")  # fmt: skip
     w.add_argument("--max-seq-len", type=int, default=None,
                    help="torch executor KV table width (default: sized to the workload, prompt + output + drafts)")
     peers = p.add_argument_group("peers")
@@ -90,14 +92,11 @@ def normalize_args(args) -> None:
     """Apply --quick and --threads, and make K=0 part of every run; in place, before anything is built."""
     if args.quick:
         args.num_prompts, args.max_tokens, args.repeats = min(args.num_prompts, 4), min(args.max_tokens, 32), 2
-    if args.threads < 1:
-        raise ConfigError("--threads must be >= 1")
-    # Before torch starts its pools; also seen by ORT's and the plugin ops' OpenMP (docs/BENCHMARKS.md, "Threads").
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import torch
+    from runtime.factory import use_threads
 
-    torch.set_num_threads(args.threads)
+    # Before torch starts its pools; also seen by ORT's and the plugin ops' OpenMP (docs/BENCHMARKS.md, "Threads").
+    args.threads = use_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     args.executors = [x.strip() for x in args.executors.split(",") if x.strip()]
     bad = [x for x in args.executors if x not in ("torch", "onnxruntime", "compiled")]
     if bad or not args.executors:

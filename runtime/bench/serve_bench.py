@@ -216,7 +216,7 @@ class Server:
         self.frontend, self.k = frontend, k
         src = ["--engine", str(args.engine)] if args.engine else ["--checkpoint", str(args.checkpoint)]
         cmd = [sys.executable, "-m", "runtime.serving.triton_server", "--frontend", frontend, *src,
-               "--executor", args.executor, "--num-draft-tokens", k, "--torch-threads", str(args.threads)]
+               "--executor", args.executor, "--num-draft-tokens", k, "--threads", str(args.threads)]
         if args.max_batch:
             cmd += ["--max-batch", str(args.max_batch)]
         if frontend == "openai":

@@ -48,7 +48,7 @@ def render_config(parameters: dict[str, str], name: str = MODEL_NAME) -> str:
 def write_model_repo(out: Path, *, engine: Path | None = None, checkpoint: Path | None = None,
                      executor: str | None = None, num_draft_tokens: int | None = None, max_batch: int | None = None,
                      num_blocks: int | None = None, num_state_snapshots: int | None = None,
-                     torch_threads: int | None = None,
+                     threads: int | None = None,
                      max_prompt_bytes: int | None = None, max_queue: int | None = None) -> Path:  # fmt: skip
     """Write OUT/mtp/{config.pbtxt, 1/model.py}; the engine options travel as config parameters."""
     if engine is None and checkpoint is None:
@@ -75,7 +75,7 @@ def write_model_repo(out: Path, *, engine: Path | None = None, checkpoint: Path 
         "max_batch": "" if max_batch is None else str(max_batch),
         "num_blocks": "" if num_blocks is None else str(num_blocks),
         "num_state_snapshots": "" if num_state_snapshots is None else str(num_state_snapshots),
-        "torch_threads": "" if torch_threads is None else str(torch_threads),
+        "threads": "" if threads is None else str(threads),
         "max_prompt_bytes": "" if max_prompt_bytes is None else str(max_prompt_bytes),
         "max_queue": "" if max_queue is None else str(max_queue),
     }
@@ -101,9 +101,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-state-snapshots", type=int, default=None, metavar="N",
                    help="hybrid (Gated DeltaNet) models: recurrent-state snapshots kept for prefix caching "
                    "(default 4 x max batch; 0 turns their prefix caching off)")  # fmt: skip
-    p.add_argument(
-        "--torch-threads", type=int, default=None, help="torch.set_num_threads in the model (torch executor)"
-    )
+    p.add_argument("--threads", "--torch-threads", dest="threads", type=int, default=None, metavar="N",
+                   help="CPU threads of the model (torch, our kernels, ONNX Runtime); default: OMP_NUM_THREADS, else "
+                   "the cores this process may use (--torch-threads: the old name)")  # fmt: skip
     p.add_argument("--max-prompt-bytes", type=int, default=None,
                    help="longer prompts are refused before tokenizing (default: 8 x max_seq_len)")
     p.add_argument("--frontend", choices=("triton", "openai"), default="triton",
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                                 executor=args.executor, num_draft_tokens=args.num_draft_tokens,
                                 max_batch=args.max_batch, num_blocks=args.num_blocks,
                                 num_state_snapshots=args.num_state_snapshots,
-                                torch_threads=args.torch_threads, max_prompt_bytes=args.max_prompt_bytes,
+                                threads=args.threads, max_prompt_bytes=args.max_prompt_bytes,
                                 max_queue=args.max_queue)  # fmt: skip
     except ServeError as e:
         print(f"mtp-serve: error: {e}", file=sys.stderr)

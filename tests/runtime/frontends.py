@@ -46,7 +46,7 @@ class Served:
         self.ports = free_ports(3)
         self.out_path = workdir / f"mtp-serve-{frontend}-{self.ports[0]}.out"
         cmd = [sys.executable, "-m", "runtime.serving.triton_server", "--frontend", frontend, "--checkpoint",
-               str(TINY), "--executor", "torch", "--num-draft-tokens", "2", "--torch-threads", "1"]  # fmt: skip
+               str(TINY), "--executor", "torch", "--num-draft-tokens", "2", "--threads", "1"]  # fmt: skip
         if frontend == "triton":
             cmd += ["--model-repo", str(workdir / f"repo-{self.ports[0]}"), "--http-port", str(self.ports[0]),
                     "--grpc-port", str(self.ports[1]), "--metrics-port", str(self.ports[2]),

@@ -27,7 +27,7 @@ class OpenAIServer:
         self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "runtime.serving.triton_server", "--frontend", "openai", "--checkpoint",
-               str(checkpoint), "--executor", "torch", "--torch-threads", "1", "--port", str(self.port), *extra]
+               str(checkpoint), "--executor", "torch", "--threads", "1", "--port", str(self.port), *extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)  # fmt: skip

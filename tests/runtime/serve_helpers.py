@@ -136,7 +136,7 @@ class MtpServe:
         self.ports = ports
         self.out_path = repo_dir.parent / f"{repo_dir.name}.mtp-serve.out"
         cmd = [str(python or sys.executable), "-m", "runtime.serving.triton_server", "--checkpoint", str(checkpoint),
-               "--num-draft-tokens", "2", "--torch-threads", "1", "--model-repo", str(repo_dir),
+               "--num-draft-tokens", "2", "--threads", "1", "--model-repo", str(repo_dir),
                "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
                "--ready-timeout", "90", *extra]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")

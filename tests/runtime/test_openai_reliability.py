@@ -84,7 +84,7 @@ def test_broken_tokenizer_config_fails_start_up_in_one_line(tmp_path, capsys, co
     ckpt = tmp_path / "tiny"
     shutil.copytree(TINY, ckpt)
     (ckpt / "tokenizer_config.json").write_text(content)
-    rc = main(["--frontend", "openai", "--checkpoint", str(ckpt), "--executor", "torch", "--torch-threads", "1",
+    rc = main(["--frontend", "openai", "--checkpoint", str(ckpt), "--executor", "torch", "--threads", "1",
                "--port", str(free_ports(1)[0])])  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert rc == 2, err

@@ -33,7 +33,7 @@ RESPONSE_TIMEOUT_S = h.RESPONSE_TIMEOUT_S
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = write_model_repo(tmp_path_factory.mktemp("model_repo"), checkpoint=TINY, executor="torch",
-                            num_draft_tokens=K, torch_threads=1)  # fmt: skip
+                            num_draft_tokens=K, threads=1)  # fmt: skip
     http, grpc, metrics = free_ports(3)
     srv = TritonServer(repo, http, grpc, metrics, log_path=tmp_path_factory.mktemp("log") / "tritonserver.log")
     try:

@@ -111,7 +111,7 @@ def _disconnect(port: int, seed: int) -> str:
 @pytest.fixture(scope="module")
 def soak_server(tmp_path_factory):
     repo = write_model_repo(tmp_path_factory.mktemp("soak_repo"), checkpoint=h.TINY, executor="torch",
-                            num_draft_tokens=2, torch_threads=1, num_blocks=NUM_BLOCKS)  # fmt: skip
+                            num_draft_tokens=2, threads=1, num_blocks=NUM_BLOCKS)  # fmt: skip
     srv = TritonServer(repo, *free_ports(3), log_path=tmp_path_factory.mktemp("soak_log") / "tritonserver.log")
     try:
         srv.start()

@@ -32,15 +32,12 @@ def create_serving_engine(args: Any):
     """The engine of this rank. Under mpirun (a TP engine, `mpirun -np TP mtp-serve --frontend openai`) rank 0
     serves HTTP and every other rank is a follower; several DP groups would need an HTTP server per leader
     and are refused (the same on every rank, so every rank exits 2 and rank 0 prints the line)."""
-    from runtime.factory import create_engine
+    from runtime.factory import create_engine, use_threads
     from runtime.multirank.parallel import EveryRankError, mpi_world
 
-    if args.torch_threads:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
+    threads = use_threads(args.threads)
     _, rank, world = mpi_world()
-    engine = create_engine(engine_dir=args.engine, checkpoint=args.checkpoint,
+    engine = create_engine(engine_dir=args.engine, checkpoint=args.checkpoint, threads=threads,
                            executor=args.executor or "auto",
                            num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
                            num_blocks=args.num_blocks, num_state_snapshots=getattr(args, "num_state_snapshots", None),

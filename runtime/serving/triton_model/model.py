@@ -189,12 +189,8 @@ class TritonPythonModel:
         self.name = args.get("model_name", "mtp")
         params = {k: v.get("string_value", "") for k, v in self.model_config.get("parameters", {}).items()}
         opt: dict[str, Any] = {k: (v if v != "" else None) for k, v in params.items()}
-        if opt.get("torch_threads"):
-            import torch
-
-            torch.set_num_threads(int(opt["torch_threads"]))
         from runtime.core.sampling import SamplingParams
-        from runtime.factory import create_engine
+        from runtime.factory import create_engine, use_threads
 
         self._SamplingParams = SamplingParams
 
@@ -202,6 +198,7 @@ class TritonPythonModel:
             return int(opt[key]) if opt.get(key) is not None else None
 
         engine = create_engine(
+            threads=use_threads(as_int("threads")),
             engine_dir=opt.get("engine_dir"),
             checkpoint=opt.get("checkpoint"),
             executor=opt.get("executor") or "auto",
