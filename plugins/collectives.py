@@ -30,6 +30,7 @@ from plugins.op_spec import SPECS
 
 _GROUPS: dict[int, tuple[Any, Any]] = {}
 _SECONDS = [0.0]
+_INSIDE = [0]  # > 0 while this process is inside a collective (a peer asking it hears "in MPI")
 
 
 def collective_seconds() -> float:
@@ -37,13 +38,20 @@ def collective_seconds() -> float:
     return _SECONDS[0]
 
 
+def inside_collective() -> bool:
+    """This process is inside a collective now (read from the peer-probe thread: runtime/multirank/peer_probe.py)."""
+    return _INSIDE[0] > 0
+
+
 @contextmanager
 def timed():
-    """Count the enclosed block's wall time as collective time."""
+    """Count the enclosed block's wall time as collective time (and mark it as inside one)."""
     t0 = time.perf_counter()
+    _INSIDE[0] += 1
     try:
         yield
     finally:
+        _INSIDE[0] -= 1
         _SECONDS[0] += time.perf_counter() - t0
 
 

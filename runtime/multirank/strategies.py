@@ -26,6 +26,7 @@ from runtime.executors.base import Executor
 from runtime.multirank.fingerprint import settings_fingerprint
 from runtime.multirank.host_facts import host_facts
 from runtime.multirank.parallel import agree_on_settings, mpi_world
+from runtime.multirank.peer_probe import PeerProbe, blame, exchange_contacts
 from runtime.multirank.tp_group import STEP_END, LeaderExecutor, RankRole, run_follower
 from runtime.multirank.watchdog import Watchdog, startup_timeout
 
@@ -52,7 +53,7 @@ class Lockstep(RankStrategy):
     def gather_draft_samples(self, sample: np.ndarray) -> list[np.ndarray]:
         if not self.lockstep:
             return [sample]
-        with self.role.dog.guard("draft-length agreement (allgather over the DP leaders)"):
+        with self.role.dog.guard("draft-length agreement (allgather over the DP leaders)", mpi=True):
             return self.role.leaders_comm.allgather(sample)
 
     def gather_to_first(self, value: Any) -> list[Any] | None:
@@ -106,14 +107,16 @@ def rank_strategy(executor: Executor, model_cfg: ModelConfig, cfg: RuntimeConfig
     # The start-up collectives are bounded too (issue 31: a split that never returns across two hosts that share
     # one hostname), by the longer start-up bound: here a rank also waits for the slowest rank's load.
     dog, bound = Watchdog(collective_timeout, rank, prog), startup_timeout(collective_timeout)
-    with dog.guard("communicator split (MPI_Comm_split over every rank)", bound):
+    with dog.guard("communicator split (MPI_Comm_split over every rank)", bound, mpi=True):
         tp, column = groups(m.tp)
         # Commands travel on their own copy of the TP comm, so they never interleave with the forwards' collectives.
         commands = tp.Dup() if m.tp > 1 else None
     launch = {"parallel.world_size": m.world, "parallel.tp_size": m.tp, "parallel.ep_size": m.ep,
               "watchdog.collective_timeout": collective_timeout, **host_facts(_has_packages(executor))}  # fmt: skip
-    with dog.guard("settings agreement (allgather over every rank)", bound):
+    with dog.guard("settings agreement (allgather over every rank)", bound, mpi=True):
         agree_on_settings(comm, settings_fingerprint(executor, model_cfg, cfg, launch))
+        contacts = exchange_contacts(comm, PeerProbe(rank, dog.status))  # so a firing watchdog can name the peer
+    dog.blame = lambda: blame(contacts, rank)
     role = RankRole(m, commands, column, dog, executor)
     if not m.is_leader:
         return TPFollower(role)

@@ -53,7 +53,7 @@ class RankRole:
 
     def leaders_allreduce(self, value: int) -> int:
         """The DP lockstep busy check: sum over the leaders (armed by the watchdog)."""
-        with self.dog.guard("lockstep busy check (allreduce over the DP leaders)"):
+        with self.dog.guard("lockstep busy check (allreduce over the DP leaders)", mpi=True):
             return int(self.leaders_comm.allreduce(value))
 
     def follow(self) -> None:
@@ -64,9 +64,10 @@ class RankRole:
         last: str | None = None  # None: between steps, the wait may be idle and is not armed
         while True:
             if last is None:
-                msg = comm.bcast(None, root=0)
+                with dog.mpi_wait():
+                    msg = comm.bcast(None, root=0)
             else:
-                with dog.guard(f"the wait for rank {leader}'s next call after the {last}"):
+                with dog.guard(f"the wait for rank {leader}'s next call after the {last}", mpi=True):
                     msg = comm.bcast(None, root=0)
             kind = msg[0]
             if kind == CALL:

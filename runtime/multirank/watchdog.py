@@ -7,7 +7,8 @@ one daemon thread checks the deadline a few times a second and, past it, prints
 
     mtp-run: error: [rank 1] step 17: main forward did not complete within 60 s (another rank stalled or died); exiting
 
-and leaves (os._exit, as runtime/parallel.exit_failed_rank: MPI_Finalize would block on the stalled peer), so the
+(naming the peer instead when it can: before printing, the rank asks the others what they are doing,
+runtime/multirank/peer_probe.py, e.g. "(rank 1 on B does not answer: its host or the link is down)") and leaves (os._exit, as runtime/parallel.exit_failed_rank: MPI_Finalize would block on the stalled peer), so the
 launcher ends the job. Arming is two attribute writes, so it costs nothing per call. Before leaving, the rank says
 its line to whoever registered for it (`on_fire`: a serving leader fails its in-flight requests with it, so a client
 gets the error instead of a bare disconnect), for at most LAST_WORDS_S.
@@ -97,29 +98,56 @@ class Watchdog:
         self._poll = poll_s if poll_s is not None else min(0.25, self.timeout_s / 4)
         self.stall = parse_stall(os.environ.get(FAULT_ENV))
         self._on_fire: list[Callable[[str], None]] = []
+        self._armed_at = 0.0
+        self._in_mpi = 0  # > 0 while in a wait that is one MPI call (a guard with mpi=True, `mpi_wait`)
+        self.blame: Callable[[], str | None] | None = None  # names the peers to blame (peer_probe.blame), once set
+        self._why: str | None = None
         threading.Thread(target=self._watch, name="mtp-collective-watchdog", daemon=True).start()
 
     def arm(self, what: str, timeout_s: float | None = None) -> None:
         self._what = what
         self._limit = timeout_s or self.timeout_s
-        self._deadline = time.monotonic() + self._limit
+        self._armed_at = time.monotonic()
+        self._deadline = self._armed_at + self._limit
 
     def disarm(self) -> None:
         self._deadline = None
+
+    @contextlib.contextmanager
+    def mpi_wait(self):
+        """Marks an unarmed wait that is one MPI call (a follower's idle wait for its leader): a peer asking this
+        rank then hears "in MPI", not a rank to blame."""
+        self._in_mpi += 1
+        try:
+            yield
+        finally:
+            self._in_mpi -= 1
+
+    def status(self) -> str:
+        """What this rank answers a peer that asks (runtime/multirank/peer_probe.py): inside MPI or not, its step,
+        the armed wait and for how long."""
+        from runtime.multirank.peer_probe import IN_MPI, NOT_IN_MPI
+
+        collectives = sys.modules.get("plugins.collectives")  # loaded by every multi-rank engine's ops
+        inside = self._in_mpi > 0 or bool(collectives and collectives.inside_collective())
+        what = self._what if self._deadline is not None else None
+        doing = f"{what}, armed {time.monotonic() - self._armed_at:.1f} s ago" if what else "no wait armed"
+        return f"{IN_MPI if inside else NOT_IN_MPI}: step {self.step}, {doing}"
 
     def on_fire(self, fn: Callable[[str], None]) -> None:
         """Call fn(the watchdog's line) when it fires, before the rank leaves (from the watchdog's thread, while the
         rank's main thread is still blocked: fn must only hand the line over, e.g. to an event loop)."""
         self._on_fire.append(fn)
 
-    def guard(self, what: str, timeout_s: float | None = None) -> _Guard:
-        return _Guard(self, what, timeout_s)
+    def guard(self, what: str, timeout_s: float | None = None, mpi: bool = False) -> _Guard:
+        """Arm the deadline around a wait; mpi=True: the wait is one MPI call (not compute that calls collectives)."""
+        return _Guard(self, what, timeout_s, mpi)
 
     def guarded(self, fn, what: str):
         """fn wrapped so that every call is armed (the leaders comm's allreduce / allgather)."""
 
         def call(*args, **kwargs):
-            with self.guard(what):
+            with self.guard(what, mpi=True):
                 return fn(*args, **kwargs)
 
         return call
@@ -139,8 +167,9 @@ class Watchdog:
 
     def message(self, what: str, limit: float | None = None) -> str:
         when = f"step {self.step}" if self.step else "start-up"
+        why = self._why or "another rank stalled or died"
         return (f"{self.prog}: error: [{rank_tag(self.rank)}] {when}: {what} did not complete within "
-                f"{limit or self.timeout_s:g} s (another rank stalled or died); exiting")  # fmt: skip
+                f"{limit or self.timeout_s:g} s ({why}); exiting")  # fmt: skip
 
     def _watch(self) -> None:
         while True:
@@ -150,6 +179,9 @@ class Watchdog:
                 self._fire(what, limit)
 
     def _fire(self, what: str, limit: float | None = None) -> None:
+        if self.blame is not None:
+            with contextlib.suppress(Exception):  # naming the peer is a courtesy: leave all the same
+                self._why = self.blame()
         try:
             print(self.message(what, limit), file=sys.stderr)
             sys.stderr.flush()
@@ -174,13 +206,15 @@ class Watchdog:
 
 
 class _Guard:
-    __slots__ = ("dog", "timeout_s", "what")
+    __slots__ = ("dog", "mpi", "timeout_s", "what")
 
-    def __init__(self, dog: Watchdog, what: str, timeout_s: float | None = None) -> None:
-        self.dog, self.what, self.timeout_s = dog, what, timeout_s
+    def __init__(self, dog: Watchdog, what: str, timeout_s: float | None = None, mpi: bool = False) -> None:
+        self.dog, self.what, self.timeout_s, self.mpi = dog, what, timeout_s, mpi
 
     def __enter__(self) -> None:
+        self.dog._in_mpi += self.mpi
         self.dog.arm(self.what, self.timeout_s)
 
     def __exit__(self, *exc) -> None:
         self.dog.disarm()
+        self.dog._in_mpi -= self.mpi

@@ -155,14 +155,16 @@ def test_idle_leader_does_not_trip_the_watchdog(checkpoint, tmp_path):
 
 
 WATCHDOG_LINE = re.compile(r"^mpi_tp_worker: error: \[rank (\d)\] step 3: (.+) did not complete within 3 s "
-                           r"\(another rank stalled or died\); exiting$")  # fmt: skip
+                           r"\((.+)\); exiting$")  # fmt: skip
 
 
 @pytest.mark.parametrize("np_,tp,ep,stalled", [(2, 2, 2, 1), (4, 2, 4, 2)], ids=["TP2-follower", "DP2xTP2-leader"])
 def test_forced_stall_becomes_the_watchdogs_error(checkpoint, tmp_path, np_, tp, ep, stalled):
     """MTP_FAULT_STALL makes one rank sleep 60 s inside its step-3 main forward; with --collective-timeout 3 the
     ranks waiting on it print the watchdog's line (the stalled rank's own deadline is one timeout later, so they
-    report first) and the job ends non-zero within timeout + slack, long before the stall is over."""
+    report first) and the job ends non-zero within timeout + slack, long before the stall is over. A waiting rank's
+    line names the stalled one: before leaving it asks the others (runtime/multirank/peer_probe.py) and only the
+    stalled rank answers that it is not inside a collective."""
     env = {"MTP_TEST_COLLECTIVE_TIMEOUT": "3", "MTP_FAULT_STALL": f"{stalled}:3:60"}
     cmd = [str(MPIRUN), "-np", str(np_), "--oversubscribe", sys.executable, str(WORKER), str(checkpoint),
            str(tmp_path / "out.json"), "ok", str(tp), str(ep), "1"]  # fmt: skip
@@ -181,6 +183,10 @@ def test_forced_stall_becomes_the_watchdogs_error(checkpoint, tmp_path, np_, tp,
     assert lines and all(WATCHDOG_LINE.match(line) for line in lines), err[-3000:]
     ranks = {int(WATCHDOG_LINE.match(line).group(1)) for line in lines}  # type: ignore[union-attr]
     assert ranks - {stalled}, f"no waiting rank reported the stall: {lines}"
+    waiting = [line for line in lines if not line.startswith(f"{PROG}: error: [rank {stalled}]")]
+    why = [WATCHDOG_LINE.match(line).group(3) for line in waiting]  # type: ignore[union-attr]
+    # (a rank that fires after another left also names that one as gone)
+    assert all(f"rank {stalled} is not in a collective: step 3, main forward, armed " in w for w in why), why
     assert "Traceback" not in err
     assert elapsed < 55, f"the job took {elapsed:.0f} s: the watchdog did not end it (the stall lasts 60 s)"
 
