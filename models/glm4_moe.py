@@ -136,8 +136,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         m = default_mapping(cfg, ep_size, mapping)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.is_mla:  # tensor parallelism of MLA is refused by check_model (plugins/mapping.py)
-            self.self_attn: Attention | MLAAttention = MLAAttention(cfg, plane)
+        if cfg.is_mla:  # heads split over the TP group, the latent replicated (models/mla.py)
+            self.self_attn: Attention | MLAAttention = MLAAttention(cfg, plane, m.tp)
         else:
             self.self_attn = Attention(cfg, plane, m)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -1,5 +1,6 @@
 """The pieces every decoder layer shares, whatever the attention kind: `PagedKV` (where K/V live and the
-two plugin calls that touch them), `StepMeta` (one forward's varlen metadata) and `RMSNorm`.
+two plugin calls that touch them), `StepMeta` (one forward's varlen metadata), `RMSNorm`, and `row_parallel`
+(a tensor-parallel layer's output projection: partial products summed over the TP group).
 
 They live apart from the GQA model (models/glm4_moe.py) so that the MLA attention (models/mla.py) and
 other families use them without importing each other.
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import plugins.collectives  # noqa: F401  (torch.ops.mtp.all_reduce)
 from plugins.kv_pool import KVPoolGeometry
 from plugins.rope import RopeTable, rope_table
 
@@ -95,3 +97,12 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+def row_parallel(linear: nn.Linear, x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """`linear` over this rank's input columns (its heads): the partial products summed over the TP group by one
+    all-reduce, the bias (replicated, models/sharding.py) added once after the sum. tp_size 1: the plain linear."""
+    if tp_size == 1:
+        return linear(x)
+    out = torch.ops.mtp.all_reduce(F.linear(x, linear.weight), tp_size)
+    return out if linear.bias is None else out + linear.bias
