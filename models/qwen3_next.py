@@ -31,8 +31,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.feed_forward import MLP
 from models.gdn import GatedDeltaNet, HybridCache
-from models.glm4_moe import Glm4MoeMTPModel
-from models.layers import PagedKV, RMSNorm, StepMeta, row_parallel
+from models.layers import PagedKV, RMSNorm, StepMeta, row_parallel, vocab_parallel_embed, vocab_parallel_logits
 from models.sharding import head_split
 from plugins.mapping import Parallel, RankMapping, rank_mapping
 
@@ -197,9 +196,11 @@ class Qwen3NextMTPModel(nn.Module):
                 mod.fuse()
         return self
 
-    # the vocab-parallel lookup (one all-reduce) and logits (all-gathered) of the GLM model, on the same attributes
-    embed = Glm4MoeMTPModel.embed
-    compute_logits = Glm4MoeMTPModel.compute_logits
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_embed(self.embed_tokens, token_ids, self.vocab_lo, self.mapping.tp)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_logits(self.lm_head, hidden, self.mapping.tp)
 
     def forward_main(self, input_ids: torch.Tensor, meta: StepMeta, cache: HybridCache) -> torch.Tensor:
         """input_ids [T] -> post-final-norm hidden [T, H]; attention K/V appended, GDN states read/written."""
