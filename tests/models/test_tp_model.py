@@ -79,12 +79,13 @@ def test_mla_and_hybrid_shards_tile_every_tensor(cfg) -> None:
             assert int(count.min()) == int(count.max()) == want, (name, tp, int(count.min()), int(count.max()))
 
 
-def test_gdn_rank_shards_sum_to_the_whole_layer() -> None:
-    """One Qwen3-Next GDN layer: each TP2 rank's layer, built from its windows of the whole layer's weights and run over
-    its own state pool (half the heads), gives a partial out_proj output; the two partials sum to the whole layer's
-    output over a prefill of two requests and a decode step that reads the stored states. (The sum is what the
-    all-reduce computes under mpirun: tests/runtime/test_mpi_hybrid.py.)"""
-    cfg = hybrid_config("qwen3_next")
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
+def test_gdn_rank_shards_sum_to_the_whole_layer(model_type) -> None:
+    """One GDN layer (Qwen3-Next's projections packed per key head, Qwen3.5's apart): each TP2 rank's layer, built from
+    its windows of the whole layer's weights and run over its own state pool (half the heads), gives a partial out_proj
+    output; the two partials sum to the whole layer's output over a prefill of two requests and a decode step that
+    reads the stored states. (The sum is what the all-reduce computes under mpirun: tests/runtime/test_mpi_hybrid.py.)"""
+    cfg = hybrid_config(model_type)
     whole = GatedDeltaNet(cfg, 0)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
