@@ -223,7 +223,7 @@ def deinterleave_rope_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, inver
     else:  # per head [nope rows ; rope rows] (a tensor-parallel rank's slice holds its heads only)
         head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         one = torch.cat([torch.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + order])
-        rows = (torch.arange(max(1, t.shape[0] // head))[:, None] * head + one[None, :]).reshape(-1)
+        rows = (torch.arange(t.shape[0] // head)[:, None] * head + one[None, :]).reshape(-1)
     if t.shape[0] != rows.shape[0]:
         raise CheckpointError(f"tensor {name}: {t.shape[0]} output rows, config.json implies {rows.shape[0]} "
                               "(qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, num_attention_heads)")  # fmt: skip
