@@ -7,7 +7,7 @@ used (or explicitly ignored), and shapes must match; errors name the tensor, the
 
 Import streams (docs/CHECKPOINTS.md): `plan_weights` maps the tensor index (names, dtypes, shapes from the
 safetensors headers, models/checkpoint_files.py) to canonical tensors and every check runs on that plan
-before any data is read; `load_model` then reads only the slices one rank keeps (`_rank_slice`), one
+before any data is read; `load_model` then reads only the slices one rank keeps (`_rank_windows`), one
 tensor at a time, straight into the engine dtype.
 
 Canonical names (models/glm4_moe.py): `embed_tokens`, `layers.{i}.*`, `norm`, `lm_head`, `mtp.{j}.*`
