@@ -96,7 +96,8 @@ class BuildOptions:
             return None
         from models.gdn import state_geometry
 
-        return StateLayout.plan(state_geometry(cfg, 0, self.torch_dtype), self.max_batch, self.num_draft_tokens)
+        geom = state_geometry(cfg, 0, self.torch_dtype, self.tp_size)  # each rank's pool: its GDN heads
+        return StateLayout.plan(geom, self.max_batch, self.num_draft_tokens)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -168,7 +169,7 @@ class BuildOptions:
             )
 
     def _validate_hybrid(self, cfg: ModelConfig) -> None:
-        """What a hybrid (Gated DeltaNet) engine can be: ONNX Runtime and its AOTInductor packages (no TP: check_model)."""
+        """What a hybrid (Gated DeltaNet) engine can be: ONNX Runtime and its AOTInductor packages."""
         what = f"{cfg.model_type} is a hybrid (Gated DeltaNet) model"
         if self.backend == "tensorrt":
             raise BuildError(f"{what}: its GdnStep TensorRT plugin is written and type-checked but has never been built "
@@ -211,11 +212,14 @@ class BuildOptions:
         inter = [cfg.intermediate_size] if cfg.first_k_dense_replace or not cfg.has_moe else []
         if cfg.has_moe and cfg.n_shared_experts:
             inter.append(cfg.moe_intermediate_size * cfg.n_shared_experts)
+        if cfg.shared_expert_intermediate_size:  # Qwen3-Next's one sigmoid-gated shared expert
+            inter.append(cfg.shared_expert_intermediate_size)
         try:
             check_model(self.world_size, self.ep_size, self.tp_size, flags=True,
                         num_experts=cfg.n_routed_experts if cfg.has_moe else 0, num_heads=cfg.num_attention_heads,
                         num_kv_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size, mla=cfg.is_mla,
-                        inter_sizes=tuple(inter), hybrid=cfg.model_type if cfg.is_hybrid else "")  # fmt: skip
+                        inter_sizes=tuple(inter),
+                        gdn_key_heads=cfg.linear_num_key_heads if cfg.is_hybrid else 0)  # fmt: skip
         except MappingError as e:
             raise BuildError(str(e)) from None
         if self.max_seq_len > cfg.max_position_embeddings:

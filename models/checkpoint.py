@@ -7,7 +7,7 @@ used (or explicitly ignored), and shapes must match; errors name the tensor, the
 
 Import streams (docs/CHECKPOINTS.md): `plan_weights` maps the tensor index (names, dtypes, shapes from the
 safetensors headers, models/checkpoint_files.py) to canonical tensors and every check runs on that plan
-before any data is read; `load_model` then reads only the slices one rank keeps (`_rank_slice`), one
+before any data is read; `load_model` then reads only the slices one rank keeps (`_rank_windows`), one
 tensor at a time, straight into the engine dtype.
 
 Canonical names (models/glm4_moe.py): `embed_tokens`, `layers.{i}.*`, `norm`, `lm_head`, `mtp.{j}.*`
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from models.checkpoint_files import (
+    Bounds,
     CanonicalTensor,
     CheckpointError,
     CheckpointIndex,
@@ -43,7 +44,7 @@ from models.checkpoint_hybrid import HYBRID_LAYOUTS, LAYOUT_NOTES, model_class
 from models.config import ModelConfig
 from models.fp8 import Fp8Weight, release_window
 from models.glm4_moe import Glm4MoeMTPModel
-from models.sharding import shard_slice
+from models.sharding import shard_pieces
 from plugins.mapping import Parallel, RankMapping, rank_mapping
 
 log = logging.getLogger(__name__)
@@ -219,10 +220,10 @@ def deinterleave_rope_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, inver
         order = torch.argsort(order)
     if m.group(2) == "kv_a_proj_with_mqa":
         rows = torch.cat([torch.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + order])
-    else:  # per head [nope rows ; rope rows]
+    else:  # per head [nope rows ; rope rows] (a tensor-parallel rank's slice holds its heads only)
         head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         one = torch.cat([torch.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + order])
-        rows = (torch.arange(cfg.num_attention_heads)[:, None] * head + one[None, :]).reshape(-1)
+        rows = (torch.arange(t.shape[0] // head)[:, None] * head + one[None, :]).reshape(-1)
     if t.shape[0] != rows.shape[0]:
         raise CheckpointError(f"tensor {name}: {t.shape[0]} output rows, config.json implies {rows.shape[0]} "
                               "(qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, num_attention_heads)")  # fmt: skip
@@ -292,10 +293,12 @@ def default_mapping(cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> Ran
     return rank_mapping(rank, Parallel(ep_size, ep_size, 1), cfg.n_routed_experts if cfg.has_moe else 0)
 
 
-def _rank_slice(cfg: ModelConfig, name: str, full_shape: tuple[int, ...], mapping: RankMapping) -> tuple[slice, ...] | None:
-    """The part of canonical tensor `name` one rank keeps (None: all of it): models/sharding.py decides
-    (routed experts by EP range, TP rows/columns, vocab slices), the loader only reads that window."""
-    return shard_slice(name, full_shape, cfg, mapping)
+def _rank_windows(cfg: ModelConfig, name: str, full_shape: tuple[int, ...], mapping: RankMapping) -> tuple[Bounds, ...]:
+    """The windows of canonical tensor `name` one rank keeps, concatenated along axis 0 (one window for all but a
+    Gated DeltaNet layer's [q | k | v] channels): models/sharding.py decides (routed experts by EP range, TP
+    rows/columns, vocab slices), the loader only reads those windows."""
+    pieces = shard_pieces(name, full_shape, cfg, mapping)
+    return tuple(bounds_of(p, full_shape) for p in pieces) if pieces else (bounds_of(None, full_shape),)
 
 
 def _weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -307,11 +310,11 @@ def rank_weight_bytes(plan: WeightPlan, dtype: torch.dtype, mapping: RankMapping
     mapping = mapping or default_mapping(plan.config)
     total = 0
     for name, ct in plan.tensors.items():
-        bounds = bounds_of(_rank_slice(plan.config, name, ct.shape, mapping), ct.shape)
-        numel = 1
-        for a, b in bounds:
-            numel *= b - a
-        total += numel * torch.empty((), dtype=_weight_dtype(name, dtype)).element_size()
+        for bounds in _rank_windows(plan.config, name, ct.shape, mapping):
+            numel = 1
+            for a, b in bounds:
+                numel *= b - a
+            total += numel * torch.empty((), dtype=_weight_dtype(name, dtype)).element_size()
     return total
 
 
@@ -327,7 +330,10 @@ def load_fp8_weights(path: str | Path, mapping: RankMapping | None = None) -> di
     cfg, out = plan.config, {}
     mapping = mapping or default_mapping(cfg)
     for name, ct in plan.tensors.items():
-        bounds = bounds_of(_rank_slice(cfg, name, ct.shape, mapping), ct.shape)
+        windows = _rank_windows(cfg, name, ct.shape, mapping)
+        if len(windows) > 1:  # a GDN layer's [q | k | v] rows: not one window of the release, stays dequantized
+            continue
+        bounds = windows[0]
         rows = deinterleave_rope_tensor(cfg, name, torch.arange(ct.shape[0])[:, None])[:, 0] if len(ct.shape) == 2 else None
         got = release_window(idx, ct, bounds, rows)
         if got is not None:
@@ -360,11 +366,12 @@ def load_model(
     done: dict[tuple, torch.Tensor] = {}  # (id(CanonicalTensor), window) -> tensor: a tied lm_head is read once
     for name, param in model.state_dict().items():
         ct = plan.tensors[name]
-        bounds = bounds_of(_rank_slice(cfg, name, ct.shape, mapping), ct.shape)
-        w = done.get((id(ct), bounds))
+        windows = _rank_windows(cfg, name, ct.shape, mapping)
+        w = done.get((id(ct), windows))
         if w is None:
-            w = deinterleave_rope_tensor(cfg, name, materialize(idx, ct, bounds, _weight_dtype(name, dtype)))
-            done[(id(ct), bounds)] = w
+            parts = [materialize(idx, ct, bounds, _weight_dtype(name, dtype)) for bounds in windows]
+            w = deinterleave_rope_tensor(cfg, name, parts[0] if len(parts) == 1 else torch.cat(parts))
+            done[(id(ct), windows)] = w
         if tuple(w.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"tensor {name}: expected shape {tuple(param.shape)} from config.json, found {tuple(w.shape)}"

@@ -10,6 +10,10 @@ The token mixing is one plugin op, `mtp::gdn_step` (plugins/gdn_ops.py; it takes
 KV ops; its definition is plugins/reference.py
 `gdn_step_ref`; transformers' own GDN functions are the independent reference in tests/plugins/test_gdn.py and, for
 the whole model, tests/models/test_hybrid_parity.py).
+
+Tensor parallelism splits a layer by key head, each with the value heads grouped under it (models/sharding.py): a rank
+projects, convolves and recurs over its heads only, so its state pool holds its heads' conv channels and states
+(`state_geometry(cfg, slots, tp_size=...)`), and out_proj's partial sums meet in one all-reduce.
 """
 
 from __future__ import annotations
@@ -22,16 +26,19 @@ from torch import nn
 
 import plugins.gdn_ops  # noqa: F401  (torch.ops.mtp.gdn_step)
 from models.config import ModelConfig
-from models.layers import PagedKV, StepMeta
+from models.layers import PagedKV, StepMeta, row_parallel
 from plugins.gdn_pool import GDNPoolGeometry, address, allocate_state
 from plugins.kv_pool import DTYPE_CODES
 
 
-def state_geometry(cfg: ModelConfig, num_slots: int, dtype: torch.dtype = torch.float32) -> GDNPoolGeometry:
-    """The state pool `cfg` needs with `num_slots` slots (the one rule: the torch executor, the builder, the checks)."""
-    return GDNPoolGeometry(len(cfg.gdn_layers), num_slots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim,
-                           cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                           cfg.linear_value_head_dim, DTYPE_CODES[dtype])  # fmt: skip
+def state_geometry(cfg: ModelConfig, num_slots: int, dtype: torch.dtype = torch.float32,
+                   tp_size: int = 1) -> GDNPoolGeometry:  # fmt: skip
+    """The state pool one rank of `cfg` needs with `num_slots` slots: its 1/tp_size of the key and value heads (the one
+    rule: the torch executor, the builder, the checks)."""
+    hk, hv = cfg.linear_num_key_heads // tp_size, cfg.linear_num_value_heads // tp_size
+    conv_dim = 2 * hk * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim
+    return GDNPoolGeometry(len(cfg.gdn_layers), num_slots, conv_dim, cfg.linear_conv_kernel_dim, hk, hv,
+                           cfg.linear_key_head_dim, cfg.linear_value_head_dim, DTYPE_CODES[dtype])  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +62,8 @@ class GDNStatePool:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_slots: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> GDNStatePool:  # fmt: skip
-        return cls.of(state_geometry(cfg, num_slots, dtype), device)
+                 device: torch.device | str = "cpu", tp_size: int = 1) -> GDNStatePool:  # fmt: skip
+        return cls.of(state_geometry(cfg, num_slots, dtype, tp_size), device)
 
     @classmethod
     def of(cls, geom: GDNPoolGeometry, device: torch.device | str = "cpu") -> GDNStatePool:
@@ -104,11 +111,12 @@ class GatedDeltaNet(nn.Module):
     """One GDN layer (`linear_attn.*`). Qwen3-Next packs the projections per key head (`in_proj_qkvz`, `in_proj_ba`);
     Qwen3.5 keeps them apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`). Same math after `project`."""
 
-    def __init__(self, cfg: ModelConfig, state_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, state_index: int, tp_size: int = 1) -> None:
         super().__init__()
         self.state_index = state_index  # which layer of the state pool this layer owns
-        self.hk, self.dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
-        self.hv, self.dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        self.tp_size = tp_size  # this rank holds 1/tp_size of the key heads and of the value heads
+        self.hk, self.dk = cfg.linear_num_key_heads // tp_size, cfg.linear_key_head_dim
+        self.hv, self.dv = cfg.linear_num_value_heads // tp_size, cfg.linear_value_head_dim
         kd, vd, h = self.hk * self.dk, self.hv * self.dv, cfg.hidden_size
         self.conv_dim = 2 * kd + vd
         self.packed = cfg.model_type == "qwen3_next"
@@ -148,4 +156,4 @@ class GatedDeltaNet(nn.Module):
             ref.ssm_ptr, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, **ref.geom.attrs(self.state_index),
         )  # fmt: skip
         out = self.norm(core.to(x.dtype), z)
-        return self.out_proj(out.reshape(x.shape[0], self.hv * self.dv))
+        return row_parallel(self.out_proj, out.reshape(x.shape[0], self.hv * self.dv), self.tp_size)

@@ -34,7 +34,7 @@ from torch import nn
 import plugins.collectives  # noqa: F401  (torch.ops.mtp.all_reduce / all_gather)
 from models.config import ModelConfig
 from models.feed_forward import MLP, MoE, fuse_linears, store_in_out
-from models.layers import PagedKV, RMSNorm, StepMeta
+from models.layers import PagedKV, RMSNorm, StepMeta, vocab_parallel_embed, vocab_parallel_logits
 from models.mla import MLAAttention
 from models.sharding import head_split
 from plugins.mapping import Parallel, RankMapping, rank_mapping
@@ -136,8 +136,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         m = default_mapping(cfg, ep_size, mapping)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.is_mla:  # tensor parallelism of MLA is refused by check_model (plugins/mapping.py)
-            self.self_attn: Attention | MLAAttention = MLAAttention(cfg, plane)
+        if cfg.is_mla:  # heads split over the TP group, the latent replicated (models/mla.py)
+            self.self_attn: Attention | MLAAttention = MLAAttention(cfg, plane, m.tp)
         else:
             self.self_attn = Attention(cfg, plane, m)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -218,19 +218,11 @@ class Glm4MoeMTPModel(nn.Module):
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [N, H]; with TP each rank looks up its vocab rows (others 0), then one all-reduce."""
-        tp = self.mapping.tp
-        if tp == 1:
-            return self.embed_tokens(token_ids)
-        local = token_ids - self.vocab_lo
-        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
-        rows = self.embed_tokens(torch.where(mine, local, torch.zeros_like(local)))
-        return torch.ops.mtp.all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype), tp)
+        return vocab_parallel_embed(self.embed_tokens, token_ids, self.vocab_lo, self.mapping.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V]; with TP every rank computes its vocab slice and all ranks gather the full row."""
-        logits = self.lm_head(hidden).float()
-        tp = self.mapping.tp
-        return torch.ops.mtp.all_gather(logits, tp) if tp > 1 else logits
+        return vocab_parallel_logits(self.lm_head, hidden, self.mapping.tp)
 
     def forward_draft(
         self,

@@ -1,5 +1,7 @@
 """The pieces every decoder layer shares, whatever the attention kind: `PagedKV` (where K/V live and the
-two plugin calls that touch them), `StepMeta` (one forward's varlen metadata) and `RMSNorm`.
+two plugin calls that touch them), `StepMeta` (one forward's varlen metadata), `RMSNorm`, and the tensor-parallel
+pieces every family uses: `row_parallel` (an output projection's partial products summed over the TP group) and the
+vocab-parallel embedding lookup and logits.
 
 They live apart from the GQA model (models/glm4_moe.py) so that the MLA attention (models/mla.py) and
 other families use them without importing each other.
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import plugins.collectives  # noqa: F401  (torch.ops.mtp.all_reduce)
 from plugins.kv_pool import KVPoolGeometry
 from plugins.rope import RopeTable, rope_table
 
@@ -95,3 +98,29 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+def row_parallel(linear: nn.Linear, x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """`linear` over this rank's input columns (its heads): the partial products summed over the TP group by one
+    all-reduce, the bias (replicated, models/sharding.py) added once after the sum. tp_size 1: the plain linear."""
+    if tp_size == 1:
+        return linear(x)
+    out = torch.ops.mtp.all_reduce(F.linear(x, linear.weight), tp_size)
+    return out if linear.bias is None else out + linear.bias
+
+
+def vocab_parallel_embed(table: nn.Embedding, token_ids: torch.Tensor, vocab_lo: int, tp_size: int) -> torch.Tensor:
+    """Token embeddings [N, H]; with TP each rank looks up its vocab rows [vocab_lo, ...) (others 0), then one
+    all-reduce."""
+    if tp_size == 1:
+        return table(token_ids)
+    local = token_ids - vocab_lo
+    mine = (local >= 0) & (local < table.num_embeddings)
+    rows = table(torch.where(mine, local, torch.zeros_like(local)))
+    return torch.ops.mtp.all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype), tp_size)
+
+
+def vocab_parallel_logits(lm_head: nn.Linear, hidden: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """fp32 logits [N, V]; with TP every rank computes its vocab slice and all ranks gather the full row."""
+    logits = lm_head(hidden).float()
+    return torch.ops.mtp.all_gather(logits, tp_size) if tp_size > 1 else logits

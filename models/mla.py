@@ -12,6 +12,10 @@ which is HF's own formulation and the cross-check of the absorbed one.
 
 The checkpoint's interleaved rope rows (rope_interleave) are de-interleaved once at import
 (models/checkpoint.py `deinterleave_rope_rows`), so the neox rope of plugins/rope.py applies here.
+
+Tensor parallelism splits the attention heads (q_proj / q_b_proj and kv_b_proj rows, o_proj columns: models/sharding.py)
+and replicates the latent path (q_a_proj, kv_a_proj_with_mqa, their norms): every rank writes the same latent rows
+into its own pool and attends with its heads only; o_proj's partial sums meet in one all-reduce.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from models.config import (
     kv_geometry_fields as kv_geometry_fields,  # re-exported: the pool geometry rule lives in config.py
 )
 from models.feed_forward import fuse_linears
-from models.layers import PagedKV, RMSNorm, StepMeta
+from models.layers import PagedKV, RMSNorm, StepMeta, row_parallel
 from plugins.rope import RopeTable, apply_rope_freq, rope_parameters, rope_table_freq, yarn_softmax_scale
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps.
@@ -46,10 +50,10 @@ def mla_rope(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 class MLAAttention(nn.Module):
     """Same interface as models/glm4_moe.py `Attention`: forward(x, meta, kv), write_kv_only(...), forward_train(x)."""
 
-    def __init__(self, cfg: ModelConfig, plane: int) -> None:
+    def __init__(self, cfg: ModelConfig, plane: int, tp_size: int = 1) -> None:
         super().__init__()
-        self.plane = plane
-        self.num_heads = cfg.num_attention_heads
+        self.plane, self.tp_size = plane, tp_size
+        self.num_heads = cfg.num_attention_heads // tp_size  # this rank's heads
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank, self.q_lora_rank = cfg.kv_lora_rank, cfg.q_lora_rank
         self.latent_dim = self.rope_dim + self.rank
@@ -131,7 +135,7 @@ class MLAAttention(nn.Module):
         o_lat = kv.attend_latent(self.plane, q, meta.q_counts, meta.kv_lens, meta.block_tables, written,
                                  self.rope_dim, self.scale)  # fmt: skip
         out = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [T, H, v] = W_UV o_lat per head
-        return self.o_proj(out.reshape(-1, self.num_heads * self.v_dim))
+        return row_parallel(self.o_proj, out.reshape(-1, self.num_heads * self.v_dim), self.tp_size)
 
     def _unfused_absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         w_uk, w_uv = self._split_kv_b()

@@ -14,6 +14,10 @@ HF reference: transformers `Qwen3NextForCausalLM` / `Qwen3_5MoeForCausalLM` / `Q
     main model's post-final-norm hidden and the chained hidden is the post-`mtp.norm` output (as vLLM).
 The main forward takes a `HybridCache` (paged KV + GDN state slots); the draft and commit passes take only the
 paged KV: the MTP layer is full attention and needs no recurrent state (tests/models/test_hybrid_parity.py).
+
+Tensor parallelism follows models/glm4_moe.py (models/sharding.py decides the slices): attention heads, GDN key heads
+with their value heads (models/gdn.py), the shared expert / dense MLP columns, the routed experts over the TP group and
+the vocab split; one all-reduce per block output, the embedding's once per lookup, the logits all-gathered.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from torch import nn
 from models.config import ModelConfig
 from models.feed_forward import MLP
 from models.gdn import GatedDeltaNet, HybridCache
-from models.layers import PagedKV, RMSNorm, StepMeta
+from models.layers import PagedKV, RMSNorm, StepMeta, row_parallel, vocab_parallel_embed, vocab_parallel_logits
+from models.sharding import head_split
 from plugins.mapping import Parallel, RankMapping, rank_mapping
 
 
@@ -47,10 +52,11 @@ class ZeroCentredRMSNorm(RMSNorm):
 class GatedAttention(nn.Module):
     """Qwen3-Next full attention over the paged KV pool: gated output, zero-centred q/k norms, partial rope."""
 
-    def __init__(self, cfg: ModelConfig, plane: int) -> None:
+    def __init__(self, cfg: ModelConfig, plane: int, mapping: RankMapping) -> None:
         super().__init__()
-        self.plane = plane
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.plane, self.tp_size = plane, mapping.tp
+        heads = head_split(cfg, mapping)  # this rank's q heads and the KV heads they use
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.q_heads, heads.kv_heads, cfg.head_dim
         self.rope_dim, self.rope_theta, self.scale = cfg.rotary_dim, cfg.rope_theta, cfg.head_dim**-0.5
         h, bias = cfg.hidden_size, cfg.attention_bias
         self.q_proj = nn.Linear(h, 2 * self.num_heads * self.head_dim, bias=bias)  # per head [q ; gate]
@@ -72,7 +78,7 @@ class GatedAttention(nn.Module):
         written = kv.write(self.plane, k, v, meta.q_counts, meta.write_starts, meta.block_tables)
         out = kv.attend(self.plane, q.contiguous(), meta.q_counts, meta.kv_lens, meta.block_tables, written, self.scale)
         out = out.reshape(-1, self.num_heads * self.head_dim) * torch.sigmoid(gate.reshape(x.shape[0], -1))
-        return self.o_proj(out)
+        return row_parallel(self.o_proj, out, self.tp_size)
 
     def write_kv_only(self, x, counts, starts, block_tables, kv: PagedKV) -> torch.Tensor:
         """The commit pass: K (normed; roped at its position inside the plugin) and V of x."""
@@ -86,12 +92,13 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, mapping: RankMapping) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.ep_size = cfg.n_routed_experts, cfg.num_experts_per_tok, mapping.ep
+        self.tp_size, self.tp_rank = mapping.tp, mapping.tp_rank
         self.norm_topk_prob = cfg.norm_topk_prob
         inter, local = cfg.moe_intermediate_size, cfg.n_routed_experts // mapping.ep
         self.gate = nn.Linear(cfg.hidden_size, cfg.n_routed_experts, bias=False)
         self.w_gate_up = nn.Parameter(torch.zeros(local, 2 * inter, cfg.hidden_size))  # gate rows, then up rows
         self.w_down = nn.Parameter(torch.zeros(local, cfg.hidden_size, inter))
-        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, reduce=False)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, mapping.tp, reduce=False)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +110,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        out = torch.ops.mtp.moe_experts(x, ids, weights, self.w_gate_up, self.w_down, self.num_experts, self.ep_size)
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        args = (x, ids, weights, self.w_gate_up, self.w_down, self.num_experts, self.ep_size)
+        tp_args = (self.tp_size, self.tp_rank) if self.tp_size > 1 else ()  # the TP1 graph keeps its node as it was
+        out = torch.ops.mtp.moe_experts(*args, *tp_args)
+        # the gate is a per-row scalar, the same on every rank: the partial shared outputs sum to the gated whole
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return torch.ops.mtp.all_reduce(out, self.tp_size) if self.tp_size > 1 else out
 
 
 class HybridDecoderLayer(nn.Module):
@@ -115,11 +126,12 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_gdn = kind == "linear_attention"
         if self.is_gdn:
-            self.linear_attn = GatedDeltaNet(cfg, index)  # index: the layer of the GDN state pool
+            self.linear_attn = GatedDeltaNet(cfg, index, mapping.tp)  # index: the layer of the GDN state pool
         else:
-            self.self_attn = GatedAttention(cfg, index)  # index: the KV plane
+            self.self_attn = GatedAttention(cfg, index, mapping)  # index: the KV plane
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = SparseMoE(cfg, mapping) if cfg.has_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = (SparseMoE(cfg, mapping) if cfg.has_moe else
+                               MLP(cfg.hidden_size, cfg.intermediate_size, mapping.tp))  # fmt: skip
 
     def forward(self, x: torch.Tensor, meta: StepMeta, cache: HybridCache | PagedKV) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -156,10 +168,10 @@ class Qwen3NextMTPModel(nn.Module):
     def __init__(self, cfg: ModelConfig, ep_size: int = 1, mapping: RankMapping | None = None) -> None:
         super().__init__()
         m = mapping or rank_mapping(0, Parallel(ep_size, ep_size, 1), cfg.n_routed_experts)
-        if m.tp > 1:
-            raise ValueError(f"{cfg.model_type}: tensor parallelism is not supported for hybrid models; use tp_size 1")
         self.cfg, self.mapping = cfg, m
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        vocab = cfg.vocab_size // m.tp  # vocab-parallel: this rank's rows [vocab_lo, vocab_lo + vocab)
+        self.vocab_lo = m.tp_rank * vocab
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
         index = {"linear_attention": 0, "full_attention": 0}
         layers = []
         for kind in cfg.layer_types:
@@ -168,7 +180,7 @@ class Qwen3NextMTPModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.num_attention_layers = index["full_attention"]
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.mtp = nn.ModuleList(
             [Qwen3NextMTPModule(cfg, self.num_attention_layers + j, m) for j in range(cfg.num_mtp_modules)]
         )
@@ -185,10 +197,10 @@ class Qwen3NextMTPModel(nn.Module):
         return self
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(token_ids)
+        return vocab_parallel_embed(self.embed_tokens, token_ids, self.vocab_lo, self.mapping.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return vocab_parallel_logits(self.lm_head, hidden, self.mapping.tp)
 
     def forward_main(self, input_ids: torch.Tensor, meta: StepMeta, cache: HybridCache) -> torch.Tensor:
         """input_ids [T] -> post-final-norm hidden [T, H]; attention K/V appended, GDN states read/written."""

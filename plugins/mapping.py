@@ -93,36 +93,33 @@ def local_kv_heads(num_kv_heads: int, tp: int) -> int:
 
 
 def check_model(world: int, ep: int, tp: int, *, num_experts: int, num_heads: int, num_kv_heads: int,
-                vocab_size: int, mla: bool = False, inter_sizes: tuple[int, ...] = (), hybrid: str = "",
+                vocab_size: int, mla: bool = False, inter_sizes: tuple[int, ...] = (), gdn_key_heads: int = 0,
                 flags: bool = False) -> None:  # fmt: skip
     """The model-dependent rules of the contract (after `check_parallel`); one-line MappingError.
 
     `inter_sizes`: the dense MLP and shared-expert intermediate sizes (column-parallel: must split over tp).
-    `hybrid`: the model_type of a hybrid (Gated DeltaNet) model, "" otherwise: no TP (its recurrent state is not
-    head-split, so its layers are replicated on every rank); expert parallelism is allowed.
+    `mla`: attention heads split over tp, the latent (one KV row per position) replicated: no KV-head rule.
+    `gdn_key_heads`: a hybrid model's Gated DeltaNet key heads (0: none); its layers split by key head and the value
+    heads grouped under each (models/sharding.py), so tp must divide them.
     """
     check_parallel(world, ep, tp, flags)
     e, t = _flag("ep_size", flags), _flag("tp_size", flags)
-    if hybrid and tp > 1:
-        fix = f"use {t} 1 (drop {t})" if flags else f"use {t} 1 (mtp-run: drop --tp-size)"
-        raise MappingError(f"{hybrid} is a hybrid (Gated DeltaNet) model: tensor parallelism ({t} {tp}) is not "
-                           f"supported for its recurrent layers; {fix}: expert parallelism splits the routed experts "
-                           "over the ranks, GDN and attention replicated")  # fmt: skip
     if num_experts and num_experts % ep:
         raise MappingError(f"n_routed_experts={num_experts} does not split over {e} {ep}; choose an ep size "
                            "that divides the expert count")  # fmt: skip
     if tp == 1:
         return
-    if mla:
-        raise MappingError(f"{t} {tp}: tensor parallelism for MLA attention is not supported yet; use {t} 1 "
-                           "(data-parallel attention with expert parallelism)")  # fmt: skip
+    if gdn_key_heads % tp:
+        raise MappingError(f"linear_num_key_heads={gdn_key_heads} does not split over {t} {tp} (Gated DeltaNet layers "
+                           "split by key head, with its value heads); choose a tp size that divides it")  # fmt: skip
     if num_heads % tp:
         raise MappingError(f"num_attention_heads={num_heads} does not split over {t} {tp}; choose a tp size "
                            "that divides the head count")  # fmt: skip
-    if num_kv_heads >= tp and num_kv_heads % tp:
+    kv_heads = 0 if mla else num_kv_heads  # MLA: one latent KV row per position, the same on every rank
+    if kv_heads >= tp and kv_heads % tp:
         raise MappingError(f"num_key_value_heads={num_kv_heads} does not split over {t} {tp}; choose a tp size "
                            "that divides it (or a multiple of it: KV heads are then replicated)")  # fmt: skip
-    if num_kv_heads < tp and tp % num_kv_heads:
+    if 0 < kv_heads < tp and tp % kv_heads:
         raise MappingError(f"num_key_value_heads={num_kv_heads} cannot be replicated over {t} {tp}; choose a tp "
                            "size that is a multiple of the KV head count")  # fmt: skip
     if vocab_size % tp:

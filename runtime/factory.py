@@ -248,8 +248,8 @@ def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, parallel: Paralle
     w, ep, tp = parallel.world_size, parallel.ep_size, parallel.tp_size
     try:
         check_model(w, ep, tp, num_experts=experts, num_heads=mc.num_attention_heads,
-                    num_kv_heads=mc.num_key_value_heads, vocab_size=mc.vocab_size,
-                    hybrid=mc.model_type if mc.is_hybrid else "")  # fmt: skip
+                    num_kv_heads=mc.num_key_value_heads, vocab_size=mc.vocab_size, mla=mc.is_mla,
+                    gdn_key_heads=mc.linear_num_key_heads if mc.is_hybrid else 0)  # fmt: skip
         mapping = rank_mapping(rank, parallel, experts)
     except MappingError as e:
         raise ConfigError(f"{e} (--checkpoint {checkpoint})") from None

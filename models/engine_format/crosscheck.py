@@ -78,7 +78,8 @@ def _check_state(cfg: EngineConfig) -> None:
     from models.gdn import state_geometry  # models/ imports are heavy, keep them lazy
 
     dtype = getattr(torch, cfg.dtype)
-    want = StateLayout.plan(state_geometry(m, 0, dtype), cfg.limits.max_batch, cfg.num_draft_tokens)
+    want = StateLayout.plan(state_geometry(m, 0, dtype, cfg.parallel.tp_size), cfg.limits.max_batch,
+                            cfg.num_draft_tokens)  # fmt: skip
     for name in want.__dataclass_fields__:
         got, expected = getattr(cfg.state, name), getattr(want, name)
         if got != expected:
@@ -194,7 +195,7 @@ def _check_mapping(cfg: EngineConfig) -> None:
     try:
         check_model(p.world_size, p.ep_size, p.tp_size, num_experts=m.n_routed_experts if m.has_moe else 0,
                     num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads, vocab_size=m.vocab_size,
-                    mla=m.is_mla, hybrid=m.model_type if m.is_hybrid else "")  # fmt: skip
+                    mla=m.is_mla, gdn_key_heads=m.linear_num_key_heads if m.is_hybrid else 0)  # fmt: skip
     except MappingError as e:
         raise _refuse(cfg, f"parallel={p}: {e}") from None
     if len(cfg.graphs) != p.world_size:

@@ -43,7 +43,8 @@ class TorchExecutor:
         # Hybrid models: the GDN state pool beside the KV pool, K+2 slots per request, then the state snapshots of
         # prefix caching (runtime/core/state_pool.py, state_snapshots.py)
         slots = max_batch * (num_draft_tokens + 2) + num_state_snapshots
-        self.state = GDNStatePool.allocate(cfg, slots, self.dtype, self.device) if cfg.is_hybrid else None
+        self.state = (GDNStatePool.allocate(cfg, slots, self.dtype, self.device, model.mapping.tp) if cfg.is_hybrid
+                      else None)  # TP: this rank's heads only
         if self.state is not None:
             cuda_graphs = False  # not captured for hybrid models: the state-slot inputs are not graph buffers
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size

@@ -63,12 +63,13 @@ def test_mtp_run_on_the_engine_is_lossless(mimo):
     assert [got[p] for p in prompts] == expected
 
 
-@pytest.mark.parametrize("flags", [["--tp-size", "2", "--world-size", "2", "--ep-size", "2"]])
-def test_hybrid_checkpoint_tensor_parallel_is_refused_with_one_line(tmp_path, capsys, flags):
-    """Hybrid engines build for ONNX Runtime and AOTInductor (tests/builder/test_hybrid_engine.py; expert-parallel
-    ones: tests/runtime/test_mpi_hybrid.py); tensor parallelism is refused before anything is exported."""
+@pytest.mark.parametrize("flags", [["--tp-size", "4", "--world-size", "4", "--ep-size", "4"]])
+def test_hybrid_tp_size_that_does_not_split_the_gdn_key_heads_is_refused_with_one_line(tmp_path, capsys, flags):
+    """Hybrid engines build for ONNX Runtime and AOTInductor (tests/builder/test_hybrid_engine.py; tensor-parallel
+    ones: tests/runtime/test_mpi_hybrid.py); a tp size that does not divide the GDN key heads (2) is refused before
+    anything is exported."""
     make_hybrid_checkpoint(tmp_path / "ckpt", "qwen3_next", seed=1)
     assert cli.main(_argv(tmp_path / "ckpt", tmp_path / "engine") + flags) != 0
     err = capsys.readouterr().err
-    assert "hybrid (Gated DeltaNet)" in err and flags[0] in err and "Traceback" not in err
+    assert "linear_num_key_heads=2 does not split over --tp-size 4" in err and "Traceback" not in err
     assert not (tmp_path / "engine").exists()

@@ -55,10 +55,19 @@ def test_rank_mapping_follows_the_contract() -> None:
         (4, 4, 4, {"num_kv_heads": 3, "num_heads": 12}, "num_key_value_heads=3 cannot be replicated"),
         (2, 2, 2, {"vocab_size": 97}, "vocab_size=97 does not split over tp_size 2"),
         (2, 2, 2, {"num_experts": 3}, "n_routed_experts=3 does not split over ep_size 2"),
-        (2, 2, 2, {"mla": True}, "MLA attention is not supported yet"),
+        (4, 4, 4, {"gdn_key_heads": 2}, "linear_num_key_heads=2 does not split over tp_size 4"),
+        (4, 4, 4, {"mla": True, "num_heads": 6}, "num_attention_heads=6 does not split over tp_size 4"),
     ],
 )
 def test_bad_mappings_are_refused(world, ep, tp, kw, message) -> None:
     args = {"num_experts": 8, "num_heads": 8, "num_kv_heads": 2, "vocab_size": 96, **kw}
     with pytest.raises(MappingError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_model(world, ep, tp, **args)
+
+
+def test_mla_and_gdn_tensor_parallel_mappings_are_allowed() -> None:
+    """MLA splits its heads and replicates the latent (its num_key_value_heads plays no part: 3 does not split over
+    2); GDN layers split by key head when tp divides them."""
+    args = {"num_experts": 8, "num_heads": 8, "vocab_size": 96}
+    check_model(2, 2, 2, num_kv_heads=3, mla=True, **args)
+    check_model(4, 4, 4, num_kv_heads=2, gdn_key_heads=4, **args)

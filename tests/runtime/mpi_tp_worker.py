@@ -1,5 +1,8 @@
 """Run under `mpirun -np N python mpi_tp_worker.py SOURCE OUT MODE TP EP KS`: tensor-parallel serving.
 
+SOURCE may name several directories, comma-separated: they run one after another in one launch (starting the ranks
+is most of a small model's cost on a 2-core machine) and OUT holds a JSON list, one results object per source.
+
 SOURCE: a checkpoint directory (torch executor, weights replicated over the TP group, EP 1 or N) or an
 engine directory built with --tp-size (executor $MTP_TEST_EXECUTOR, default auto: its compiled packages when it
 has them, else onnxruntime; its config gives TP and EP, the TP/EP arguments must match).
@@ -7,7 +10,8 @@ Each DP leader serves its share of PROMPTS (chunked prefill, a shared prefix for
 arriving mid-run so batches mix prefill and decode); followers replay. For each K in KS (comma-separated) a
 fresh engine runs ("auto": the leaders agree on each step's k over the leaders comm); rank 0 writes {"K": {"outputs": ..., "calls": [per-rank executor calls], "heads": [per-rank q heads],
 "collective_seconds": [...], "accepted": [per-rank (accepted, proposed) drafts per position],
-"experts": [per-rank routed experts held], "executors": [per-rank executor class], "prefix_hit_tokens": leaders' sum}}
+"experts": [per-rank routed experts held], "executors": [per-rank executor class], "prefix_hit_tokens": leaders' sum,
+"gdn_heads": [per-rank Gated DeltaNet value heads (null: no GDN layer)]}}
 to OUT.
 MODE "ok": as above. MODE "kill": every rank writes its pid to OUT.pid<rank>, the leaders serve forever.
 MODE "idle": the leader idles (no step in progress) for 2.5 x the collective timeout after its second step:
@@ -91,31 +95,33 @@ def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: 
         role.stop()
     model = getattr(role.executor, "model", None)  # torch executor: this rank's q heads (a hybrid's first attention)
     attn = next((layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")), None) if model else None
+    gdn = next((layer.linear_attn for layer in model.layers if hasattr(layer, "linear_attn")), None) if model else None
     named = model.named_parameters() if model else ()
     experts = next((p.shape[0] for n, p in named if n.endswith("w_gate_up")), None)  # routed experts held here
     met = engine.metrics
     accepted = (met.accepted_per_position, met.proposed_per_position) if role.is_leader else ([], [])
     hits = met.prefix_hit_tokens if role.is_leader else 0
     gathered = comm.gather((outputs, role.num_calls, attn and attn.num_heads, collective_seconds(), accepted, experts,
-                            type(role.executor).__name__, hits),
+                            type(role.executor).__name__, hits, gdn and gdn.hv),
                            root=0)  # fmt: skip
     if rank != 0:
         return None
     return {"outputs": {key: v for g in gathered for key, v in g[0].items()}, "calls": [g[1] for g in gathered],
             "heads": [g[2] for g in gathered], "collective_seconds": [g[3] for g in gathered],
             "accepted": [g[4] for g in gathered], "experts": [g[5] for g in gathered],
-            "executors": [g[6] for g in gathered], "prefix_hit_tokens": sum(g[7] for g in gathered)}
+            "executors": [g[6] for g in gathered], "prefix_hit_tokens": sum(g[7] for g in gathered),
+            "gdn_heads": [g[8] for g in gathered]}
 
 
 def main() -> None:
-    source, out_path, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    sources, out_path, mode = [Path(s) for s in sys.argv[1].split(",")], sys.argv[2], sys.argv[3]
     tp, ep, ks = int(sys.argv[4]), int(sys.argv[5]), [k if k == "auto" else int(k) for k in sys.argv[6].split(",")]
     timeout = float(os.environ.get("MTP_TEST_COLLECTIVE_TIMEOUT", "60"))
     os.environ["OUT"] = out_path
     comm, rank, _ = mpi_world()
-    results = {str(k): run_one(source, k, tp, ep, timeout, mode, comm) for k in ks}
+    results = [{str(k): run_one(source, k, tp, ep, timeout, mode, comm) for k in ks} for source in sources]
     if rank == 0:
-        Path(out_path).write_text(json.dumps(results))
+        Path(out_path).write_text(json.dumps(results[0] if len(sources) == 1 else results))
 
 
 if __name__ == "__main__":

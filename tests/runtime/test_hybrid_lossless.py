@@ -143,18 +143,17 @@ def test_rejection_sampling_is_lossless(checkpoint):
         assert stat < chi2_critical(df), f"token {col + 1}: chi2={stat:.1f} > {chi2_critical(df):.1f} (df={df})"
 
 
-def test_tensor_parallelism_is_refused_with_one_line(checkpoint):
-    """The GDN recurrent state is not head-split: hybrid TP is refused while loading (before any rank joins a
-    collective), naming expert parallelism, which runs (tests/runtime/test_mpi_hybrid.py)."""
+def test_a_tp_size_that_does_not_split_the_gdn_key_heads_is_refused_with_one_line(checkpoint):
+    """GDN layers split by key head (2 here): TP4 is refused while loading, before any rank joins a collective (TP2
+    runs: tests/runtime/test_mpi_hybrid.py)."""
     from runtime.core.config import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        create_engine(checkpoint=checkpoint("qwen3_next"), executor="torch", rank=0, world_size=2, tp_size=2,
-                      ep_size=2, num_draft_tokens=1, block_size=4, num_blocks=64, max_batch=2, max_num_tokens=32,
+        create_engine(checkpoint=checkpoint("qwen3_next"), executor="torch", rank=0, world_size=4, tp_size=4,
+                      ep_size=4, num_draft_tokens=1, block_size=4, num_blocks=64, max_batch=2, max_num_tokens=32,
                       max_seq_len=64)  # fmt: skip
     msg = str(e.value)
-    assert "\n" not in msg and "hybrid (Gated DeltaNet)" in msg, msg
-    assert "use tp_size 1 (mtp-run: drop --tp-size)" in msg, msg
+    assert "\n" not in msg and "linear_num_key_heads=2 does not split over tp_size 4" in msg, msg
 
 
 def test_an_executor_with_too_few_state_slots_is_refused(checkpoint):
