@@ -132,13 +132,13 @@ class DSAAttention(MLAAttention):
     def select(self, x: torch.Tensor, q_resid: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         """int64 [T, index_topk]: the positions each row attends to (its indexer's top-k; -1 = unused slot)."""
         q_idx, weights = self.indexer.queries(x, q_resid, meta.positions)
-        pool = view_pool(int(kv.pool_ptr[0]), kv.geom)
+        pool = view_pool(int(kv.pool_ptr[0]), kv.geom, x.device)
         return dsa_index_topk(pool, q_idx, weights, meta.q_counts, meta.kv_lens, meta.block_tables, self.index_plane,
                               self.index_topk, self.indexer.scale)  # fmt: skip
 
     def sparse_attention(self, x, q, q_resid, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         selected = self.select(x, q_resid, meta, kv)
-        pool = view_pool(int(kv.pool_ptr[0]), kv.geom)
+        pool = view_pool(int(kv.pool_ptr[0]), kv.geom, x.device)
         return dsa_sparse_attention(pool, q, meta.q_counts, meta.block_tables, selected, self.plane, self.rope_dim,
                                     self.scale)  # fmt: skip
 

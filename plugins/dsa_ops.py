@@ -16,7 +16,7 @@ import torch
 
 def _slots(block_tables: torch.Tensor, r: int, n: int, block_size: int) -> torch.Tensor:
     """Flat pool slots (block * block_size + offset) of request r's positions 0..n-1."""
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=block_tables.device)
     return block_tables[r, pos // block_size].long() * block_size + pos % block_size
 
 
@@ -29,7 +29,7 @@ def dsa_index_topk(pool, q, weights, q_counts, kv_lens, block_tables, plane: int
     """`dsa_index_topk_ref`, vectorised: int64 [T, topk] selected positions, -1 = unused slot."""
     block_size, dim = pool.shape[3], q.shape[-1]
     rows = _plane_rows(pool, plane)
-    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64)
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
     row = 0
     for r in range(q_counts.shape[0]):
         n_q, n_kv = int(q_counts[r]), int(kv_lens[r])
@@ -39,12 +39,12 @@ def dsa_index_topk(pool, q, weights, q_counts, kv_lens, block_tables, plane: int
         qr = q[row : row + n_q].float()  # [n_q, Hi, Di]
         per_head = torch.relu(torch.matmul(qr, keys.T) * scale)  # [n_q, Hi, n_kv]
         scores = torch.matmul(weights[row : row + n_q].float().unsqueeze(-2), per_head).squeeze(-2)  # [n_q, n_kv]
-        q_pos = n_kv - n_q + torch.arange(n_q)
-        scores = scores.masked_fill(torch.arange(n_kv)[None, :] > q_pos[:, None], float("-inf"))
+        q_pos = n_kv - n_q + torch.arange(n_q, device=q.device)
+        scores = scores.masked_fill(torch.arange(n_kv, device=q.device)[None, :] > q_pos[:, None], float("-inf"))
         k = min(topk, n_kv)
         picked = scores.topk(k, dim=-1).indices
         visible = (q_pos + 1)[:, None]  # a row seeing fewer than k positions picked masked ones too: drop them
-        out[row : row + n_q, :k] = torch.where(torch.arange(k)[None, :] < visible, picked, -1)
+        out[row : row + n_q, :k] = torch.where(torch.arange(k, device=q.device)[None, :] < visible, picked, -1)
         row += n_q
     return out
 
@@ -53,7 +53,7 @@ def dsa_sparse_attention(pool, q, q_counts, block_tables, selected, plane: int, 
     """`dsa_sparse_attention_ref`, vectorised: [T, H, latent_dim - rope_dim] in q's dtype."""
     block_size = pool.shape[3]
     rows = _plane_rows(pool, plane)
-    out = torch.zeros(q.shape[0], q.shape[1], q.shape[2] - rope_dim, dtype=q.dtype)
+    out = torch.zeros(q.shape[0], q.shape[1], q.shape[2] - rope_dim, dtype=q.dtype, device=q.device)
     row = 0
     for r in range(q_counts.shape[0]):
         n_q = int(q_counts[r])

@@ -182,3 +182,15 @@ def test_commit_pass_writes_the_mtp_indexer_keys(dsa, variant):
         _, logits = ours.forward_draft(hidden[n - 2 : n - 1], ids[n - 1 :], torch.tensor([n - 2]),
                                        torch.tensor([1], dtype=I32), table, kv)  # fmt: skip
     torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_build_is_refused_in_one_line(dsa, tmp_path, capsys):
+    """mtp-build of a DSA checkpoint: no engine form yet (docs/MODELS.md), one line naming the way to run it."""
+    from builder import cli
+
+    path = dsa("glm5")[0]
+    capsys.readouterr()  # the checkpoint writer's progress lines
+    assert cli.main(["--checkpoint", str(path), "--output", str(tmp_path / "engine")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "glm_moe_dsa uses DeepSeek Sparse Attention" in err[0] and "mtp-run --checkpoint" in err[0]
+    assert not (tmp_path / "engine").exists()
