@@ -5,9 +5,9 @@ its own small heads (index_n_heads x index_head_dim): a key per position, `k_nor
 its first qk_rope_head_dim dims, and per query row the queries `wq_b(q_resid)` (q_resid = q_a_layernorm(q_a_proj(x)),
 the MLA query latent) and per-head weights `weights_proj(x) / sqrt(index_n_heads)`. Its score of a cached position s
 for row t is sum_h w[t, h] relu(q[t, h] . k[s] / sqrt(index_head_dim)); the row attends (absorbed MLA, models/mla.py)
-only to the `index_topk` best visible positions (plugins/dsa_ops.py; semantics in plugins/dsa_reference.py). While a
-request has at most index_topk cached positions every visible one is selected: the layer is dense attention and runs
-the MLA paged-attention op without scoring.
+only to the `index_topk` best visible positions (plugins/dsa_ops.py: the selection is a C++ kernel on CPU; the
+semantics in plugins/dsa_reference.py). While a request has at most index_topk cached positions every visible one
+is selected: the layer is dense attention and runs the MLA paged-attention op without scoring.
 
 The indexer keys are cached in the paged pool beside the latent KV: a DSA model's pool has twice the planes, the
 indexer-key plane of the layer owning latent plane p is p + num_attention_planes (models/config.py num_kv_planes),
@@ -30,7 +30,7 @@ from models.config import ModelConfig, num_kv_planes
 from models.config_dsa import INTERLEAVED_INDEXER_ROPE
 from models.layers import PagedKV, StepMeta
 from models.mla import MLAAttention, mla_rope
-from plugins.dsa_ops import dsa_index_topk, dsa_sparse_attention
+from plugins.dsa_ops import dsa_sparse_attention, index_topk
 from plugins.kv_pool import view_pool
 from plugins.rope import apply_rope_freq
 
@@ -132,9 +132,8 @@ class DSAAttention(MLAAttention):
     def select(self, x: torch.Tensor, q_resid: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         """int64 [T, index_topk]: the positions each row attends to (its indexer's top-k; -1 = unused slot)."""
         q_idx, weights = self.indexer.queries(x, q_resid, meta.positions)
-        pool = view_pool(int(kv.pool_ptr[0]), kv.geom, x.device)
-        return dsa_index_topk(pool, q_idx, weights, meta.q_counts, meta.kv_lens, meta.block_tables, self.index_plane,
-                              self.index_topk, self.indexer.scale)  # fmt: skip
+        return index_topk(kv.pool_ptr, kv.geom, q_idx, weights, meta.q_counts, meta.kv_lens, meta.block_tables,
+                          self.index_plane, self.index_topk, self.indexer.scale)  # fmt: skip
 
     def sparse_attention(self, x, q, q_resid, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         selected = self.select(x, q_resid, meta, kv)

@@ -13,6 +13,27 @@ from __future__ import annotations
 
 import torch
 
+import plugins.cpp_ops  # noqa: F401  (loads the C++ library: the mtp::dsa_index_topk schema and CPU kernel)
+from plugins.kv_pool import KVPoolGeometry, view_pool
+
+
+@torch.library.register_fake("mtp::dsa_index_topk")
+def _(q, weights, q_counts, kv_lens, block_tables, pool_ptr, plane, num_planes, num_blocks, block_size, row_dim,
+      dtype, topk, scale):  # fmt: skip
+    return q.new_empty(q.shape[0], topk, dtype=torch.int64)
+
+
+def index_topk(pool_ptr: torch.Tensor, geom: KVPoolGeometry, q, weights, q_counts, kv_lens, block_tables, plane: int,
+               topk: int, scale: float) -> torch.Tensor:  # fmt: skip
+    """int64 [T, topk] selected positions per row (-1 = unused): the indexer-key plane `plane` of the pool at
+    `pool_ptr` scored by queries q [T, heads, dim] with per-head weights [T, heads] (`dsa_index_topk_ref`)."""
+    if q.device.type == "cpu":
+        return torch.ops.mtp.dsa_index_topk(q.float(), weights.float(), q_counts, kv_lens, block_tables, pool_ptr,
+                                            plane, geom.num_planes, geom.num_blocks, geom.block_size, geom.head_dim,
+                                            geom.dtype_code, topk, scale)  # fmt: skip
+    pool = view_pool(int(pool_ptr[0]), geom, q.device)
+    return dsa_index_topk(pool, q, weights, q_counts, kv_lens, block_tables, plane, topk, scale)
+
 
 def _slots(block_tables: torch.Tensor, r: int, n: int, block_size: int) -> torch.Tensor:
     """Flat pool slots (block * block_size + offset) of request r's positions 0..n-1."""

@@ -1,14 +1,17 @@
-"""DeepSeek Sparse Attention ops (plugins/dsa_ops.py) against their position-by-position reference
-(plugins/dsa_reference.py), and the reference against the dense MLA reference below index_topk."""
+"""DeepSeek Sparse Attention ops (plugins/dsa_ops.py, the C++ kernel mtp::dsa_index_topk on every instruction set)
+against their position-by-position reference (plugins/dsa_reference.py), and the sparse attention against the dense
+MLA reference below index_topk."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from plugins.dsa_ops import dsa_index_topk, dsa_sparse_attention
+from plugins.dsa_ops import dsa_index_topk, dsa_sparse_attention, index_topk
 from plugins.dsa_reference import dsa_index_topk_ref, dsa_sparse_attention_ref
+from plugins.kv_pool import DTYPE_CODES, KVPoolGeometry, allocate_pool, pool_address
 from plugins.reference import mla_paged_attention_ref
+from tests.plugins.test_cpp_ops import ISAS
 
 BLOCK, LATENT, ROPE, HEADS, IDX_HEADS, IDX_DIM, TOPK = 4, 10, 4, 3, 4, 6, 8
 # three requests: a chunk of 5 rows over 30 cached positions (past TOPK), a 5-row prefill (below it), a padded one
@@ -48,3 +51,45 @@ def test_sparse_attention_matches_reference_and_is_dense_below_topk(case):
     dense = mla_paged_attention_ref(pool, q, Q_COUNTS, KV_LENS, tables, 0, ROPE, 0.3)
     torch.testing.assert_close(got[5:], dense[5:])  # the request below TOPK: every visible position selected
     assert (got[:5] - dense[:5]).abs().max() > 1e-2, "past TOPK the selection must change the result"
+
+
+def _rows(selected: torch.Tensor) -> list[list[int]]:
+    return [sorted(r.tolist()) for r in selected]
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_index_topk_matches_reference_on_every_isa(isa, dtype):
+    """GLM-5's indexer width (128 of a 576-value row: the AVX loops' full chunks) over a pool of `dtype`, the same
+    three requests (past TOPK, below it, padded) and a padding row past sum(q_counts)."""
+    g = torch.Generator().manual_seed(1)
+    geom = KVPoolGeometry(3, 16, BLOCK, 1, 576, DTYPE_CODES[dtype], kv_kind=1)
+    pool = allocate_pool(geom)
+    pool.copy_(torch.randn(pool.shape, generator=g).to(dtype))
+    tables = torch.full((3, 8), -1, dtype=torch.int32)
+    tables[0], tables[1, :2] = torch.arange(8, 0, -1), torch.tensor([12, 9])
+    t = int(Q_COUNTS.sum()) + 1
+    q, weights = torch.randn(t, 4, 128, generator=g), torch.randn(t, 4, generator=g)
+    got = index_topk(pool_address(pool), geom, q, weights, Q_COUNTS, KV_LENS, tables, 2, TOPK, 128**-0.5)
+    want = dsa_index_topk_ref(pool, q, weights, Q_COUNTS, KV_LENS, tables, 2, TOPK, 128**-0.5)
+    assert _rows(got) == _rows(want) and (got[-1] == -1).all()
+    assert _rows(got) == _rows(dsa_index_topk(pool, q, weights, Q_COUNTS, KV_LENS, tables, 2, TOPK, 128**-0.5))
+
+
+def test_cpp_index_topk_bad_input_is_one_line():
+    geom = KVPoolGeometry(1, 4, BLOCK, 1, 16, 0, kv_kind=1)
+    pool = allocate_pool(geom)
+    q, tables = torch.zeros(2, 2, 8), torch.tensor([[1, 2]], dtype=torch.int32)
+    args = (torch.tensor([2], dtype=torch.int32), torch.tensor([5], dtype=torch.int32), tables, pool_address(pool), 0,
+            1, 4, BLOCK, 16, 0, 4, 0.1)  # fmt: skip
+    with pytest.raises(ValueError, match=r"weights must be \[T, heads\] = \[2, 2\], got \(2, 3\)"):
+        torch.ops.mtp.dsa_index_topk(q, torch.zeros(2, 3), *args)
+    with pytest.raises(ValueError, match="need more than the 2 block-table columns"):
+        torch.ops.mtp.dsa_index_topk(q, torch.zeros(2, 2), args[0], torch.tensor([9], dtype=torch.int32), *args[2:])
+
+
+def test_the_cpu_kernel_is_the_cpp_library():
+    dump = torch._C._dispatch_dump("mtp::dsa_index_topk")
+    cpu = [line for line in dump.splitlines() if line.startswith("CPU:")]
+    assert len(cpu) == 1 and "plugins/csrc/dsa_index_topk.cpp" in cpu[0], dump
+    assert "registration.cpp" in dump.split("debug:")[1].splitlines()[0], dump

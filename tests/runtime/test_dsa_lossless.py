@@ -50,8 +50,8 @@ def test_reference_matches_hugging_face_greedy(checkpoint, reference, variant):
         assert out[0, len(prompt) :].tolist() == ours
 
 
-@pytest.mark.parametrize("variant", list(DSA_VARIANTS))
-@pytest.mark.parametrize("k, chunk", [(1, 256), (2, 6), (3, 6)])  # 6 splits prompts mid-block and across blocks
+# each K once, both families; chunk 6 splits prompts mid-block and across blocks (test time: docs/MODELS.md)
+@pytest.mark.parametrize("variant, k, chunk", [("glm5", 1, 256), ("dsv32", 2, 6), ("glm5", 3, 6)])
 def test_mtp_greedy_is_lossless(checkpoint, reference, variant, k, chunk):
     got, engine = run(checkpoint(variant), k, max_prefill_chunk=chunk)
     assert got == reference(variant)
@@ -60,7 +60,7 @@ def test_mtp_greedy_is_lossless(checkpoint, reference, variant, k, chunk):
     assert engine.metrics.acceptance_rate_per_position[0] > 0.1, "accepted drafts must be exercised"
 
 
-@pytest.mark.parametrize("variant", list(DSA_VARIANTS))
+@pytest.mark.parametrize("variant", ["glm5"])
 def test_lossless_with_copy_on_write_prefix_hits_and_preemption(checkpoint, reference, variant):
     got, engine = run(checkpoint(variant), 2, prefix_cache_cow=True)
     assert got == reference(variant) and engine.kv.stats.num_cow_copies > 0
