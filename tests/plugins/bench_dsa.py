@@ -5,8 +5,8 @@
 
 One layer, one decode row (a request whose context is `ctx` cached positions), GLM-5's attention geometry cut to 16
 heads: latent 64 rope + 512 c_kv, indexer 32 heads x 128, block 64. Per case the median over rounds of:
-  select  `dsa_index_topk`: the indexer scores every cached position, then top-k (grows with the context, cheaply:
-          32 x 128 multiply-adds per position)
+  select  `index_topk` (the C++ kernel mtp::dsa_index_topk, what the model runs on CPU): the indexer scores every
+          cached position, then top-k (grows with the context, cheaply: 32 x 128 multiply-adds per position)
   sparse  `dsa_sparse_attention`: absorbed attention over the index_topk selected latents (grows with index_topk)
   dense   `mtp::mla_paged_attention` (C++): the same attention over every cached position, for comparison
 """
@@ -20,7 +20,7 @@ import time
 import torch
 
 import plugins.mla_ops  # noqa: F401  (torch.ops.mtp.mla_paged_attention)
-from plugins.dsa_ops import dsa_index_topk, dsa_sparse_attention
+from plugins.dsa_ops import dsa_sparse_attention, index_topk
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 
 HEADS, ROPE, RANK, IDX_HEADS, IDX_DIM, BLOCK = 16, 64, 512, 32, 128, 64
@@ -64,9 +64,9 @@ def main() -> None:
             q, one, lens, table, ptr, after, 0, geom.num_planes, geom.num_blocks, BLOCK, ROPE + RANK, 0, ROPE, 0.1),
             args.rounds)  # fmt: skip
         for topk in (int(k) for k in args.topks.split(",")):
-            sel = dsa_index_topk(pool, q_idx, weights, one, lens, table, 1, topk, IDX_DIM**-0.5)
-            select = _median_us(lambda: dsa_index_topk(pool, q_idx, weights, one, lens, table, 1, topk,  # noqa: B023
-                                                       IDX_DIM**-0.5), args.rounds)  # fmt: skip
+            sel = index_topk(ptr, geom, q_idx, weights, one, lens, table, 1, topk, IDX_DIM**-0.5)
+            select = _median_us(lambda: index_topk(ptr, geom, q_idx, weights, one, lens, table, 1, topk,  # noqa: B023
+                                                   IDX_DIM**-0.5), args.rounds)  # fmt: skip
             sparse = _median_us(lambda: dsa_sparse_attention(pool, q, one, table, sel, 0, ROPE, 0.1),  # noqa: B023
                                 args.rounds)  # fmt: skip
             print(f"{ctx:>8} {topk:>10} {select:>9.0f} {sparse:>9.0f} {dense:>9.0f}")
