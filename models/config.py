@@ -96,6 +96,7 @@ class ModelConfig:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    index_pattern: str = ""  # GLM-5: one char per main layer, "F" runs its indexer, "S" reuses the last F's top-k
 
     @property
     def is_mla(self) -> bool:
@@ -287,7 +288,7 @@ _OPTIONAL_FIELDS = frozenset({
     "rope_type", "rope_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "rope_mscale",
     "rope_mscale_all_dim", "rope_attention_factor", "rope_truncate", "layer_types", "linear_conv_kernel_dim",
     "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
-    "shared_expert_intermediate_size", "index_n_heads", "index_head_dim", "index_topk",
+    "shared_expert_intermediate_size", "index_n_heads", "index_head_dim", "index_topk", "index_pattern",
 })  # fmt: skip
 
 

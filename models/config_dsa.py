@@ -3,8 +3,9 @@
 `deepseek_v32` (DeepSeek-V3.2, `DeepseekV32ForCausalLM`) and `glm_moe_dsa` (GLM-5, `GlmMoeDsaForCausalLM`) are MLA
 (models/mla.py) plus a lightning indexer per attention layer (models/dsa.py): `index_n_heads` heads of
 `index_head_dim` score every cached position through the layer's own cached indexer keys, and each query attends
-only to the `index_topk` best. models/config.py calls `dsa_fields` for these model types; what the engine does
-not implement (GLM's "shared" indexer layers that reuse a previous layer's top-k) is refused with one line.
+only to the `index_topk` best. GLM-5 may mark layers "shared" (`indexer_types`, or `index_topk_freq` /
+`index_skip_topk_offset`): those have no indexer and reuse the last full layer's top-k (ModelConfig.index_pattern).
+models/config.py calls `dsa_fields` for these model types.
 """
 
 from __future__ import annotations
@@ -53,14 +54,16 @@ def dsa_fields(hf: dict[str, Any], f: Fields) -> dict[str, Any]:
     if f.raw.get("rope_interleave") is False:
         raise ConfigError(f"{model_type} always ropes its MLA rows as interleaved pairs; remove rope_interleave=false "
                           "from config.json")  # fmt: skip
-    types = indexer_types(hf, f.integer("num_hidden_layers"))
-    if any(t != "full" for t in types):
-        raise ConfigError(f"indexer_types {types} has 'shared' layers (reusing a previous layer's top-k); only "
-                          "'full' (every layer runs its own indexer) is supported")  # fmt: skip
+    num_layers = f.integer("num_hidden_layers")
+    types = indexer_types(hf, num_layers) if model_type == "glm_moe_dsa" else ["full"] * num_layers
+    if len(types) != num_layers or any(t not in ("full", "shared") for t in types) or types[0] != "full":
+        raise ConfigError(f"indexer_types must list {num_layers} entries of 'full' / 'shared', the first 'full' (a "
+                          f"shared layer reuses the last full layer's top-k), got {types}; fix config.json")  # fmt: skip
     return {
         "index_n_heads": f.integer("index_n_heads", 64 if model_type == "deepseek_v32" else 32),
         "index_head_dim": f.integer("index_head_dim", 128),
         "index_topk": f.integer("index_topk", 2048),
+        "index_pattern": "" if "shared" not in types else "".join("S" if t == "shared" else "F" for t in types),
     }
 
 
@@ -78,6 +81,10 @@ def validate_dsa(cfg: Any) -> None:
                           "indexer ropes its first qk_rope_head_dim dims and its keys live in latent-pool rows")  # fmt: skip
     if cfg.q_lora_rank <= 0:
         raise ConfigError(f"{cfg.model_type} needs q_lora_rank > 0 (its indexer reads the query latent)")
+    pattern = cfg.index_pattern
+    if pattern and (len(pattern) != cfg.num_hidden_layers or set(pattern) - {"F", "S"} or pattern[0] != "F"):
+        raise ConfigError(f"index_pattern {pattern!r} must have one 'F' (own indexer) or 'S' (shared top-k) per main "
+                          f"layer ({cfg.num_hidden_layers}), starting with 'F'")  # fmt: skip
 
 
 def dsa_hf_fields(cfg: Any) -> dict[str, Any]:
@@ -87,5 +94,5 @@ def dsa_hf_fields(cfg: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"architectures": [DSA_ARCHITECTURES[cfg.model_type]], "index_n_heads": cfg.index_n_heads,
                            "index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk}  # fmt: skip
     if cfg.model_type == "glm_moe_dsa":
-        out["indexer_types"] = ["full"] * cfg.num_hidden_layers
+        out["indexer_types"] = ["shared" if c == "S" else "full" for c in cfg.index_pattern or "F" * cfg.num_hidden_layers]
     return out

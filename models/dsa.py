@@ -88,8 +88,11 @@ class DSAAttention(MLAAttention):
 
     def __init__(self, cfg: ModelConfig, plane: int) -> None:
         super().__init__(cfg, plane)
-        self.indexer = Indexer(cfg)
-        self.index_plane = plane + num_kv_planes(cfg) // 2  # this layer's indexer-key plane
+        # GLM-5 "shared" main layers have no indexer: they reuse the last full layer's top-k of this forward (kept in
+        # StepMeta.derived). The MTP layer (plane >= num_hidden_layers) always runs its own.
+        self.shares_topk = cfg.index_pattern[plane : plane + 1] == "S"
+        self.indexer: Indexer | None = None if self.shares_topk else Indexer(cfg)
+        self.index_plane = plane + num_kv_planes(cfg) // 2  # this layer's indexer-key plane (unused when shared)
         self.index_topk = cfg.index_topk
 
     def _project_dsa(self, x: torch.Tensor):
@@ -106,10 +109,12 @@ class DSAAttention(MLAAttention):
         c_kv, k_pe = kv.split([self.rank, self.rope_dim], dim=-1)
         return q_nope, q_pe, self.kv_a_layernorm(c_kv), k_pe, q_resid
 
-    def _write_keys(self, x, positions, counts, starts, block_tables, kv: PagedKV) -> torch.Tensor:
+    def _write_keys(self, x, positions, counts, starts, block_tables, kv: PagedKV) -> None:
+        if self.indexer is None:
+            return
         keys = self.indexer.keys(x, positions)
         row = F.pad(keys, (0, self.latent_dim - keys.shape[-1]))  # the key in the first index_head_dim values
-        return kv.write_latent(self.index_plane, row, counts, starts, block_tables, self._freqs(x.device))
+        kv.write_latent(self.index_plane, row, counts, starts, block_tables, self._freqs(x.device))
 
     def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         q_nope, q_pe, c_kv, k_pe, q_resid = self._project_dsa(x)
@@ -130,10 +135,15 @@ class DSAAttention(MLAAttention):
         return self.o_proj(out.reshape(-1, self.num_heads * self.v_dim))
 
     def select(self, x: torch.Tensor, q_resid: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
-        """int64 [T, index_topk]: the positions each row attends to (its indexer's top-k; -1 = unused slot)."""
+        """int64 [T, index_topk]: the positions each row attends to (its indexer's top-k, or the last full layer's
+        for a shared layer; -1 = unused slot)."""
+        if self.indexer is None:
+            return meta.derived["dsa_topk"]
         q_idx, weights = self.indexer.queries(x, q_resid, meta.positions)
-        return index_topk(kv.pool_ptr, kv.geom, q_idx, weights, meta.q_counts, meta.kv_lens, meta.block_tables,
-                          self.index_plane, self.index_topk, self.indexer.scale)  # fmt: skip
+        selected = index_topk(kv.pool_ptr, kv.geom, q_idx, weights, meta.q_counts, meta.kv_lens, meta.block_tables,
+                              self.index_plane, self.index_topk, self.indexer.scale)  # fmt: skip
+        meta.derived["dsa_topk"] = selected  # for the shared layers after this one
+        return selected
 
     def sparse_attention(self, x, q, q_resid, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         selected = self.select(x, q_resid, meta, kv)

@@ -19,7 +19,8 @@ DSA_BASE = {**{k: v for k, v in MLA_BASE.items() if k != "rope_interleave"}, "in
 # The parity variants (tests/models/test_dsa_parity.py, tests/runtime/test_dsa_lossless.py): model_type + overrides.
 DSA_VARIANTS: dict[str, tuple[str, dict]] = {
     "dsv32": ("deepseek_v32", dict(n_group=4, topk_group=2, rope_parameters=YARN)),  # neox indexer rope, YaRN
-    "glm5": ("glm_moe_dsa", {}),  # interleaved indexer rope
+    # interleaved indexer rope; layer 1 "shared" (no indexer: reuses layer 0's top-k), layer 2 runs its own again
+    "glm5": ("glm_moe_dsa", dict(num_hidden_layers=3, indexer_types=["full", "shared", "full"])),
 }
 
 

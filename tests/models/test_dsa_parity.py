@@ -49,8 +49,11 @@ def test_config_import_and_refusals():
     cfg = ModelConfig.from_hf_dict(hf)
     assert (cfg.is_dsa, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (True, 32, 128, 64)
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(ConfigError, match=r"'shared' layers .* only 'full'"):
-        ModelConfig.from_hf_dict({**hf, "indexer_types": ["full", "shared", "full", "full"]})
+    shared = ModelConfig.from_hf_dict({**hf, "indexer_types": None, "index_topk_freq": 2, "index_skip_topk_offset": 1})
+    assert shared.index_pattern == "FSFS"  # transformers' schedule: full where (i - offset + 1) % freq == 0
+    assert ModelConfig.from_dict(shared.to_dict()) == shared
+    with pytest.raises(ConfigError, match="the first 'full'"):
+        ModelConfig.from_hf_dict({**hf, "indexer_types": ["shared", "full", "full", "full"]})
     with pytest.raises(ConfigError, match="index_head_dim=600 must be in"):
         ModelConfig.from_hf_dict({**hf, "index_head_dim": 600})
     with pytest.raises(ConfigError, match="needs q_lora_rank > 0"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -60,17 +61,14 @@ def main() -> None:
     for ctx in (int(c) for c in args.contexts.split(",")):
         geom, pool, table, q_idx, weights, q, one, lens = _case(ctx, gen)
         ptr, after = pool_address(pool), torch.zeros(1, dtype=torch.int64)
-        dense = _median_us(lambda: torch.ops.mtp.mla_paged_attention(
-            q, one, lens, table, ptr, after, 0, geom.num_planes, geom.num_blocks, BLOCK, ROPE + RANK, 0, ROPE, 0.1),
-            args.rounds)  # fmt: skip
+        dense = _median_us(partial(torch.ops.mtp.mla_paged_attention, q, one, lens, table, ptr, after, 0,
+                                   geom.num_planes, geom.num_blocks, BLOCK, ROPE + RANK, 0, ROPE, 0.1), args.rounds)  # fmt: skip
         for topk in (int(k) for k in args.topks.split(",")):
-            sel = index_topk(ptr, geom, q_idx, weights, one, lens, table, 1, topk, IDX_DIM**-0.5)
-            select = _median_us(lambda: index_topk(ptr, geom, q_idx, weights, one, lens, table, 1, topk,  # noqa: B023
-                                                   IDX_DIM**-0.5), args.rounds)  # fmt: skip
-            sparse = _median_us(lambda: dsa_sparse_attention(pool, q, one, table, sel, 0, ROPE, 0.1),  # noqa: B023
-                                args.rounds)  # fmt: skip
+            select_call = partial(index_topk, ptr, geom, q_idx, weights, one, lens, table, 1, topk, IDX_DIM**-0.5)
+            sel = select_call()
+            select = _median_us(select_call, args.rounds)
+            sparse = _median_us(partial(dsa_sparse_attention, pool, q, one, table, sel, 0, ROPE, 0.1), args.rounds)
             print(f"{ctx:>8} {topk:>10} {select:>9.0f} {sparse:>9.0f} {dense:>9.0f}")
-
 
 if __name__ == "__main__":
     main()

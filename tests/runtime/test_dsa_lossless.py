@@ -21,7 +21,7 @@ def checkpoint(tmp_path_factory):
         if variant not in made:
             model_type, overrides = DSA_VARIANTS[variant]
             made[variant] = tmp_path_factory.mktemp(variant)
-            make_dsa_checkpoint(made[variant], model_type, seed=2, **{**overrides, "vocab_size": VOCAB})
+            make_dsa_checkpoint(made[variant], model_type, seed=6, **{**overrides, "vocab_size": VOCAB})
         return made[variant]
 
     return get
