@@ -5,8 +5,8 @@ its own small heads (index_n_heads x index_head_dim): a key per position, `k_nor
 its first qk_rope_head_dim dims, and per query row the queries `wq_b(q_resid)` (q_resid = q_a_layernorm(q_a_proj(x)),
 the MLA query latent) and per-head weights `weights_proj(x) / sqrt(index_n_heads)`. Its score of a cached position s
 for row t is sum_h w[t, h] relu(q[t, h] . k[s] / sqrt(index_head_dim)); the row attends (absorbed MLA, models/mla.py)
-only to the `index_topk` best visible positions (plugins/dsa_ops.py: the selection is a C++ kernel on CPU; the
-semantics in plugins/dsa_reference.py). While a request has at most index_topk cached positions every visible one
+only to the `index_topk` best visible positions (plugins/dsa_ops.py: C++ kernels on CPU; the semantics in
+plugins/dsa_reference.py). While a request has at most index_topk cached positions every visible one
 is selected: the layer is dense attention and runs the MLA paged-attention op without scoring.
 
 The indexer keys are cached in the paged pool beside the latent KV: a DSA model's pool has twice the planes, the
@@ -30,8 +30,7 @@ from models.config import ModelConfig, num_kv_planes
 from models.config_dsa import INTERLEAVED_INDEXER_ROPE
 from models.layers import PagedKV, StepMeta
 from models.mla import MLAAttention, mla_rope
-from plugins.dsa_ops import dsa_sparse_attention, index_topk
-from plugins.kv_pool import view_pool
+from plugins.dsa_ops import index_topk, sparse_attention
 from plugins.rope import apply_rope_freq
 
 INDEXER_NORM_EPS = 1e-6  # transformers builds the indexer's k_norm LayerNorm with eps 1e-6
@@ -147,9 +146,8 @@ class DSAAttention(MLAAttention):
 
     def sparse_attention(self, x, q, q_resid, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         selected = self.select(x, q_resid, meta, kv)
-        pool = view_pool(int(kv.pool_ptr[0]), kv.geom, x.device)
-        return dsa_sparse_attention(pool, q, meta.q_counts, meta.block_tables, selected, self.plane, self.rope_dim,
-                                    self.scale)  # fmt: skip
+        return sparse_attention(kv.pool_ptr, kv.geom, q, meta.q_counts, meta.block_tables, selected, self.plane,
+                                self.rope_dim, self.scale)  # fmt: skip
 
     def write_kv_only(self, x, counts, starts, block_tables, kv: PagedKV) -> torch.Tensor:
         """The commit pass: the latent rows (MLAAttention) and this layer's own indexer keys at the same positions."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-import plugins.cpp_ops  # noqa: F401  (loads the C++ library: the mtp::dsa_index_topk schema and CPU kernel)
+import plugins.cpp_ops  # noqa: F401  (loads the C++ library: the mtp::dsa_* schemas and CPU kernels)
 from plugins.kv_pool import KVPoolGeometry, view_pool
 
 
@@ -21,6 +21,24 @@ from plugins.kv_pool import KVPoolGeometry, view_pool
 def _(q, weights, q_counts, kv_lens, block_tables, pool_ptr, plane, num_planes, num_blocks, block_size, row_dim,
       dtype, topk, scale):  # fmt: skip
     return q.new_empty(q.shape[0], topk, dtype=torch.int64)
+
+
+@torch.library.register_fake("mtp::dsa_sparse_attention")
+def _(q, q_counts, selected, block_tables, pool_ptr, plane, num_planes, num_blocks, block_size, latent_dim, dtype,
+      rope_dim, scale):  # fmt: skip
+    return q.new_empty(q.shape[0], q.shape[1], latent_dim - rope_dim)
+
+
+def sparse_attention(pool_ptr: torch.Tensor, geom: KVPoolGeometry, q, q_counts, block_tables, selected, plane: int,
+                     rope_dim: int, scale: float) -> torch.Tensor:  # fmt: skip
+    """[T, H, latent_dim - rope_dim]: absorbed MLA attention of each row of q [T, H, latent_dim] over its `selected`
+    positions (int64 [T, topk], -1 = unused) of latent plane `plane` (`dsa_sparse_attention_ref`)."""
+    if q.device.type == "cpu":
+        return torch.ops.mtp.dsa_sparse_attention(q, q_counts, selected, block_tables, pool_ptr, plane, geom.num_planes,
+                                                  geom.num_blocks, geom.block_size, geom.head_dim, geom.dtype_code,
+                                                  rope_dim, scale)  # fmt: skip
+    pool = view_pool(int(pool_ptr[0]), geom, q.device)
+    return dsa_sparse_attention(pool, q, q_counts, block_tables, selected, plane, rope_dim, scale)
 
 
 def index_topk(pool_ptr: torch.Tensor, geom: KVPoolGeometry, q, weights, q_counts, kv_lens, block_tables, plane: int,

@@ -7,7 +7,8 @@ One layer, one decode row (a request whose context is `ctx` cached positions), G
 heads: latent 64 rope + 512 c_kv, indexer 32 heads x 128, block 64. Per case the median over rounds of:
   select  `index_topk` (the C++ kernel mtp::dsa_index_topk, what the model runs on CPU): the indexer scores every
           cached position, then top-k (grows with the context, cheaply: 32 x 128 multiply-adds per position)
-  sparse  `dsa_sparse_attention`: absorbed attention over the index_topk selected latents (grows with index_topk)
+  sparse  `sparse_attention` (the C++ kernel mtp::dsa_sparse_attention): absorbed attention over the index_topk
+          selected latents (grows with index_topk)
   dense   `mtp::mla_paged_attention` (C++): the same attention over every cached position, for comparison
 """
 
@@ -21,7 +22,7 @@ from functools import partial
 import torch
 
 import plugins.mla_ops  # noqa: F401  (torch.ops.mtp.mla_paged_attention)
-from plugins.dsa_ops import dsa_sparse_attention, index_topk
+from plugins.dsa_ops import index_topk, sparse_attention
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 
 HEADS, ROPE, RANK, IDX_HEADS, IDX_DIM, BLOCK = 16, 64, 512, 32, 128, 64
@@ -67,7 +68,7 @@ def main() -> None:
             select_call = partial(index_topk, ptr, geom, q_idx, weights, one, lens, table, 1, topk, IDX_DIM**-0.5)
             sel = select_call()
             select = _median_us(select_call, args.rounds)
-            sparse = _median_us(partial(dsa_sparse_attention, pool, q, one, table, sel, 0, ROPE, 0.1), args.rounds)
+            sparse = _median_us(partial(sparse_attention, ptr, geom, q, one, table, sel, 0, ROPE, 0.1), args.rounds)
             print(f"{ctx:>8} {topk:>10} {select:>9.0f} {sparse:>9.0f} {dense:>9.0f}")
 
 if __name__ == "__main__":

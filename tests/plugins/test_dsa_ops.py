@@ -1,4 +1,4 @@
-"""DeepSeek Sparse Attention ops (plugins/dsa_ops.py, the C++ kernel mtp::dsa_index_topk on every instruction set)
+"""DeepSeek Sparse Attention ops (plugins/dsa_ops.py, the C++ kernels mtp::dsa_* on every instruction set)
 against their position-by-position reference (plugins/dsa_reference.py), and the sparse attention against the dense
 MLA reference below index_topk."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugins.dsa_ops import dsa_index_topk, dsa_sparse_attention, index_topk
+from plugins.dsa_ops import dsa_index_topk, dsa_sparse_attention, index_topk, sparse_attention
 from plugins.dsa_reference import dsa_index_topk_ref, dsa_sparse_attention_ref
 from plugins.kv_pool import DTYPE_CODES, KVPoolGeometry, allocate_pool, pool_address
 from plugins.reference import mla_paged_attention_ref
@@ -88,8 +88,41 @@ def test_cpp_index_topk_bad_input_is_one_line():
         torch.ops.mtp.dsa_index_topk(q, torch.zeros(2, 2), args[0], torch.tensor([9], dtype=torch.int32), *args[2:])
 
 
-def test_the_cpu_kernel_is_the_cpp_library():
-    dump = torch._C._dispatch_dump("mtp::dsa_index_topk")
+@pytest.mark.parametrize("op", ["dsa_index_topk", "dsa_sparse_attention"])
+def test_the_cpu_kernel_is_the_cpp_library(op):
+    dump = torch._C._dispatch_dump(f"mtp::{op}")
     cpu = [line for line in dump.splitlines() if line.startswith("CPU:")]
-    assert len(cpu) == 1 and "plugins/csrc/dsa_index_topk.cpp" in cpu[0], dump
+    assert len(cpu) == 1 and f"plugins/csrc/{op}.cpp" in cpu[0], dump
     assert "registration.cpp" in dump.split("debug:")[1].splitlines()[0], dump
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("q_dtype, pool_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.bfloat16)])  # fmt: skip
+def test_cpp_sparse_attention_matches_reference_on_every_isa(isa, q_dtype, pool_dtype):
+    """GLM-5's latent width (64 rope + 512 c_kv) and 4 heads; rows past TOPK, below it (some slots -1), a padded
+    request and a padding row past sum(q_counts)."""
+    g = torch.Generator().manual_seed(2)
+    geom = KVPoolGeometry(2, 16, BLOCK, 1, 576, DTYPE_CODES[pool_dtype], kv_kind=1)
+    pool = allocate_pool(geom)
+    pool.copy_(torch.randn(pool.shape, generator=g).to(pool_dtype))
+    tables = torch.full((3, 8), -1, dtype=torch.int32)
+    tables[0], tables[1, :2] = torch.arange(8, 0, -1), torch.tensor([12, 9])
+    t = int(Q_COUNTS.sum()) + 1
+    keys = torch.randn(t, 4, 128, generator=g), torch.randn(t, 4, generator=g)
+    selected = index_topk(pool_address(pool), geom, *keys, Q_COUNTS, KV_LENS, tables, 1, TOPK, 0.1)
+    q = torch.randn(t, 4, 576, generator=g).to(q_dtype)
+    got = sparse_attention(pool_address(pool), geom, q, Q_COUNTS, tables, selected, 0, 64, 0.05)
+    want = dsa_sparse_attention_ref(pool, q, Q_COUNTS, tables, selected, 0, 64, 0.05)
+    tol = 1e-5 if q_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert got.dtype == q_dtype and not got[-1].any()
+
+
+def test_cpp_sparse_attention_bad_input_is_one_line():
+    geom = KVPoolGeometry(1, 4, BLOCK, 1, 16, 0, kv_kind=1)
+    pool = allocate_pool(geom)
+    q, tables = torch.zeros(1, 2, 16), torch.tensor([[1, 2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="selects position 9 whose block is not in request 0's block table"):
+        sparse_attention(pool_address(pool), geom, q, torch.tensor([1], dtype=torch.int32), tables,
+                         torch.tensor([[0, 9]]), 0, 4, 0.1)  # fmt: skip
