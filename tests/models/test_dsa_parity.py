@@ -197,3 +197,41 @@ def test_engine_build_is_refused_in_one_line(dsa, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "glm_moe_dsa uses DeepSeek Sparse Attention" in err[0] and "mtp-run --checkpoint" in err[0]
     assert not (tmp_path / "engine").exists()
+
+
+def test_fp8_release_imports_dequantized_indexer_included(dsa, tmp_path):
+    """The FP8 releases (GLM-5-FP8, DeepSeek-V3.2): float8_e4m3fn projections with 128x128 `weight_scale_inv`, the
+    indexer's wq_b and wk among them (weights_proj stays float): imported equal, tensor for tensor, to the float
+    checkpoint of the same dequantized values."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from models.fp8 import SCALE_SUFFIX, quantize
+    from models.testing import is_fp8_quantized
+    from tests.models.test_fp8_import import reference_dequant
+
+    src = dsa("glm5")[0]
+    fp8, deq = {}, {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if is_fp8_quantized(name, tuple(t.shape)) or name.endswith(("indexer.wq_b.weight", "indexer.wk.weight")):
+            fp8[name], fp8[name + SCALE_SUFFIX] = quantize(t)
+            deq[name] = reference_dequant(fp8[name], fp8[name + SCALE_SUFFIX])
+        else:
+            fp8[name] = deq[name] = t
+    hf = json.loads((src / "config.json").read_text())
+    for d, tensors in (("fp8", fp8), ("deq", deq)):
+        (tmp_path / d).mkdir()
+        save_file(tensors, str(tmp_path / d / "model.safetensors"), metadata={"format": "pt"})
+        q = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                     "activation_scheme": "dynamic"}} if d == "fp8" else {}  # fmt: skip
+        (tmp_path / d / "config.json").write_text(json.dumps({**hf, **q}))
+        shutil.copyfile(src / "generation_config.json", tmp_path / d / "generation_config.json")
+    assert fp8["model.layers.0.self_attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
+    got, want = load_model(tmp_path / "fp8")[0].state_dict(), load_model(tmp_path / "deq")[0].state_dict()
+    orig = load_model(src)[0].state_dict()
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+    for name in ("layers.0.self_attn.indexer.wq_b.weight", "mtp.0.block.self_attn.indexer.wk.weight"):
+        assert 0 < (got[name] - orig[name]).abs().max() < 0.1 * orig[name].abs().max(), name
