@@ -7,7 +7,9 @@ the MLA query latent) and per-head weights `weights_proj(x) / sqrt(index_n_heads
 for row t is sum_h w[t, h] relu(q[t, h] . k[s] / sqrt(index_head_dim)); the row attends (absorbed MLA, models/mla.py)
 only to the `index_topk` best visible positions (plugins/dsa_ops.py: C++ kernels on CPU; the semantics in
 plugins/dsa_reference.py). While a request has at most index_topk cached positions every visible one
-is selected: the layer is dense attention and runs the MLA paged-attention op without scoring.
+is selected: the layer is dense attention, and a forward whose requests are all that short runs the MLA
+paged-attention op without scoring; the sparse kernel gives such a request's rows the same bits (selection in
+ascending order, the dense kernel's summation order), so the switch never depends on the batch.
 
 The indexer keys are cached in the paged pool beside the latent KV: a DSA model's pool has twice the planes, the
 indexer-key plane of the layer owning latent plane p is p + num_attention_planes (models/config.py num_kv_planes),

@@ -83,7 +83,8 @@ def dsa_index_topk(pool, q, weights, q_counts, kv_lens, block_tables, plane: int
         k = min(topk, n_kv)
         picked = scores.topk(k, dim=-1).indices
         visible = (q_pos + 1)[:, None]  # a row seeing fewer than k positions picked masked ones too: drop them
-        out[row : row + n_q, :k] = torch.where(torch.arange(k, device=q.device)[None, :] < visible, picked, -1)
+        picked = torch.where(torch.arange(k, device=q.device)[None, :] < visible, picked, n_kv).sort(-1).values
+        out[row : row + n_q, :k] = torch.where(picked < n_kv, picked, -1)  # ascending, as the C++ kernel
         row += n_q
     return out
 

@@ -5,8 +5,9 @@ Written position by position, like plugins/reference.py (kept apart: that file i
 plane, whose rows hold the roped indexer key in their first index_head_dim values.
 
 - `dsa_index_topk_ref`: the lightning indexer's score of every visible (causal) cached position for each query row,
-  I(t, s) = sum_h w[t, h] * relu(scale * q[t, h] . k[s]), and the `topk` best positions (ascending position order
-  is not promised: the order of torch.topk); rows see fewer than `topk` positions get -1 in the unused slots.
+  I(t, s) = sum_h w[t, h] * relu(scale * q[t, h] . k[s]), and the `topk` best positions (in torch.topk's order here;
+  the ops return them ascending, which this reference does not pin); rows that see fewer than `topk` positions get -1
+  in the unused slots.
 - `dsa_sparse_attention_ref`: absorbed MLA attention (as `mla_paged_attention_ref`) over the selected positions only.
 """
 

@@ -1,8 +1,9 @@
 // mtp::dsa_index_topk on CPU: DeepSeek Sparse Attention's lightning-indexer selection (plugins/dsa_reference.py
 // dsa_index_topk_ref; the model: models/dsa.py). The indexer keys live in one plane of an MLA pool (kv_kind 1), a key
 // in the first head_dim values of its row. For query row j of request r (position n_kv - n_q + j) every visible
-// position s gets I(s) = sum_h w[h] * relu(scale * q[h] . k[s]), and the row keeps the topk best: int64 [T, topk],
-// best first, ties to the lower position; slots past the visible count and rows past sum(q_counts) are -1.
+// position s gets I(s) = sum_h w[h] * relu(scale * q[h] . k[s]), and the row keeps the topk best (ties to the lower
+// position): int64 [T, topk] in ascending position order (the sparse attention sums in that order); slots past the
+// visible count and rows past sum(q_counts) are -1.
 // Scores are fp32 (V::dot per head, the heads summed in order), each row computed alone: thread- and
 // batch-invariant like the attention kernels (attention.h).
 #include <torch/library.h>
@@ -67,6 +68,7 @@ void index_rows(const IndexArgs& a, const IndexRow* rows, int64_t i0, int64_t i1
     std::partial_sort(order.begin(), order.begin() + k, order.end(), [scores](int64_t x, int64_t y) {
       return scores[x] > scores[y] || (scores[x] == scores[y] && x < y);
     });
+    std::sort(order.begin(), order.begin() + k);  // ascending positions: the sparse attention's summation order
     std::copy(order.begin(), order.begin() + k, out);
   }
 }

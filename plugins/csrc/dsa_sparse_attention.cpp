@@ -2,8 +2,11 @@
 // (DeepSeek Sparse Attention; plugins/dsa_reference.py dsa_sparse_attention_ref, the model: models/dsa.py). The
 // latent plane is an MLA pool plane (kv_kind 1): keys are the whole latent row, values its c_kv part
 // (latent[rope_dim:]), as mla_paged_attention.cpp. selected [T, topk] holds each row's positions (-1 = unused slot;
-// the selection of mtp::dsa_index_topk). Per row the selected latents are read from the pool once (to fp32) and
-// serve every head; scores, softmax and the weighted sum are fp32, each row alone (batch- and thread-invariant).
+// the selection of mtp::dsa_index_topk, ascending). Per row the selected latents are read from the pool once (to
+// fp32) and serve every head; scores, softmax and the weighted sum are fp32 with attention.h's primitives in its
+// order, each row alone (batch- and thread-invariant), so a row that selects every visible position (a request
+// below index_topk) gets the bits of mtp::mla_paged_attention: the model's dense / sparse switch per forward cannot
+// change a request's result.
 // Returns [T, H, latent_dim - rope_dim] in q's dtype; rows past sum(q_counts) and rows with no selected position are
 // zeros.
 #include <torch/library.h>
@@ -11,7 +14,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
 
-#include "common.h"
+#include "attention.h"
 
 namespace mtp {
 namespace {
@@ -56,13 +59,26 @@ void sparse_rows(const SparseArgs& a, const SparseRow* rows, int64_t i0, int64_t
         for (int64_t d = 0; d < dv; ++d) dst[d] = from_f32<Q>(0.0f);
         continue;
       }
+      // tiles of kTile selected rows, with attention.h's primitives in its order: a row whose selection is every
+      // visible position in ascending order (below index_topk) gets mla_paged_attention's bits exactly
       V::to_f32(q + h * ld, qf, ld);
-      for (int64_t j = 0; j < k; ++j) s[j] = V::dot(qf, lat + j * ld, ld) * a.scale;
+      const float* tile[kTile];
+      float part[kTile];
+      for (int64_t j0 = 0; j0 < k; j0 += kTile) {
+        const int nk = static_cast<int>(std::min<int64_t>(kTile, k - j0));
+        for (int c = 0; c < nk; ++c) tile[c] = lat + (j0 + c) * ld;
+        dot_n<V>(nk, tile, qf, ld, part);
+        for (int c = 0; c < nk; ++c) s[j0 + c] = part[c] * a.scale;
+      }
       V::exp_sub(s, V::max(s, k), k);
       const float sum = V::sum(s, k);
       std::fill(acc, acc + dv, 0.0f);
-      for (int64_t j = 0; j < k; ++j) V::axpy(s[j], lat + j * ld + a.rope_dim, acc, dv);
-      for (int64_t d = 0; d < dv; ++d) dst[d] = from_f32<Q>(acc[d] / sum);
+      for (int64_t j0 = 0; j0 < k; j0 += kTile) {
+        const int nk = static_cast<int>(std::min<int64_t>(kTile, k - j0));
+        for (int c = 0; c < nk; ++c) tile[c] = lat + (j0 + c) * ld + a.rope_dim;
+        axpy_n<V>(nk, s + j0, tile, acc, dv);
+      }
+      for (int64_t d = 0; d < dv; ++d) dst[d] = from_f32<Q>(sum == 0.0f ? 0.0f : acc[d] / sum);
     }
   }
 }

@@ -126,3 +126,26 @@ def test_cpp_sparse_attention_bad_input_is_one_line():
     with pytest.raises(ValueError, match="selects position 9 whose block is not in request 0's block table"):
         sparse_attention(pool_address(pool), geom, q, torch.tensor([1], dtype=torch.int32), tables,
                          torch.tensor([[0, 9]]), 0, 4, 0.1)  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_cpp_sparse_attention_below_topk_is_the_dense_kernel_bit_for_bit(isa):
+    """A request below index_topk selects every visible position (ascending): its rows must equal
+    mtp::mla_paged_attention exactly, so the model's per-forward dense / sparse switch (models/dsa.py) cannot make a
+    request's result depend on the rest of its batch."""
+    g = torch.Generator().manual_seed(3)
+    geom = KVPoolGeometry(2, 16, BLOCK, 1, 576, 0, kv_kind=1)
+    pool = allocate_pool(geom)
+    pool.copy_(torch.randn(pool.shape, generator=g))
+    tables = torch.full((3, 8), -1, dtype=torch.int32)
+    tables[0], tables[1, :2] = torch.arange(8, 0, -1), torch.tensor([12, 9])
+    counts, lens = torch.tensor([0, 5, 0], dtype=torch.int32), torch.tensor([0, 5, 0], dtype=torch.int32)
+    t = 5
+    keys = torch.randn(t, 4, 128, generator=g), torch.randn(t, 4, generator=g)
+    selected = index_topk(pool_address(pool), geom, *keys, counts, lens, tables, 1, TOPK, 0.1)
+    assert selected[4, :5].tolist() == [0, 1, 2, 3, 4], "every visible position, ascending"
+    q = torch.randn(t, 16, 576, generator=g)
+    got = sparse_attention(pool_address(pool), geom, q, counts, tables, selected, 0, 64, 0.05)
+    dense = torch.ops.mtp.mla_paged_attention(q, counts, lens, tables, pool_address(pool), torch.zeros(1, dtype=torch.int64),
+                                              0, 2, 16, BLOCK, 576, 0, 64, 0.05)  # fmt: skip
+    assert torch.equal(got, dense)
