@@ -189,6 +189,10 @@ class BuildOptions:
         """Checks against the checkpoint's architecture (fp8_checkpoint: config.json declares FP8 weights)."""
         if cfg.is_hybrid:
             self._validate_hybrid(cfg)
+        if cfg.is_dsa:
+            raise BuildError(f"{cfg.model_type} uses DeepSeek Sparse Attention: engines are not supported for it yet (its "
+                             "indexer top-k and sparse attention have no plugin op for ONNX / TensorRT / AOTInductor); "
+                             "run the checkpoint directly: mtp-run --checkpoint DIR (torch executor)")  # fmt: skip
         if self.quantize != "none":
             if fp8_checkpoint:
                 raise BuildError(f"--quantize {self.quantize} with an FP8 checkpoint is not supported yet: its compiled "

@@ -42,6 +42,7 @@ from models.checkpoint_files import (
 from models.checkpoint_files import read_model_config as read_model_config  # re-exported: callers import it here
 from models.checkpoint_hybrid import HYBRID_LAYOUTS, LAYOUT_NOTES, model_class
 from models.config import ModelConfig
+from models.config_dsa import DSA_MODEL_TYPES, DSA_RULES
 from models.fp8 import Fp8Weight, release_window
 from models.glm4_moe import Glm4MoeMTPModel
 from models.sharding import shard_pieces
@@ -89,6 +90,7 @@ _FUSED_EXPERTS: tuple[Rule, ...] = (
 MLA_RULES: tuple[Rule, ...] = _FUSED_EXPERTS + GLM4_MOE_RULES
 LAYOUTS: dict[str, tuple[Rule, ...]] = {"glm4_moe": GLM4_MOE_RULES, "deepseek_v3": MLA_RULES, "glm4_moe_lite": MLA_RULES}
 LAYOUTS.update({k: tuple(Rule(*row) for row in rows) for k, rows in HYBRID_LAYOUTS.items()})  # MiMo, Qwen3-Next
+LAYOUTS.update({k: tuple(Rule(*row) for row in DSA_RULES) + MLA_RULES for k in DSA_MODEL_TYPES})  # + the indexers
 
 
 @dataclass

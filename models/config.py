@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from models.config_dsa import DSA_MODEL_TYPES, dsa_fields, dsa_hf_fields, validate_dsa
 from models.config_fields import ConfigError as ConfigError  # re-exported: callers import it from here
 from models.config_fields import Fields as _Fields
 from models.config_fields import eos_ids as _eos_ids
@@ -21,20 +22,17 @@ from models.config_hybrid import hybrid_fields, validate_hybrid
 # Gated DeltaNet + gated attention: Qwen3-Next, Qwen3.5 MoE and dense (text model, or the multimodal release)
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_5_text", "qwen3_5")
 # MTP families users ask for that the engine cannot run yet, each with what is missing (docs/MODELS.md).
-_DSA = ("DeepSeek Sparse Attention (the lightning indexer, its cached keys and per-query top-k) and the MTP layer's "
-        "own indexer are not implemented")  # fmt: skip
 NAMED_REFUSALS = {
     "deepseek_v4": "DeepSeek-V4's MTP adds e_proj(embedding) + h_proj(hidden) instead of concatenating them, its hidden "
                    "state has 4 hyper-connection lanes collapsed by hc_head, and its attention is compressed "
                    "(C4A/C128A); none of these is implemented",
-    "deepseek_v32": f"DeepSeek-V3.2 is MLA plus sparse attention: {_DSA}",
-    "glm_moe_dsa": f"GLM-5 is MLA plus sparse attention: {_DSA}",
-    "glm5_next": f"GLM-5.3-Flash is MLA plus sparse attention with hyper-connections: {_DSA}, nor is hc_head",
+    "glm5_next": ("GLM-5.3-Flash is MLA plus sparse attention (glm_moe_dsa) with hyper-connection lanes collapsed "
+                   "by hc_head; the hyper-connections are not implemented"),
     "mimo_v2_flash": "MiMo-V2-Flash needs sliding-window attention with sinks, a per-layer window/full pattern and its "
                      "three MTP modules (one per draft depth); none is implemented",
 }
-SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "mimo", *HYBRID_MODEL_TYPES)
-MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
+SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "mimo", *HYBRID_MODEL_TYPES, *DSA_MODEL_TYPES)
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", *DSA_MODEL_TYPES)
 ROPE_TYPES = ("default", "yarn")
 
 
@@ -93,10 +91,20 @@ class ModelConfig:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     shared_expert_intermediate_size: int = 0
+    # DeepSeek Sparse Attention (DSA_MODEL_TYPES; models/config_dsa.py, models/dsa.py): the lightning indexer's heads
+    # and dim, and how many cached positions each query attends to. index_topk 0 = dense attention (every other model).
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    index_pattern: str = ""  # GLM-5: one char per main layer, "F" runs its indexer, "S" reuses the last F's top-k
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def is_dsa(self) -> bool:
+        return self.index_topk > 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -213,6 +221,7 @@ class ModelConfig:
             max_position_embeddings=f.integer("max_position_embeddings", 4096),
             eos_token_id=_eos_ids(hf.get("eos_token_id")),
             **mla,
+            **dsa_fields(hf, f),
         )
         cfg.validate()
         return cfg
@@ -223,6 +232,7 @@ class ModelConfig:
             self._validate_mla()
         if self.is_hybrid:
             validate_hybrid(self)
+        validate_dsa(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -278,7 +288,7 @@ _OPTIONAL_FIELDS = frozenset({
     "rope_type", "rope_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "rope_mscale",
     "rope_mscale_all_dim", "rope_attention_factor", "rope_truncate", "layer_types", "linear_conv_kernel_dim",
     "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
-    "shared_expert_intermediate_size",
+    "shared_expert_intermediate_size", "index_n_heads", "index_head_dim", "index_topk", "index_pattern",
 })  # fmt: skip
 
 
@@ -329,14 +339,15 @@ def mla_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
                     mscale_all_dim=cfg.rope_mscale_all_dim, truncate=cfg.rope_truncate)  # fmt: skip
         if cfg.rope_attention_factor:
             rope["attention_factor"] = cfg.rope_attention_factor
-    arch = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}[cfg.model_type]
+    arch = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}.get(cfg.model_type, "")
     out: dict[str, Any] = {
         "architectures": [arch], "model_type": cfg.model_type, "rope_parameters": rope,
         "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
         "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
         "v_head_dim": cfg.v_head_dim, "rope_interleave": cfg.rope_interleave,
     }  # fmt: skip
-    if cfg.model_type == "glm4_moe_lite":  # HF reads the dense/MoE split from this list only
+    out.update(dsa_hf_fields(cfg))  # DeepSeek-V3.2 / GLM-5: the architecture and the indexer fields
+    if cfg.model_type in ("glm4_moe_lite", *DSA_MODEL_TYPES):  # HF reads the dense/MoE split from this list only
         k = cfg.first_k_dense_replace if cfg.has_moe else cfg.num_hidden_layers
         out["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (cfg.num_hidden_layers - k)
     return out
@@ -378,5 +389,6 @@ def kv_geometry_fields(cfg: ModelConfig) -> tuple[int, int, int]:
 
 def num_kv_planes(cfg: ModelConfig) -> int:
     """KV pool planes: one per attention main layer (all of them but a hybrid model's Gated DeltaNet layers), then
-    one per MTP module."""
-    return cfg.num_hidden_layers - len(cfg.gdn_layers) + cfg.num_mtp_modules
+    one per MTP module; a DSA model then has as many indexer-key planes again, in the same order (models/dsa.py)."""
+    planes = cfg.num_hidden_layers - len(cfg.gdn_layers) + cfg.num_mtp_modules
+    return 2 * planes if cfg.is_dsa else planes

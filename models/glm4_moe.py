@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import plugins.collectives  # noqa: F401  (torch.ops.mtp.all_reduce / all_gather)
-from models.config import ModelConfig
+from models.config import ModelConfig, num_kv_planes
+from models.dsa import DSAAttention
 from models.feed_forward import MLP, MoE, fuse_linears, store_in_out
 from models.layers import PagedKV, RMSNorm, StepMeta, vocab_parallel_embed, vocab_parallel_logits
 from models.mla import MLAAttention
@@ -136,8 +137,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         m = default_mapping(cfg, ep_size, mapping)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.is_mla:  # heads split over the TP group, the latent replicated (models/mla.py)
-            self.self_attn: Attention | MLAAttention = MLAAttention(cfg, plane, m.tp)
+        if cfg.is_mla:  # heads split over the TP group, the latent replicated (models/mla.py); DSA: one rank only
+            self.self_attn: Attention | MLAAttention = (
+                DSAAttention(cfg, plane) if cfg.is_dsa else MLAAttention(cfg, plane, m.tp)
+            )
         else:
             self.self_attn = Attention(cfg, plane, m)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -190,7 +193,7 @@ class Glm4MoeMTPModel(nn.Module):
 
     @property
     def num_kv_planes(self) -> int:
-        return self.cfg.num_hidden_layers + self.cfg.num_mtp_modules
+        return num_kv_planes(self.cfg)  # a DSA model's indexer-key planes included
 
     def fuse(self) -> Glm4MoeMTPModel:
         """Inference layout: one QKV and one gate|up GEMM per block, every linear weight stored [in, out]

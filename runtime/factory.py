@@ -246,6 +246,9 @@ def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, parallel: Paralle
     mc = read_model_config(checkpoint)[0]
     experts = mc.n_routed_experts if mc.has_moe else 0
     w, ep, tp = parallel.world_size, parallel.ep_size, parallel.tp_size
+    if mc.is_dsa and tp > 1:  # the indexer's keys and top-k are not split over a TP group yet
+        raise ConfigError(f"--tp-size {tp}: {mc.model_type} uses DeepSeek Sparse Attention, which runs on one rank "
+                          "per TP group only (expert parallelism is fine); use --tp-size 1")  # fmt: skip
     try:
         check_model(w, ep, tp, num_experts=experts, num_heads=mc.num_attention_heads,
                     num_kv_heads=mc.num_key_value_heads, vocab_size=mc.vocab_size, mla=mc.is_mla,

@@ -39,6 +39,17 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
   m.def("mla_paged_attention(Tensor q, Tensor q_counts, Tensor kv_lens, Tensor block_tables, Tensor pool_ptr, "
         "Tensor after, SymInt plane, SymInt num_planes, SymInt num_blocks, SymInt block_size, SymInt latent_dim, "
         "SymInt dtype, SymInt rope_dim, float scale) -> Tensor");
+  // DeepSeek Sparse Attention: each query row's top-k cached positions by its indexer's score over the indexer-key
+  // plane (a key in the first q.size(2) values of a row_dim-wide kv_kind 1 row); int64 [T, topk], -1 = unused
+  // (dsa_index_topk.cpp, plugins/dsa_reference.py)
+  m.def("dsa_index_topk(Tensor q, Tensor weights, Tensor q_counts, Tensor kv_lens, Tensor block_tables, "
+        "Tensor pool_ptr, SymInt plane, SymInt num_planes, SymInt num_blocks, SymInt block_size, SymInt row_dim, "
+        "SymInt dtype, SymInt topk, float scale) -> Tensor");
+  // Absorbed MLA attention of each row over its selected positions (int64 [T, topk], -1 = unused) of a latent plane
+  // (dsa_sparse_attention.cpp, plugins/dsa_reference.py); [T, H, latent_dim - rope_dim]
+  m.def("dsa_sparse_attention(Tensor q, Tensor q_counts, Tensor selected, Tensor block_tables, Tensor pool_ptr, "
+        "SymInt plane, SymInt num_planes, SymInt num_blocks, SymInt block_size, SymInt latent_dim, SymInt dtype, "
+        "SymInt rope_dim, float scale) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
         "SymInt num_experts, SymInt ep_size, SymInt tp_size=1, SymInt tp_rank=0) -> Tensor");
   // The experts held here (global ids expert_offset .. expert_offset + E_local - 1), no exchange: the
