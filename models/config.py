@@ -17,6 +17,7 @@ from models.config_fields import ConfigError as ConfigError  # re-exported: call
 from models.config_fields import Fields as _Fields
 from models.config_fields import eos_ids as _eos_ids
 from models.config_hybrid import hybrid_fields, validate_hybrid
+from models.config_mimo_v2 import mimo_v2_fields, validate_mimo_v2
 
 # Gated DeltaNet + gated attention: Qwen3-Next, Qwen3.5 MoE and dense (text model, or the multimodal release)
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_5_text", "qwen3_5")
@@ -30,10 +31,8 @@ NAMED_REFUSALS = {
     "deepseek_v32": f"DeepSeek-V3.2 is MLA plus sparse attention: {_DSA}",
     "glm_moe_dsa": f"GLM-5 is MLA plus sparse attention: {_DSA}",
     "glm5_next": f"GLM-5.3-Flash is MLA plus sparse attention with hyper-connections: {_DSA}, nor is hc_head",
-    "mimo_v2_flash": "MiMo-V2-Flash needs sliding-window attention with sinks, a per-layer window/full pattern and its "
-                     "three MTP modules (one per draft depth); none is implemented",
 }
-SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "mimo", *HYBRID_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "mimo", "mimo_v2_flash", *HYBRID_MODEL_TYPES)
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
 ROPE_TYPES = ("default", "yarn")
 
@@ -93,6 +92,12 @@ class ModelConfig:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     shared_expert_intermediate_size: int = 0
+    # MiMo-V2-Flash (models/config_mimo_v2.py, models/mimo_v2.py): layer_types "sliding_attention" | "full_attention";
+    # 0 for every other model. v_head_dim (above) is its value head width.
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included (transformers' convention)
+    swa_num_key_value_heads: int = 0
+    swa_rope_theta: float = 0.0
+    attention_value_scale: float = 1.0
 
     @property
     def is_mla(self) -> bool:
@@ -154,6 +159,10 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type in HYBRID_MODEL_TYPES:  # Qwen3-Next / Qwen3.5: their own field names (models/config_hybrid.py)
             cfg = cls(**hybrid_fields(hf))
+            cfg.validate()
+            return cfg
+        if model_type == "mimo_v2_flash":  # its own field names and defaults (models/config_mimo_v2.py)
+            cfg = cls(**mimo_v2_fields(hf))
             cfg.validate()
             return cfg
         if model_type in NAMED_REFUSALS:
@@ -223,6 +232,8 @@ class ModelConfig:
             self._validate_mla()
         if self.is_hybrid:
             validate_hybrid(self)
+        if self.sliding_window:
+            validate_mimo_v2(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -278,7 +289,8 @@ _OPTIONAL_FIELDS = frozenset({
     "rope_type", "rope_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "rope_mscale",
     "rope_mscale_all_dim", "rope_attention_factor", "rope_truncate", "layer_types", "linear_conv_kernel_dim",
     "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
-    "shared_expert_intermediate_size",
+    "shared_expert_intermediate_size", "sliding_window", "swa_num_key_value_heads", "swa_rope_theta",
+    "attention_value_scale",
 })  # fmt: skip
 
 
@@ -373,6 +385,8 @@ def kv_geometry_fields(cfg: ModelConfig) -> tuple[int, int, int]:
     """(num_kv_heads, head_dim, kv_kind) of the KV pool `cfg` needs: one latent row for MLA, K/V per head for GQA."""
     if cfg.is_mla:
         return 1, cfg.qk_rope_head_dim + cfg.kv_lora_rank, 1
+    if cfg.sliding_window:  # MiMo-V2-Flash: the sliding layers' KV heads; values zero-padded to head_dim
+        return max(cfg.num_key_value_heads, cfg.swa_num_key_value_heads), max(cfg.head_dim, cfg.v_head_dim), 0
     return cfg.num_key_value_heads, cfg.head_dim, 0
 
 
