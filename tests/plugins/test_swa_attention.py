@@ -5,6 +5,10 @@ The reference itself is checked against transformers' eager attention with sinks
 
 from __future__ import annotations
 
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton / plugins.triton_kernels
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -92,3 +96,22 @@ def test_bad_sinks_and_window_are_one_line_errors() -> None:
         run(pool, geom, q, one, one, tables, 0, 0, torch.zeros(3))
     with pytest.raises(ValueError, match="window must be >= 0"):
         run(pool, geom, q, one, one, tables, 0, -1, torch.zeros(2))
+
+
+@pytest.mark.parametrize("kernel", ["triton"])  # the CPU interpreter (TRITON_INTERPRET=1, set above)
+@pytest.mark.parametrize("window, with_sinks", [(0, True), (3, False), (3, True)])
+def test_triton_kernel_matches_the_reference(kernel: str, window: int, with_sinks: bool) -> None:
+    """The CUDA implementation (the Triton paged attention kernel's window + sinks mode): a 7-row prefill packed with
+    a padded request and a 1-row decode, GQA group 2, block-crossing windows."""
+    triton_kernels = pytest.importorskip("plugins.triton_kernels")
+    geom = KVPoolGeometry(2, 12, 2, 2, 8, 0)
+    pool = filled_pool(geom, seed=4)
+    q = torch.randn(9, 4, 8, generator=torch.Generator().manual_seed(2))  # 8 live rows + 1 padding row
+    counts, kv_lens = torch.tensor([7, 0, 1], dtype=torch.int32), torch.tensor([7, 0, 6], dtype=torch.int32)
+    tables = torch.tensor([[3, 1, 5, 7], [-1, -1, -1, -1], [2, 4, 6, -1]], dtype=torch.int32)
+    sinks = torch.tensor([1.0, -0.5, 0.2, 2.0]) if with_sinks else None
+    expected = swa_paged_attention_ref(pool, q, counts, kv_lens, tables, 1, 0.3, window,
+                                       torch.full((4,), -1e9) if sinks is None else sinks)  # fmt: skip
+    out = triton_kernels.paged_attention_triton(q, counts, kv_lens, tables, pool.data_ptr(), 1, geom, 0.3,
+                                                window=window, sinks=sinks)  # fmt: skip
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
