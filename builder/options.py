@@ -187,6 +187,9 @@ class BuildOptions:
 
     def validate_for_model(self, cfg: ModelConfig, fp8_checkpoint: bool = False) -> None:
         """Checks against the checkpoint's architecture (fp8_checkpoint: config.json declares FP8 weights)."""
+        if cfg.model_type == "mimo_v2_flash":  # its draft graphs would need one per MTP module (docs/MODELS.md)
+            raise BuildError("engines for mimo_v2_flash are not supported yet (one draft graph per MTP module is not "
+                             "built); serve the checkpoint itself: mtp-run --checkpoint DIR (the torch executor)")  # fmt: skip
         if cfg.is_hybrid:
             self._validate_hybrid(cfg)
         if cfg.is_dsa:

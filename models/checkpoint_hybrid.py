@@ -12,6 +12,7 @@ from typing import cast
 from models.config import ModelConfig
 from models.glm4_moe import Glm4MoeMTPModel
 from models.mimo import MiMoMTPModel
+from models.mimo_v2 import MIMO_V2_RULES, MiMoV2MTPModel
 from models.qwen3_next import Qwen3NextMTPModel
 
 _QWEN2_BLOCK = r"(input_layernorm|post_attention_layernorm|self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)"
@@ -62,6 +63,7 @@ def _hybrid_rules(trunk: str) -> tuple[tuple[str, str, str], ...]:
 
 HYBRID_LAYOUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "mimo": MIMO_RULES,
+    "mimo_v2_flash": MIMO_V2_RULES,
     "qwen3_next": _hybrid_rules(r"model\."),
     "qwen3_5_moe_text": _hybrid_rules(r"model\."),
     "qwen3_5_moe": _hybrid_rules(r"model\.language_model\."),
@@ -80,4 +82,6 @@ def model_class(cfg: ModelConfig) -> type[Glm4MoeMTPModel]:
     points; the hybrid one is not a subclass (its main forward takes a HybridCache), hence the cast."""
     if cfg.is_hybrid:
         return cast(type[Glm4MoeMTPModel], Qwen3NextMTPModel)
+    if cfg.model_type == "mimo_v2_flash":
+        return cast(type[Glm4MoeMTPModel], MiMoV2MTPModel)
     return MiMoMTPModel if cfg.model_type == "mimo" else Glm4MoeMTPModel

@@ -13,11 +13,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from models.config_dsa import DSA_MODEL_TYPES, dsa_fields, dsa_hf_fields, validate_dsa
+from models.config_dsa import DSA_MODEL_TYPES, dsa_fields, validate_dsa
 from models.config_fields import ConfigError as ConfigError  # re-exported: callers import it from here
 from models.config_fields import Fields as _Fields
 from models.config_fields import eos_ids as _eos_ids
 from models.config_hybrid import hybrid_fields, validate_hybrid
+from models.config_mimo_v2 import mimo_v2_fields, validate_mimo_v2
+from models.config_mla import MLA_MODEL_TYPES as MLA_MODEL_TYPES  # re-exported
+from models.config_mla import mla_fields as _mla_fields
+from models.config_mla import mla_hf_fields as mla_hf_fields  # re-exported
 
 # Gated DeltaNet + gated attention: Qwen3-Next, Qwen3.5 MoE and dense (text model, or the multimodal release)
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_5_text", "qwen3_5")
@@ -28,11 +32,9 @@ NAMED_REFUSALS = {
                    "(C4A/C128A); none of these is implemented",
     "glm5_next": ("GLM-5.3-Flash is MLA plus sparse attention (glm_moe_dsa) with hyper-connection lanes collapsed "
                    "by hc_head; the hyper-connections are not implemented"),
-    "mimo_v2_flash": "MiMo-V2-Flash needs sliding-window attention with sinks, a per-layer window/full pattern and its "
-                     "three MTP modules (one per draft depth); none is implemented",
 }
-SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "mimo", *HYBRID_MODEL_TYPES, *DSA_MODEL_TYPES)
-MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", *DSA_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "mimo", "mimo_v2_flash", *HYBRID_MODEL_TYPES,
+                         *DSA_MODEL_TYPES)  # fmt: skip
 ROPE_TYPES = ("default", "yarn")
 
 
@@ -97,6 +99,12 @@ class ModelConfig:
     index_head_dim: int = 0
     index_topk: int = 0
     index_pattern: str = ""  # GLM-5: one char per main layer, "F" runs its indexer, "S" reuses the last F's top-k
+    # MiMo-V2-Flash (models/config_mimo_v2.py, models/mimo_v2.py): layer_types "sliding_attention" | "full_attention";
+    # 0 for every other model. v_head_dim (above) is its value head width.
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included (transformers' convention)
+    swa_num_key_value_heads: int = 0
+    swa_rope_theta: float = 0.0
+    attention_value_scale: float = 1.0
 
     @property
     def is_mla(self) -> bool:
@@ -162,6 +170,10 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type in HYBRID_MODEL_TYPES:  # Qwen3-Next / Qwen3.5: their own field names (models/config_hybrid.py)
             cfg = cls(**hybrid_fields(hf))
+            cfg.validate()
+            return cfg
+        if model_type == "mimo_v2_flash":  # its own field names and defaults (models/config_mimo_v2.py)
+            cfg = cls(**mimo_v2_fields(hf))
             cfg.validate()
             return cfg
         if model_type in NAMED_REFUSALS:
@@ -233,6 +245,8 @@ class ModelConfig:
         if self.is_hybrid:
             validate_hybrid(self)
         validate_dsa(self)
+        if self.sliding_window:
+            validate_mimo_v2(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -289,68 +303,8 @@ _OPTIONAL_FIELDS = frozenset({
     "rope_mscale_all_dim", "rope_attention_factor", "rope_truncate", "layer_types", "linear_conv_kernel_dim",
     "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
     "shared_expert_intermediate_size", "index_n_heads", "index_head_dim", "index_topk", "index_pattern",
+    "sliding_window", "swa_num_key_value_heads", "swa_rope_theta", "attention_value_scale",
 })  # fmt: skip
-
-
-def _mla_fields(model_type: str, f: _Fields, rf: _Fields, rope_type: str) -> dict[str, Any]:
-    """The MLA and rope-scaling fields of an MLA config.json ({} for GQA models, which have neither)."""
-    if model_type not in MLA_MODEL_TYPES:
-        if rope_type != "default":
-            raise ConfigError(f"rope scaling {rope_type!r} is supported for MLA models only "
-                              f"({', '.join(MLA_MODEL_TYPES)}); {model_type} takes rope_type 'default'")  # fmt: skip
-        return {}
-    # DeepSeek's own config keys for the router; only the sigmoid + correction-bias (noaux_tc) router is implemented
-    for key, ok in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
-        if f.raw.get(key) not in (None, ok):
-            raise ConfigError(f"{key}={f.raw[key]!r} is not supported (only {ok!r}, as in DeepSeek-V3); fix config.json")
-    out: dict[str, Any] = {
-        "q_lora_rank": f.integer("q_lora_rank", 0, minimum=0),  # null = plain q_proj
-        "kv_lora_rank": f.integer("kv_lora_rank"),
-        "qk_nope_head_dim": f.integer("qk_nope_head_dim"),
-        "qk_rope_head_dim": f.integer("qk_rope_head_dim"),
-        "v_head_dim": f.integer("v_head_dim"),
-        "rope_interleave": f.flag("rope_interleave", True),  # the HF default for both model types
-        "rope_type": rope_type,
-    }
-    if rope_type == "yarn":
-        if rf.raw.get("factor") is None:
-            raise ConfigError("yarn rope scaling needs rope_parameters.factor (the context extension factor); "
-                              "add it to config.json")  # fmt: skip
-        out.update(
-            rope_factor=rf.number("factor", 1.0),
-            original_max_position_embeddings=rf.integer("original_max_position_embeddings",
-                                                        f.integer("max_position_embeddings", 4096)),  # fmt: skip
-            beta_fast=rf.number("beta_fast", 32.0),
-            beta_slow=rf.number("beta_slow", 1.0),
-            rope_mscale=rf.number("mscale", 0.0, allow_zero=True),  # 0 = absent, as in HF
-            rope_mscale_all_dim=rf.number("mscale_all_dim", 0.0, allow_zero=True),
-            rope_attention_factor=rf.number("attention_factor", 0.0),
-            rope_truncate=rf.flag("truncate", True),
-        )
-    return out
-
-
-def mla_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
-    """The config.json fields of an MLA model that differ from GLM-4.5's (inverse of `_mla_fields`)."""
-    rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
-    if cfg.rope_type == "yarn":
-        rope.update(factor=cfg.rope_factor, original_max_position_embeddings=cfg.original_max_position_embeddings,
-                    beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow, mscale=cfg.rope_mscale,
-                    mscale_all_dim=cfg.rope_mscale_all_dim, truncate=cfg.rope_truncate)  # fmt: skip
-        if cfg.rope_attention_factor:
-            rope["attention_factor"] = cfg.rope_attention_factor
-    arch = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}.get(cfg.model_type, "")
-    out: dict[str, Any] = {
-        "architectures": [arch], "model_type": cfg.model_type, "rope_parameters": rope,
-        "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
-        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-        "v_head_dim": cfg.v_head_dim, "rope_interleave": cfg.rope_interleave,
-    }  # fmt: skip
-    out.update(dsa_hf_fields(cfg))  # DeepSeek-V3.2 / GLM-5: the architecture and the indexer fields
-    if cfg.model_type in ("glm4_moe_lite", *DSA_MODEL_TYPES):  # HF reads the dense/MoE split from this list only
-        k = cfg.first_k_dense_replace if cfg.has_moe else cfg.num_hidden_layers
-        out["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (cfg.num_hidden_layers - k)
-    return out
 
 
 def _check_mimo(hf: dict[str, Any]) -> None:
@@ -384,6 +338,8 @@ def kv_geometry_fields(cfg: ModelConfig) -> tuple[int, int, int]:
     """(num_kv_heads, head_dim, kv_kind) of the KV pool `cfg` needs: one latent row for MLA, K/V per head for GQA."""
     if cfg.is_mla:
         return 1, cfg.qk_rope_head_dim + cfg.kv_lora_rank, 1
+    if cfg.sliding_window:  # MiMo-V2-Flash: the sliding layers' KV heads; values zero-padded to head_dim
+        return max(cfg.num_key_value_heads, cfg.swa_num_key_value_heads), max(cfg.head_dim, cfg.v_head_dim), 0
     return cfg.num_key_value_heads, cfg.head_dim, 0
 
 

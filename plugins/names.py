@@ -23,11 +23,13 @@ MLA_NODES = (MLA_KV_WRITE, MLA_PAGED_ATTENTION)
 # Gated DeltaNet token mixing of hybrid models (plugins/gdn_ops.py): reads and writes the GDN state pool
 # (plugins/gdn_pool.py) and carries that pool's geometry as attributes.
 GDN_STEP = "GdnStep"
-PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, MOE_EXPERTS, *MLA_NODES, GDN_STEP)
-# MoeExperts has no TensorRT plugin yet (its ep_size > 1 form needs NCCL).
+# PagedAttention's sliding-window mode with per-head attention sinks (MiMo-V2-Flash's SWA layers; plugins/swa_ops.py).
+SWA_PAGED_ATTENTION = "SwaPagedAttention"
+PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, MOE_EXPERTS, *MLA_NODES, GDN_STEP, SWA_PAGED_ATTENTION)
+# MoeExperts has no TensorRT plugin yet (its ep_size > 1 form needs NCCL), nor SwaPagedAttention (no Triton kernel).
 TRT_PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES, GDN_STEP)
 # Nodes that index the KV pool and therefore carry its geometry as attributes (MLA ones call head_dim latent_dim).
-POOL_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES)
+POOL_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES, SWA_PAGED_ATTENTION)
 
 # Not an ONNX graph node: the compiled (AOTInductor) packages call it for bf16-stored dense weights.
 LINEAR_BF16 = "LinearBf16"

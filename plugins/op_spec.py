@@ -26,6 +26,7 @@ from plugins.names import (
     MLA_PAGED_ATTENTION,
     MOE_EXPERTS,
     PAGED_ATTENTION,
+    SWA_PAGED_ATTENTION,
 )
 
 # Dtype classes of a tensor input or output. Each backend maps a class to what it supports:
@@ -145,6 +146,17 @@ register(OpSpec(
      _READ_POOL_PTR, Tensor("after", INT64, "[1] a KvWrite output (ordering only)")),
     (_PLANE, *_GQA_POOL, Attr("scale", float, "softmax scale applied to q.k")),
     (Tensor("out", FLOAT, "[T, Hq, D]"),), _like_first,
+))  # fmt: skip
+register(OpSpec(
+    "swa_paged_attention", SWA_PAGED_ATTENTION,
+    "PagedAttention's sliding-window mode: query position q sees keys q - window + 1 .. q (window 0: all), and each "
+    "query head's sink logit joins its softmax denominator (plugins/reference_swa.py).",
+    (Tensor("q", FLOAT, "[T, Hq, D]"), Tensor("q_counts", INDEX, "[R]"), Tensor("kv_lens", INDEX, "[R]"), _TABLES,
+     _READ_POOL_PTR, Tensor("after", INT64, "[1] a KvWrite output (ordering only)"),
+     Tensor("sinks", FP32, "[Hq] per-head sink logits")),
+    (_PLANE, *_GQA_POOL, Attr("scale", float, "softmax scale applied to q.k"),
+     _int("window", "keys seen per query, the query included (transformers' sliding_window); 0 = all")),
+    (Tensor("out", FLOAT, "[T, Hq, D]"),), _like_first, tensorrt=False,  # no Triton kernel yet (docs/MODELS.md)
 ))  # fmt: skip
 register(OpSpec(
     "moe_experts", MOE_EXPERTS,

@@ -97,12 +97,15 @@ def _kv_write_kernel(
 def _paged_attention_kernel(
     q_ptr, out_ptr, q_counts_ptr, kv_lens_ptr, tables_ptr, pool_ptr,
     num_requests, max_blocks, plane, scale,
-    stride_q_row, stride_out_row, stride_table,
+    stride_q_row, stride_out_row, stride_table, window, sinks_ptr,
     NUM_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
-    """One program = one query row x one KV head (its GROUP query heads); online softmax over KV tiles."""
+    """One program = one query row x one KV head (its GROUP query heads); online softmax over KV tiles.
+
+    window > 0 (mtp::swa_paged_attention): only keys q_pos - window + 1 .. q_pos; HAS_SINKS: each query head's
+    sink logit joins the softmax denominator (plugins/reference_swa.py)."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     req, j = _request_of_row(q_counts_ptr, row, num_requests, BLOCK_R)
@@ -125,9 +128,10 @@ def _paged_attention_kernel(
     n = tl.arange(0, BLOCK_N)
     dk = tl.arange(0, BLOCK_D)
     row_elems = NUM_KV_HEADS * HEAD_DIM
-    for start in range(0, last + 1, BLOCK_N):
+    first = tl.where(window > 0, tl.maximum(q_pos - window + 1, 0), 0)  # the window's first key
+    for start in range(first, last + 1, BLOCK_N):
         pos = start + n
-        seen = pos <= last
+        seen = (pos <= last) & (pos >= first)
         block = tl.load(tables_ptr + req_safe * stride_table + pos // BLOCK_SIZE,
                         mask=seen & (pos // BLOCK_SIZE < max_blocks), other=-1).to(tl.int64)  # fmt: skip
         seen = seen & (block >= 0) & (block < NUM_BLOCKS)
@@ -146,6 +150,13 @@ def _paged_attention_kernel(
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vals[None, :, :], axis=1)
         m = m_new
+    if HAS_SINKS:  # the sink takes probability mass and adds no value
+        sink = tl.load(sinks_ptr + kv_head * GROUP + tl.arange(0, BLOCK_G), mask=tl.arange(0, BLOCK_G) < GROUP,
+                       other=float("-inf")).to(tl.float32)  # fmt: skip
+        m_sink = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_sink)
+        denom = denom * alpha + tl.exp(sink - m_sink)
+        acc = acc * alpha[:, None]
     # Padded rows (and a request whose keys are all missing) come back as zeros, like the reference.
     result = tl.where(denom[:, None] > 0, acc / tl.where(denom > 0, denom, 1.0)[:, None], 0.0)
     tl.store(out_ptr + row * stride_out_row + head * HEAD_DIM + d, result.to(out_ptr.dtype.element_ty), mask=q_tile)
@@ -241,8 +252,11 @@ def paged_attention_triton(
     scale: float,
     out: torch.Tensor | None = None,
     block_n: int = 32,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch varlen paged causal GQA attention; returns [T, Hq, D] in q's dtype (padded rows are zeros)."""
+    """Launch varlen paged causal GQA attention; returns [T, Hq, D] in q's dtype (padded rows are zeros).
+    window > 0 / sinks [Hq] fp32: the sliding-window mode with sinks (mtp::swa_paged_attention)."""
     device = q.device
     _check_rows("q", q, None, geom)
     num_q_heads = q.shape[1]
@@ -255,6 +269,10 @@ def paged_attention_triton(
         raise ValueError("q_counts, kv_lens and block_tables must have one entry per request")
     if not 0 <= plane < geom.num_planes:
         raise ValueError(f"plane {plane} outside 0..{geom.num_planes - 1}")
+    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_q_heads,)):
+        raise ValueError(f"sinks must be float32 [Hq={num_q_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0 = no window), got {window}")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != device or not out.is_contiguous():
@@ -267,9 +285,10 @@ def paged_attention_triton(
     _paged_attention_kernel[(rows, geom.num_kv_heads)](
         q, out, q_counts, kv_lens, block_tables, pool,
         q_counts.shape[0], block_tables.shape[1], plane, float(scale),
-        q.stride(0), out.stride(0), block_tables.stride(0),
+        q.stride(0), out.stride(0), block_tables.stride(0), int(window), q if sinks is None else sinks.contiguous(),
         NUM_BLOCKS=geom.num_blocks, BLOCK_SIZE=geom.block_size, NUM_KV_HEADS=geom.num_kv_heads,
         HEAD_DIM=geom.head_dim, GROUP=group, BLOCK_R=triton.next_power_of_2(max(q_counts.shape[0], 1)),
         BLOCK_G=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(geom.head_dim), BLOCK_N=block_n,
+        HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out

@@ -260,5 +260,5 @@ def _torch_executor(checkpoint, cfg: RuntimeConfig, rank: int, parallel: Paralle
     executor = TorchExecutor(model, cfg.num_blocks, cfg.block_size, device=device, cuda_graphs=cuda_graphs,
                              max_batch=cfg.max_batch, num_draft_tokens=cfg.num_draft_tokens,
                              max_blocks_per_request=cfg.max_blocks_per_request,
-                             num_state_snapshots=cfg.state_snapshot_slots)  # fmt: skip
+                             num_state_snapshots=cfg.state_snapshot_slots, mtp_modules=cfg.mtp_modules)  # fmt: skip
     return executor, model.cfg

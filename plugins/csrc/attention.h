@@ -8,6 +8,11 @@
 // each query row computed alone (the same operations whatever the batch). Rows past sum(q_counts) are zeros;
 // a query that sees no key (kv_len < q_count) is zeros too. Semantics: plugins/reference.py. The (request, KV head,
 // chunk) items run on torch's threads (attend below).
+//
+// Sliding-window mode (mtp::swa_paged_attention, plugins/reference_swa.py): window > 0 lets query position q see
+// keys q - window + 1 .. q only (transformers' `sliding_window` convention: the query itself counts), and sinks
+// (one logit per query head) add exp(sink_h - m) to each softmax denominator, m = max(scores, sink_h), as
+// transformers' eager attention with `s_aux` does. Keys left of every window of a chunk are never read.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -29,6 +34,8 @@ struct AttendArgs {
   float scale;
   const PoolPlane* pool;
   const char* op;
+  int64_t window = 0;            // > 0: sliding window (keys q - window + 1 .. q); 0: causal over every key
+  const float* sinks = nullptr;  // [Hq] per-head sink logits, or none
 };
 
 // Validates the per-request metadata before any kernel runs (one-line ValueErrors, never a bad read).
@@ -108,11 +115,13 @@ void attend_items(const AttendArgs& a, const AttendItem* items, int64_t i0, int6
     float* s = scratch(1, rows * std::max<int64_t>(n_kv, 1));
     float* acc = scratch(2, rows * a.dv);
     const int64_t kv_end = std::min(n_kv, first + jb);  // keys any query of the chunk sees
+    // first key any query of the chunk sees (the window of its first query); lo(l): row l's first key
+    const int64_t kv_begin = a.window > 0 ? std::max<int64_t>(0, first + ja - a.window + 1) : 0;
     for (int64_t j = ja; j < jb; ++j)
       for (int64_t h = 0; h < gh; ++h)
         V::to_f32(q + (row0 + j) * q_row + (g * a.group + h0 + h) * a.dk, qf + ((j - ja) * gh + h) * a.dk, a.dk);
     // scores of a tile of keys against every query that sees its first key (the rest of a row is ignored)
-    for (int64_t p0 = 0; p0 < kv_end; p0 += kTile) {
+    for (int64_t p0 = kv_begin; p0 < kv_end; p0 += kTile) {
       const int64_t l0 = (std::max(ja, p0 - first) - ja) * gh;
       const int nk = key_tile<V, P>(a, r, g, p0, kv_end, 0, 0, a.dk, kbuf, tile);
       for (int64_t l = l0; l < rows; ++l) {
@@ -120,17 +129,23 @@ void attend_items(const AttendArgs& a, const AttendItem* items, int64_t i0, int6
         for (int k = 0; k < nk; ++k) s[l * n_kv + p0 + k] = part[k] * a.scale;
       }
     }
-    // softmax numerators and sums over each query's visible keys
+    // softmax numerators and sums over each query's visible keys (its window), plus its head's sink
     for (int64_t l = 0; l < rows; ++l) {
-      const int64_t len = std::min(first + ja + l / gh + 1, n_kv);
-      if (len <= 0) { sums[l] = 0.0f; continue; }
-      float* row = s + l * n_kv;
-      V::exp_sub(row, V::max(row, len), len);
-      sums[l] = V::sum(row, len);
+      const int64_t qpos = first + ja + l / gh;
+      const int64_t len = std::min(qpos + 1, n_kv);
+      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, qpos - a.window + 1) : 0;
+      if (len - lo <= 0) { sums[l] = 0.0f; continue; }
+      float* row = s + l * n_kv + lo;
+      float m = V::max(row, len - lo);
+      const float sink = a.sinks ? a.sinks[g * a.group + h0 + l % gh] : 0.0f;
+      if (a.sinks) m = std::max(m, sink);
+      V::exp_sub(row, m, len - lo);
+      sums[l] = V::sum(row, len - lo) + (a.sinks ? std::exp(sink - m) : 0.0f);
+      std::fill(s + l * n_kv + kv_begin, row, 0.0f);  // keys of the chunk left of this row's window weigh 0
     }
     // weighted values, a tile of value rows at a time, each query's sum in key order
     std::fill(acc, acc + rows * a.dv, 0.0f);
-    for (int64_t p0 = 0; p0 < kv_end; p0 += kTile) {
+    for (int64_t p0 = kv_begin; p0 < kv_end; p0 += kTile) {
       const int64_t l0 = (std::max(ja, p0 - first) - ja) * gh;
       const int nk = key_tile<V, P>(a, r, g, p0, kv_end, a.value_kv, a.value_offset, a.dv, kbuf, tile);
       for (int64_t l = l0; l < rows; ++l) {
@@ -141,8 +156,8 @@ void attend_items(const AttendArgs& a, const AttendItem* items, int64_t i0, int6
     for (int64_t l = 0; l < rows; ++l) {
       const float* src = acc + l * a.dv;
       Q* dst = out + (row0 + ja + l / gh) * out_row + (g * a.group + h0 + l % gh) * a.dv;
-      const float sum = sums[l];
-      for (int64_t d = 0; d < a.dv; ++d) dst[d] = from_f32<Q>(sum == 0.0f ? 0.0f : src[d] / sum);  // sum >= 1 or NaN
+      const float sum = sums[l];  // >= 1 (the max term) or 0 (no key); NaN propagates
+      for (int64_t d = 0; d < a.dv; ++d) dst[d] = from_f32<Q>(sum == 0.0f ? 0.0f : src[d] / sum);
     }
   }
 }

@@ -33,6 +33,9 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
   m.def("paged_attention(Tensor q, Tensor q_counts, Tensor kv_lens, Tensor block_tables, Tensor pool_ptr, "
         "Tensor after, SymInt plane, SymInt num_planes, SymInt num_blocks, SymInt block_size, SymInt num_kv_heads, "
         "SymInt head_dim, SymInt dtype, float scale) -> Tensor");
+  m.def("swa_paged_attention(Tensor q, Tensor q_counts, Tensor kv_lens, Tensor block_tables, Tensor pool_ptr, "
+        "Tensor after, Tensor sinks, SymInt plane, SymInt num_planes, SymInt num_blocks, SymInt block_size, "
+        "SymInt num_kv_heads, SymInt head_dim, SymInt dtype, float scale, SymInt window) -> Tensor");
   m.def("mla_kv_write(Tensor latent, Tensor counts, Tensor starts, Tensor block_tables, Tensor pool_ptr, "
         "Tensor inv_freq, SymInt plane, SymInt num_planes, SymInt num_blocks, SymInt block_size, SymInt latent_dim, "
         "SymInt dtype, SymInt rope_dim, float rope_scale) -> Tensor");

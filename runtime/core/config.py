@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from models.config import ConfigError  # one error type for every bad configuration
 from models.engine_format.layout import SNAPSHOTS_PER_REQUEST, table_width
+from runtime.executors.base import MTP_MODULE_POLICIES
 
 __all__ = ["ConfigError", "RuntimeConfig"]
 
@@ -30,6 +31,9 @@ class RuntimeConfig:
     # state_snapshots.py); None = SNAPSHOTS_PER_REQUEST per request of max_batch (each costs one request's state)
     num_state_snapshots: int | None = None
     commit_pass: bool = True  # False = ablation: skip the decode refresh of the MTP plane (measurement only)
+    # Models with several MTP modules (MiMo-V2-Flash): "per-depth" = depth d runs module d (past the last module: the
+    # last again); "first" = module 0 at every depth (runtime/executors/base.py draft_module)
+    mtp_modules: str = "per-depth"
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -46,6 +50,8 @@ class RuntimeConfig:
             (self.num_state_snapshots is None or self.num_state_snapshots >= 0,
              f"num_state_snapshots={self.num_state_snapshots}: must be >= 0 (0 turns hybrid prefix caching off)"),
             (self.num_blocks >= 2, f"num_blocks={self.num_blocks}: need at least 2 (block 0 is reserved)"),
+            (self.mtp_modules in MTP_MODULE_POLICIES,
+             f"mtp_modules={self.mtp_modules!r}: choose one of {', '.join(MTP_MODULE_POLICIES)}"),
         ]  # fmt: skip
         for ok, msg in checks:
             if not ok:

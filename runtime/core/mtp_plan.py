@@ -263,6 +263,7 @@ def plan_draft(
         positions=np.asarray([b - 1 + depth for b in bases], dtype=np.int64),
         counts=np.ones(len(bases), dtype=np.int32),
         block_tables=block_tables,
+        depth=depth,
     )
 
 

@@ -47,6 +47,17 @@ class DraftInput:
     positions: np.ndarray  # int64 [R] MTP write position base-1+d
     counts: np.ndarray  # int32 [R] 1 = live, 0 = padded row
     block_tables: np.ndarray  # int32 [R, MB]
+    depth: int = 0  # draft depth d: which MTP module runs it (`draft_module`); not a graph input
+
+
+MTP_MODULE_POLICIES = ("per-depth", "first")
+
+
+def draft_module(depth: int, num_modules: int, policy: str = "per-depth") -> int:
+    """The MTP module that runs draft depth `depth`: "per-depth" = module d at depth d (MiMo-V2-Flash's three modules),
+    the last module again at depths past it; "first" = module 0 at every depth (the serial chain; an ablation for
+    multi-module checkpoints). Single-module models: module 0 either way."""
+    return 0 if policy == "first" else min(depth, max(num_modules, 1) - 1)
 
 
 @dataclass(slots=True)

@@ -20,14 +20,23 @@ from models.glm4_moe import Glm4MoeMTPModel
 from models.layers import PagedKV, StepMeta
 from plugins.kv_pool import KVPoolGeometry, allocate_pool, pool_address
 from plugins.mapping import local_kv_heads  # TP: the pool holds this rank's KV heads
-from runtime.executors.base import CommitInput, DraftInput, DraftOutput, HybridMainInput, MainInput, MainOutput
+from runtime.executors.base import (
+    CommitInput,
+    DraftInput,
+    DraftOutput,
+    HybridMainInput,
+    MainInput,
+    MainOutput,
+    draft_module,
+)
 from runtime.executors.cuda_graphs import GraphedFunction
 
 
 class TorchExecutor:
     def __init__(self, model: Glm4MoeMTPModel, num_blocks: int, block_size: int, device: str = "cpu",
                  cuda_graphs: bool | str = False, max_batch: int = 8, num_draft_tokens: int = 0,
-                 max_blocks_per_request: int = 64, num_state_snapshots: int = 0) -> None:  # fmt: skip
+                 max_blocks_per_request: int = 64, num_state_snapshots: int = 0,
+                 mtp_modules: str = "per-depth") -> None:  # fmt: skip
         cfg = model.cfg
         warn_spinning_threads()
         self.model = model.to(device).eval().fuse()  # fused QKV and gate|up: the fast path is the only path
@@ -49,6 +58,7 @@ class TorchExecutor:
             cuda_graphs = False  # not captured for hybrid models: the state-slot inputs are not graph buffers
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
         self.num_draft_tokens = num_draft_tokens
+        self.num_mtp_modules, self.mtp_modules = cfg.num_mtp_modules, mtp_modules  # base.py draft_module
         self.graphed_draft: GraphedFunction | None = None
         self.graphed_verify: GraphedFunction | None = None
         # cuda_graphs: True = capture on CUDA; "eager" = same static buffers and padding, re-executed (CPU-testable)
@@ -122,7 +132,8 @@ class TorchExecutor:
 
     @torch.inference_mode()
     def run_draft(self, inp: DraftInput) -> DraftOutput:
-        if self.graphed_draft is not None:
+        module = draft_module(inp.depth, self.num_mtp_modules, self.mtp_modules)
+        if self.graphed_draft is not None and module == 0:  # graphs are captured for module 0 only
             out = self.graphed_draft(len(inp.counts), {
                 "hidden": self._t(inp.hidden_in).to(self.dtype), "token_ids": self._t(inp.token_ids),
                 "positions": self._t(inp.positions), "counts": self._t(inp.counts),
@@ -133,7 +144,7 @@ class TorchExecutor:
                 return DraftOutput(out[0][:n].float().cpu().numpy(), out[1][:n].float().cpu().numpy())
         hidden, logits = self.model.forward_draft(
             self._t(inp.hidden_in).to(self.dtype), self._t(inp.token_ids), self._t(inp.positions),
-            self._t(inp.counts), self._t(inp.block_tables), self.kv,
+            self._t(inp.counts), self._t(inp.block_tables), self.kv, mtp_index=module,
         )  # fmt: skip
         return DraftOutput(hidden.float().cpu().numpy(), logits.float().cpu().numpy())
 

@@ -59,8 +59,7 @@ def test_unsupported_architecture(checkpoint, tmp_path):
     assert not (tmp_path / "engine").exists()
 
 
-@pytest.mark.parametrize("model_type, missing", [("deepseek_v4", "hc_head"), ("glm5_next", "hc_head"),
-                                                  ("mimo_v2_flash", "three MTP modules")])  # fmt: skip
+@pytest.mark.parametrize("model_type, missing", [("deepseek_v4", "hc_head"), ("glm5_next", "hc_head")])  # fmt: skip
 def test_2026_families_are_refused_by_name_with_what_is_missing(tmp_path, capsys, model_type, missing):
     """The config.json transformers writes for each family (its own defaults), as mtp-build meets it: one line
     naming the family and what the engine lacks, nothing written."""
@@ -73,6 +72,19 @@ def test_2026_families_are_refused_by_name_with_what_is_missing(tmp_path, capsys
     assert cli.main(["--checkpoint", str(ckpt), "--output", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"model_type {model_type!r} is not supported: " in err[0] and missing in err[0], err
+    assert not out.exists()
+
+
+def test_mimo_v2_flash_engines_are_refused_with_the_torch_executor_named(tmp_path, capsys):
+    """MiMo-V2-Flash is served from its checkpoint (torch executor); mtp-build says so in one line, writes nothing."""
+    from models.testing_mimo_v2 import make_mimo_v2_checkpoint
+
+    make_mimo_v2_checkpoint(tmp_path / "ckpt", num_mtp=1)
+    capsys.readouterr()  # transformers' save_pretrained progress bar
+    out = tmp_path / "engine"
+    assert cli.main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "engines for mimo_v2_flash are not supported yet" in err[0] and "--checkpoint" in err[0]
     assert not out.exists()
 
 

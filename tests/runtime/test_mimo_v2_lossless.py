@@ -1,0 +1,80 @@
+"""Invariant 4 (lossless) on MiMo-V2-Flash (sliding window 8 with sinks, three MTP modules, depth d runs module d):
+greedy output through the Python API with the torch executor is token-identical for K = 0..3 (and K = 4, where the
+last module runs twice), chunked prefill, prefix caching (copy on write) and preemption, with prompts and outputs
+crossing the window; K=0 equals transformers' greedy generate on the same checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.testing_mimo_v2 import make_mimo_v2_checkpoint
+from runtime.core.sampling import SamplingParams
+from runtime.factory import create_engine
+from tests.runtime.engine_utils import random_prompts
+
+VOCAB = 6  # a random MTP module agrees with the main model ~1/vocab of the time: accepted drafts happen
+PROMPTS = random_prompts((5, 13, 9, 22, 3), vocab=VOCAB, seed=0)
+PROMPTS.append(PROMPTS[3][:17] + [1, 2, 3])  # shares 4 full blocks with prompt 3: a prefix-cache hit
+PROMPTS.append(PROMPTS[3][:16] + [(PROMPTS[3][16] + 1) % VOCAB, 2])  # diverges at a block boundary: copy on write
+PARAMS = SamplingParams(max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mimo_v2")
+    make_mimo_v2_checkpoint(path, seed=6, vocab_size=VOCAB)  # varied output, ~15% of depth-0 drafts accepted
+    return path
+
+
+def run(path, k: int, **rc):
+    opts = dict(num_draft_tokens=k, block_size=4, num_blocks=200, max_batch=4, max_num_tokens=64, max_seq_len=128)
+    engine = create_engine(checkpoint=path, executor="torch", **{**opts, **rc})
+    outs = engine.generate(PROMPTS, PARAMS)
+    engine.kv.assert_no_leaks()
+    return [o.output_ids for o in outs], engine
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return run(checkpoint, 0, enable_prefix_caching=False)[0]
+
+
+def test_reference_matches_hugging_face_greedy(checkpoint, reference):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.MiMoV2FlashForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    for prompt, ours in zip(PROMPTS, reference, strict=True):
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=PARAMS.max_tokens, do_sample=False)
+        assert out[0, len(prompt) :].tolist() == ours
+
+
+@pytest.fixture(scope="module")
+def per_depth_k3(checkpoint):
+    return run(checkpoint, 3)
+
+
+@pytest.mark.parametrize("k, chunk", [(1, 256), (3, 6), (3, 256)])  # 6 splits prompts mid-block (K=2: the COW run)
+def test_mtp_greedy_is_lossless(checkpoint, reference, per_depth_k3, k, chunk):
+    got, engine = per_depth_k3 if (k, chunk) == (3, 256) else run(checkpoint, k, max_prefill_chunk=chunk)
+    assert got == reference
+    assert engine.metrics.prefix_hit_tokens > 0
+    assert engine.metrics.acceptance_rate_per_position[0] > 0.1, "accepted drafts must be exercised"
+
+
+def test_lossless_with_copy_on_write_prefix_hits_and_preemption(checkpoint, reference):
+    got, engine = run(checkpoint, 2, prefix_cache_cow=True)
+    assert got == reference and engine.kv.stats.num_cow_copies > 0
+    got, engine = run(checkpoint, 3, num_blocks=20, max_seq_len=64)
+    assert got == reference and engine.metrics.num_preemptions > 0
+
+
+def test_depths_past_the_modules_reuse_the_last_and_the_module_choice_is_load_bearing(checkpoint, reference,
+                                                                                      per_depth_k3):  # fmt: skip
+    """K=4 (module 2 at depths 2 and 3) is lossless; module 0 at every depth ("first") drafts differently at the
+    later depths, which changes acceptance (never the output)."""
+    got, engine = run(checkpoint, 4, block_size=8)
+    assert got == reference and len(engine.metrics.acceptance_rate_per_position) == 4
+    per_depth = list(per_depth_k3[1].metrics.acceptance_rate_per_position)
+    got, first = run(checkpoint, 3, mtp_modules="first")
+    assert got == reference
+    assert per_depth != list(first.metrics.acceptance_rate_per_position)
