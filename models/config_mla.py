@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from models.config_dsa import DSA_MODEL_TYPES, dsa_hf_fields
 from models.config_fields import ConfigError
 from models.config_fields import Fields as _Fields
-
-if TYPE_CHECKING:
-    from models.config import ModelConfig
 
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", *DSA_MODEL_TYPES)
 
@@ -53,8 +50,8 @@ def mla_fields(model_type: str, f: _Fields, rf: _Fields, rope_type: str) -> dict
     return out
 
 
-def mla_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
-    """The config.json fields of an MLA model that differ from GLM-4.5's (inverse of `mla_fields`)."""
+def mla_hf_fields(cfg: Any) -> dict[str, Any]:
+    """The config.json fields of an MLA ModelConfig that differ from GLM-4.5's (inverse of `mla_fields`)."""
     rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
     if cfg.rope_type == "yarn":
         rope.update(factor=cfg.rope_factor, original_max_position_embeddings=cfg.original_max_position_embeddings,
