@@ -141,3 +141,26 @@ class RecordingExecutor:
 
 def np_equal(a, b) -> bool:
     return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+
+
+LOSSLESS_LIMITS = dict(block_size=4, num_blocks=200, max_batch=4, max_num_tokens=64, max_seq_len=128)
+
+
+def greedy_run(path, k: int, prompts: list[list[int]], params, **rc) -> tuple[list[list[int]], LLMEngine]:
+    """The family lossless tests' run: a checkpoint on the torch executor at K=k (runtime overrides in rc); the
+    output ids per prompt and the engine, after checking no KV block leaked."""
+    from runtime.factory import create_engine
+
+    engine = create_engine(checkpoint=path, executor="torch", **{**LOSSLESS_LIMITS, "num_draft_tokens": k, **rc})
+    outs = engine.generate(prompts, params)
+    engine.kv.assert_no_leaks()
+    assert engine.kv.num_free_blocks == engine.cfg.num_blocks - 1, "KV blocks leaked"
+    return [o.output_ids for o in outs], engine
+
+
+def hf_greedy_ids(model_cls, path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' own greedy `generate` of each prompt (one at a time), the ids after the prompt."""
+    hf = model_cls.from_pretrained(str(path), dtype=torch.float32).eval()
+    outs = [hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False) for p in prompts]
+    return [out[0, len(p) :].tolist() for p, out in zip(prompts, outs, strict=True)]
+

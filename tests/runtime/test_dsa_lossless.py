@@ -7,9 +7,9 @@ indexer over the keys the commit pass wrote: its drafts are accepted (acceptance
 from __future__ import annotations
 
 import pytest
-import torch
 
 from models.testing_dsa import DSA_VARIANTS, make_dsa_checkpoint
+from tests.runtime.engine_utils import hf_greedy_ids
 from tests.runtime.test_mla_lossless import PARAMS, PROMPTS, VOCAB, run
 
 
@@ -44,10 +44,7 @@ def test_reference_matches_hugging_face_greedy(checkpoint, reference, variant):
     transformers = pytest.importorskip("transformers")
     path = checkpoint(variant)
     cls = transformers.DeepseekV32ForCausalLM if variant == "dsv32" else transformers.GlmMoeDsaForCausalLM
-    hf = cls.from_pretrained(str(path), dtype=torch.float32).eval()
-    for prompt, ours in zip(PROMPTS, reference(variant), strict=True):
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=PARAMS.max_tokens, do_sample=False)
-        assert out[0, len(prompt) :].tolist() == ours
+    assert hf_greedy_ids(cls, path, PROMPTS, PARAMS.max_tokens) == reference(variant)
 
 
 # each K once, both families; chunk 6 splits prompts mid-block and across blocks (test time: docs/MODELS.md)

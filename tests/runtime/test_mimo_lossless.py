@@ -9,8 +9,7 @@ import torch
 
 from models.testing import make_mimo_checkpoint
 from runtime.core.sampling import SamplingParams
-from runtime.factory import create_engine
-from tests.runtime.engine_utils import random_prompts
+from tests.runtime.engine_utils import greedy_run, hf_greedy_ids, random_prompts
 
 VOCAB = 6  # a random MTP module agrees with the main model ~1/vocab of the time: accepted drafts happen
 PROMPTS = random_prompts((5, 13, 9, 22, 3), vocab=VOCAB, seed=0)
@@ -27,11 +26,7 @@ def checkpoint(tmp_path_factory):
 
 
 def run(path, k: int, **rc):
-    opts = dict(num_draft_tokens=k, block_size=4, num_blocks=200, max_batch=4, max_num_tokens=64, max_seq_len=128)
-    engine = create_engine(checkpoint=path, executor="torch", **{**opts, **rc})
-    outs = engine.generate(PROMPTS, PARAMS)
-    engine.kv.assert_no_leaks()
-    return [o.output_ids for o in outs], engine
+    return greedy_run(path, k, PROMPTS, PARAMS, **rc)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +36,7 @@ def reference(checkpoint):
 
 def test_reference_matches_hugging_face_greedy(checkpoint, reference):
     transformers = pytest.importorskip("transformers")
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    for prompt, ours in zip(PROMPTS, reference, strict=True):
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=PARAMS.max_tokens, do_sample=False)
-        assert out[0, len(prompt) :].tolist() == ours
+    assert hf_greedy_ids(transformers.Qwen2ForCausalLM, checkpoint, PROMPTS, PARAMS.max_tokens) == reference
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

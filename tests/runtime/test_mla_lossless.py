@@ -5,12 +5,10 @@ caching, and equals transformers' plain greedy generate."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from models.testing import MLA_VARIANTS, make_mla_checkpoint
 from runtime.core.sampling import SamplingParams
-from runtime.factory import create_engine
-from tests.runtime.engine_utils import random_prompts
+from tests.runtime.engine_utils import greedy_run, hf_greedy_ids, random_prompts
 
 VOCAB = 6  # a random MTP module agrees with the main model ~1/vocab of the time: accepted drafts happen
 PROMPTS = random_prompts((5, 13, 9, 22, 3), vocab=VOCAB, seed=0)
@@ -36,12 +34,7 @@ def checkpoint(tmp_path_factory):
 
 
 def run(path, k: int, **rc):
-    opts = dict(num_draft_tokens=k, block_size=4, num_blocks=200, max_batch=4, max_num_tokens=64, max_seq_len=128)
-    engine = create_engine(checkpoint=path, executor="torch", **{**opts, **rc})
-    outs = engine.generate(PROMPTS, PARAMS)
-    engine.kv.assert_no_leaks()
-    assert engine.kv.num_free_blocks == engine.cfg.num_blocks - 1, "KV blocks leaked"
-    return [o.output_ids for o in outs], engine
+    return greedy_run(path, k, PROMPTS, PARAMS, **rc)
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +54,7 @@ def test_reference_matches_hugging_face_greedy(checkpoint, reference, variant):
     transformers = pytest.importorskip("transformers")
     path = checkpoint(variant)
     cls = transformers.DeepseekV3ForCausalLM if variant.startswith("dsv3") else transformers.Glm4MoeLiteForCausalLM
-    hf = cls.from_pretrained(str(path), dtype=torch.float32).eval()
-    for prompt, ours in zip(PROMPTS, reference(variant), strict=True):
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=PARAMS.max_tokens, do_sample=False)
-        assert out[0, len(prompt) :].tolist() == ours
+    assert hf_greedy_ids(cls, path, PROMPTS, PARAMS.max_tokens) == reference(variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
