@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import onnx
 import torch
 
-from builder import compile_aoti, ort_build, trt_build, validate
+from builder import compile_aoti, ort_build, rank_graphs, trt_build, validate
 from builder.export import export_graph
 from builder.options import BuildError, BuildOptions
 from builder.rank_process import run_in_child
@@ -97,7 +97,21 @@ def _graph_names(cfg: ModelConfig, opts: BuildOptions) -> list[str]:
     return ["main", "mtp_draft", "mtp_commit"] if cfg.num_mtp_modules else ["main"]
 
 
-def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, rep: Reporter) -> dict[str, Any]:
+Template = tuple[int, dict[str, dict[str, str]]]  # (rank, {graph: its module's tensor digests}): rank_graphs.py
+
+
+def _export_shard(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, template: Template | None,
+                  shares: bool, rep: Reporter) -> tuple[dict[str, Any], dict[str, dict[str, str]]]:  # fmt: skip
+    """A multi-rank build's rank (in its child): its graphs, and (shares) those the ranks it templates may copy."""
+    swappable: dict[str, dict[str, str]] = {}
+    return _export_rank(rank, opts, work, layout, rep, template, swappable if shares else None), swappable
+
+
+def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, rep: Reporter,
+                 template: Template | None = None, swappable: dict[str, dict[str, str]] | None = None,
+                 ) -> dict[str, Any]:  # fmt: skip
+    """template: the rank whose graphs this rank may write with its own weights swapped in (no export), with its
+    swappable graphs; swappable: gets this rank's graphs other ranks may copy that way."""
     ckpt_cfg = read_model_config(opts.checkpoint)[0]  # config.json only
     mapping = _mapping(rank, opts, ckpt_cfg)
     state = opts.state_layout(ckpt_cfg)
@@ -110,10 +124,17 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
     graphs: dict[str, dict[str, str]] = {}
     for name in _graph_names(model.cfg, opts):
         t0 = time.perf_counter()
-        rep.step(f"rank {rank}: export {name} ({_shard_note(model.cfg, model.mapping)})")
-        path = rdir / f"{name}.onnx"
-        data = export_graph(name, model, layout.geometry(), layout.table_width, path,
-                            None if state is None else state.geometry())  # fmt: skip
+        path, geom = rdir / f"{name}.onnx", None if state is None else state.geometry()
+        tensors = rank_graphs.graph_tensors(name, model, layout.geometry(), geom) if opts.world_size > 1 else {}
+        src, digests = (None, {}) if template is None else (work / rank_dir(template[0]) / path.name, template[1])
+        if src is not None and name in digests and rank_graphs.fits(src, digests[name], tensors):
+            data = rank_graphs.swap_weights(src, path, tensors)  # the template rank's graph, this rank's weights
+            rep.step(f"rank {rank}: {name} is {src.parent.name}'s graph with this rank's weights (no export)")
+        else:
+            rep.step(f"rank {rank}: export {name} ({_shard_note(model.cfg, model.mapping)})")
+            data = export_graph(name, model, layout.geometry(), layout.table_width, path, geom)
+            if swappable is not None and rank_graphs.swappable(path, tensors):
+                swappable[name] = rank_graphs.digests(tensors)
         graphs[name] = {"onnx": str(path.relative_to(work)), "data": str(data.relative_to(work))}
         rep.done(f"rank {rank}: {name}.onnx", time.perf_counter() - t0)
     if opts.compile == "aoti":  # while this rank's weights are loaded (builder/compile_aoti.py)
@@ -330,8 +351,12 @@ def _write_engine(opts: BuildOptions, work: Path, rep: Reporter, ckpt_cfg: Model
     if opts.world_size == 1:
         graphs = [_export_rank(0, opts, work, layout, rep)]
     else:  # one child per rank: each rank's weights leave memory with it (builder/rank_process.py says why)
-        graphs = [run_in_child(_export_rank, (r, opts, work, layout), rep, f"rank {r}'s export")
-                  for r in range(opts.world_size)]  # fmt: skip
+        graphs, shared = [], dict[int, dict[str, dict[str, str]]]()  # template rank -> its graphs that the ranks of its graph_key may copy
+        templates = rank_graphs.templates([_mapping(r, opts, ckpt_cfg) for r in range(opts.world_size)])
+        for r, t in enumerate(templates):
+            args = (r, opts, work, layout, None if t is None else (t, shared[t]), r in templates)
+            own, shared[r] = run_in_child(_export_shard, args, rep, f"rank {r}'s export")
+            graphs.append(own)
     backend_info = _backend(opts, work, graphs, layout, rep)
     if opts.compile != "none":
         backend_info["compiled"] = {"kind": opts.compile, **_compiled_record(work, opts.world_size)}

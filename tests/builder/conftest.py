@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 
 import pytest
@@ -31,7 +29,7 @@ def tiny_opts(ckpt: Path, out: Path, **kw) -> BuildOptions:
 
 
 # Session scope (not package): the same lifetime here, and tests/conftest.py's xdist_groups keeps the files that share
-# a session build fixture on one worker, so tp2_build below is built once, not once per worker.
+# a session build fixture on one worker.
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("ckpt") / "tiny"
@@ -52,21 +50,7 @@ def engine(checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tp2_build(checkpoint, tmp_path_factory) -> tuple[Path, str]:
-    """TP2 engine of `checkpoint` built through the CLI *without* --ep-size, with what the CLI printed: one build
-    serves the TP tests (test_tp_build.py, which need EP2 = the default) and the default's own test
-    (test_build_defaults.py, which checks the message and the recorded mapping)."""
-    out = tmp_path_factory.mktemp("tp2") / "engine"
-    argv = ["--checkpoint", str(checkpoint), "--output", str(out), "--compile", "none", "--world-size", "2", "--tp-size", "2"]
-    for k, v in LIMITS.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):  # rich's Console writes to sys.stdout as it is at print time
-        rc = cli.main(argv)
-    assert rc == 0, printed.getvalue()[-3000:]
-    return out, printed.getvalue()
-
-
-@pytest.fixture(scope="session")
-def tp2(tp2_build) -> Path:
-    return tp2_build[0]
+def tp2(tiny_tp2_engine) -> Path:
+    """The TP2 (EP2 by default) engine of models/tiny: tests/conftest.py's compiled build, shared with
+    tests/runtime/test_mpi_tp.py and test_build_defaults.py (a second TP2 build of another checkpoint cost a minute)."""
+    return tiny_tp2_engine

