@@ -63,3 +63,14 @@ def test_lossless_with_copy_on_write_prefix_hits_and_preemption(checkpoint, refe
     assert got == reference(variant) and engine.kv.stats.num_cow_copies > 0
     got, engine = run(checkpoint(variant), 3, num_blocks=20, max_seq_len=64)
     assert got == reference(variant) and engine.metrics.num_preemptions > 0
+
+
+def test_the_start_up_self_check_runs_on_this_family(checkpoint):
+    """Issue 29: the acceptance self-check drafts through the MTP layer's own indexer and judges the acceptance; the
+    random MTP layer agrees with the main model by chance only, which it calls low."""
+    from runtime.core.self_check import run_self_check
+
+    ran = run_self_check(run(checkpoint("glm5"), 3)[1])
+    assert ran is not None
+    result, _ = ran
+    assert result.verdict == "low" and result.drafted > 0 and result.positions == 2, result

@@ -69,3 +69,14 @@ def test_depths_past_the_modules_reuse_the_last_and_the_module_choice_is_load_be
     got, first = run(checkpoint, 3, mtp_modules="first")
     assert got == reference
     assert per_depth != list(first.metrics.acceptance_rate_per_position)
+
+
+def test_the_start_up_self_check_runs_on_this_family(checkpoint):
+    """Issue 29: the acceptance self-check (mtp-run / mtp-serve start-up) drafts through the three modules and judges
+    the acceptance; these random modules agree with the main model by chance only (~1/VOCAB), which it calls low."""
+    from runtime.core.self_check import run_self_check
+
+    ran = run_self_check(run(checkpoint, 3)[1])
+    assert ran is not None
+    result, _ = ran
+    assert result.verdict == "low" and result.drafted > 0 and result.positions == 2, result
