@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,15 +107,27 @@ def extraction_dir() -> Path:
 def load_package(cfg: EngineConfig, path: Path) -> Any:
     """The AOTInductor package at `path` (a torch AOTICompiledModel), or EngineDirError in one line: a damaged
     package (it is not a readable zip: rebuild), or one that could not be unpacked (a full or unwritable
-    temporary directory: the line names it and TMPDIR). The loader unpacks every package into a fresh
-    aotinductor_* folder there and, when that fails, leaves the folder behind (twice: torch retries once);
-    those are removed here. Only folders that appeared during this call and hold nothing but this package's
-    own folder are touched."""
+    temporary directory: the line names it and TMPDIR).
+
+    torch's loader unpacks every package into a fresh aotinductor_* folder of the temporary directory (TMPDIR) and
+    removes it only when the process exits normally: a rank that leaves through the watchdog (os._exit) or is
+    killed left every package's folder behind (measured: 3 folders, one per graph, 2-7 MB each on models/tiny; a
+    real model's weights). So each load unpacks into a private folder of the temporary directory, removed as soon
+    as the package is loaded (its code is mapped; nothing is read from the folder after the load) or its load
+    failed. Where no private folder can be made (TMPDIR is not a writable directory) the load goes ahead as
+    before and fails with the line below; folders a failed load left (torch retries once) are removed."""
     import torch
 
     rel = str(path.relative_to(cfg.path)) if path.is_relative_to(cfg.path) else path.name
     tmp = extraction_dir()
     before = _aoti_folders(tmp)
+    try:
+        private: Path | None = Path(tempfile.mkdtemp(prefix="mtp_aoti_", dir=tmp))
+    except OSError:
+        private = None
+    saved = os.environ.get("TMPDIR")
+    if private is not None:
+        os.environ["TMPDIR"] = str(private)  # the loader reads it at the call (std::filesystem::temp_directory_path)
     quiet = logging.getLogger("torch._inductor.package.package")  # "Loading outdated pt2 file" before its retry
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -138,6 +151,12 @@ def load_package(cfg: EngineConfig, path: Path) -> Any:
                              "point TMPDIR at a writable directory with room") from None  # fmt: skip
     finally:
         quiet.setLevel(level)
+        if private is not None:
+            if saved is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = saved
+            shutil.rmtree(private, ignore_errors=True)
 
 
 def _aoti_folders(tmp: Path) -> set[Path]:

@@ -270,6 +270,38 @@ def test_no_room_to_unpack_the_packages_is_one_line_and_leaves_nothing(compiled,
     assert not list(tmp.glob("aotinductor_*")), list(tmp.iterdir())
 
 
+# In a child: load the engine's packages, list TMPDIR, decode two tokens, then leave as a rank whose watchdog fired.
+ABRUPT_EXIT = """
+import os, sys
+from pathlib import Path
+from runtime.core.sampling import SamplingParams
+from runtime.factory import create_engine
+engine = create_engine(sys.argv[1], executor="compiled")
+left = sorted(p.name for p in Path(os.environ["TMPDIR"]).iterdir())
+ids = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].output_ids
+print(left, len(ids), flush=True)
+os._exit(1)
+"""
+
+
+def test_a_rank_that_leaves_abruptly_leaves_no_unpacked_package(compiled, tmp_path):
+    """torch's loader unpacks each package into TMPDIR/aotinductor_* and removed it only at a normal exit, so a rank
+    leaving through its watchdog (os._exit) or killed left every package's folder behind (3 per engine here; a real
+    model's weights). Now each load unpacks into a private folder removed right after it: TMPDIR is empty once the
+    engine is loaded, the engine still decodes, and an os._exit leaves nothing."""
+    import os
+    import subprocess
+    import sys
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-c", ABRUPT_EXIT, str(compiled)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 1 and proc.stdout.strip() == "[] 2", proc.stdout + proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp.iterdir()) == []
+
+
 def test_compile_needs_onnxruntime(checkpoint, tmp_path, capsys):
     """Multi-rank compiled engines are tests/runtime/test_mpi_tp.py's; TensorRT engines have no CPU packages."""
     argv = ["--checkpoint", str(checkpoint), "--output", str(tmp_path / "e"), "--compile", "aoti", "--backend",
