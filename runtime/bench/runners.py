@@ -102,22 +102,21 @@ def make_workload(checkpoint: Path, n: int, chars: int, vocab_size: int, tokeniz
 
 
 def _drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> tuple:
-    """Run prompts together to completion; split time into decode-only steps and steps carrying prefill."""
+    """Run prompts together to completion; split time into decode-only steps and steps carrying prefill (the
+    times are the engine's step records': runtime/core/step_record.py)."""
     ids = [engine.add_request(p, params, req_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
     finals: dict[str, list[int]] = {}
     dec_tokens = total = dec_steps = 0
     dec_seconds = dec_cpu = 0.0
     while engine.has_unfinished():
         decode_only = not engine.awaiting_first_token(ids)  # nothing left to prefill
-        t0, c0 = time.perf_counter(), time.process_time()
         outs = engine.step()
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         n = sum(len(o.new_token_ids) for o in outs)
         total += n
-        if decode_only:
+        if decode_only and (record := engine.last_step) is not None:
             dec_tokens += n
-            dec_seconds += dt
-            dec_cpu += dc
+            dec_seconds += record.total_seconds
+            dec_cpu += record.cpu_seconds
             dec_steps += 1
         for o in outs:
             if o.finished:

@@ -3,8 +3,9 @@
 One `step()` is plan, then apply; the phases run in this order and no other:
   1. schedule   which requests forward how many tokens (runtime/core/scheduler.py)
   2. verify     one main forward over the packed batch (plan_main); main KV appended inside
-  3. accept     greedy / exact-match / rejection sampling -> a_r accepted drafts + one main token;
-                then this step's draft length k (fixed K, or `auto`: runtime/core/draft_length.py, same on all ranks)
+  3. accept     greedy / exact-match / rejection sampling -> a_r accepted drafts + one main token
+                (runtime/core/accept.py); then this step's draft length k (fixed K, or `auto`:
+                runtime/core/draft_length.py, same on all ranks)
   4. plan       plan_step (runtime/core/mtp_plan.py, pure): commit input, chunk carries, rewinds (bases),
                 emitted tokens and draft rows, all from the verify results before any state changes
                 (k = 0: depth 0's entry at base-1 is carried to a later commit, or dropped once auto gives up)
@@ -12,8 +13,11 @@ One `step()` is plan, then apply; the phases run in this order and no other:
   6. apply      per request: rewind num_computed to base (bookkeeping only; lookahead blocks stay owned),
                 set or clear the chunk carry, drop the verified drafts, emit tokens, stop conditions
   7. draft      k serial MTP depths for the requests still running, from (h_{base-1}, base token)
-  8. publish    full verified blocks into the prefix cache; metrics
+  8. publish    full verified blocks into the prefix cache
 Commit (5) reads only the plan, so its order against apply (6) does not matter; draft (7) needs both.
+Each step fills one StepRecord (runtime/core/step_record.py: phase times, rows per graph call, k and accepted
+drafts per request) and publishes it at its end; auto's cost cycles, the metrics, the bench and the serving
+statistics read the record, and nothing else times the step.
 
 A failure traceable to one request (its logits, its sampling, its stop strings, an inconsistent state)
 aborts that request alone with finish_reason "error"; only executor failures abort the step.
@@ -29,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from models.config import ModelConfig
-from runtime.core import draft_loop, grammar, logprobs, mtp_plan
+from runtime.core import accept, draft_loop, logprobs, mtp_plan
 from runtime.core.acceptance_guard import CollapseDetector
 from runtime.core.admission import RequestError, validate_params, validate_prompt, validate_request_id
 from runtime.core.config import ConfigError, RuntimeConfig
@@ -39,16 +43,10 @@ from runtime.core.metrics import Metrics
 from runtime.core.mtp_plan import MainPlan, RequestUpdate, StepPlan, plan_main, plan_step, table_array
 from runtime.core.ranks import SINGLE_RANK, RankStrategy
 from runtime.core.request import Request, RequestOutput, RequestStatus, request_rng
-from runtime.core.sampling import (
-    SamplingParams,
-    accept_exact_match,
-    accept_greedy,
-    accept_rejection,
-    probs_from_logits,  # fmt: skip
-    sample,
-)
+from runtime.core.sampling import SamplingParams
 from runtime.core.scheduler import ScheduledRequest, Scheduler
 from runtime.core.state_pool import StateSlots, hybrid_runtime_config, idle_input
+from runtime.core.step_record import CycleMeter, StepRecord, StepTimer
 from runtime.core.verify_lengths import AcceptancePolicy, VerifyLengthPolicy
 from runtime.executors.base import Executor
 
@@ -87,7 +85,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # unfinished requests only: a finished one leaves with its output
         self._arrivals = itertools.count()
         self.width = cfg.max_blocks_per_request
-        self._exec_seconds = 0.0  # executor time within the current step
         # --num-draft-tokens auto: self.k is the maximum, the controller picks each step's k (draft_length.py)
         if draft_length is None and cfg.auto_draft_tokens and self.k:
             draft_length = DraftLengthController(self.k)
@@ -98,10 +95,11 @@ class LLMEngine:
         # rows a request holds back while `auto` runs k = 0 (mtp_plan.plan_step): the request's whole commit segment
         # (carry + up to 2K verified rows + the tail) must fit one commit call of max_num_tokens rows
         self._max_carry_rows = max(0, min(4 * cfg.block_size, cfg.max_num_tokens - 2 * self.k - 1))
-        # auto's cost of a draft length k is a cycle: the draft loop that made k drafts plus the next step
-        self._prev_draft = (0.0, 0.0, 0.0)  # the previous step's draft loop: (wall seconds, depths, requests)
-        self._cycle = (0.0, 0.0, 0.0, 0.0)  # the last finished cycle: (seconds, depths, requests, verify rows)
+        self._cycles = CycleMeter()  # auto's cost of a draft length k: a cycle, from the step records
         self.draft_clock = draft_clock
+        self._timer = StepTimer(draft_clock)  # the running step's (runtime/core/step_record.py)
+        self.last_step: StepRecord | None = None  # the record of the last step (idle steps included)
+        self.step_listeners: list[Callable[[StepRecord], None]] = []  # each gets every step's record
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, req_id: str | None = None) -> str:
@@ -146,70 +144,84 @@ class LLMEngine:
             self.ranks.end_step()
 
     def _step(self) -> list[RequestOutput]:
-        t_start, c_start = time.perf_counter(), self.draft_clock()
-        self._exec_seconds = 0.0
+        t = self._timer = StepTimer(self.draft_clock)  # fills this step's record (runtime/core/step_record.py)
         sched = self.scheduler.schedule()  # 1. schedule
-        self.metrics.num_preemptions += len(sched.preempted)
-        if self.state_slots is not None:  # a preempted request is recomputed from position 0: a fresh state
-            self.state_slots.free(*[r.req_id for r in sched.preempted])
-        if sched.block_copies:  # prefix-cache copy-on-write, before anything reads the copies
-            self.executor.copy_blocks(sched.block_copies)
-            self.kv.complete_copies()
+        self._after_schedule(sched)
+        t.lap("schedule")
         if not sched.scheduled:
-            if self.ranks.lockstep:  # invariant 9: an idle rank still enters every collective-bearing forward
-                idle = mtp_plan.plan_idle_main(self.width)
-                self.executor.run_main(idle if self.state_slots is None else idle_input(idle))
-                self._dummy_drafts(self._agreed_depths([], self._choose_draft_length(StepSample)[0]))
-            return []
+            self._idle_step()
+            return self._end_step([])
         scheduled = sched.scheduled
         tables = table_array([self.kv.block_table(s.req.req_id) for s in scheduled], self.width)
         main_plan = plan_main(scheduled, tables)
         prompt_spans = logprobs.add_prompt_rows(scheduled, main_plan)  # echo: prompt logprobs (usually none)
-        inp = main_plan.inp if self.state_slots is None else self.state_slots.plan(scheduled, main_plan.inp)
-        main = self._timed(self.executor.run_main, inp)  # 2. verify (main KV appended inside)
+        t.record.num_scheduled, t.record.main_rows = len(scheduled), len(main_plan.inp.input_ids)
+        main = t.executor(self.executor.run_main, self._main_input(scheduled, main_plan))  # 2. verify (+ main KV)
+        t.lap("verify")
         logprobs.record_prompt(scheduled, prompt_spans, main.logits)
-        accepted, next_tokens, errors = self._accept_all(scheduled, main_plan, main.logits)  # 3. accept
+        accepted, next_tokens, errors = accept.accept_all(scheduled, main_plan, main.logits)  # 3. accept
         may_draft = self.k > 0 and any(s.req.spec.may_draft for s in scheduled)  # False: all frozen, plan as K=0
         k, freeze = self._choose_draft_length(lambda: self._sample(scheduled, accepted, errors), may_draft)
         ks: int | list[int] = k  # per-request: k_i each, and k = the draft loop's depths (agreed across ranks)
         if self.verify_lengths is not None and may_draft:
             ks = self.verify_lengths.choose(mtp_plan.verify_candidates(scheduled, accepted, errors, self.cfg.max_seq_len), k)
+        t.lap("accept")
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=may_draft,
                          draft_depths=ks, refresh_drafts=self.cfg.commit_pass, max_carry_rows=self._max_carry_rows,
                          max_commit_rows=self.cfg.max_num_tokens, freeze=freeze)  # 4. plan  # fmt: skip
+        t.lap("plan")
         for commit in plan.commits:  # 5. commit (no collective inside, so skipping an empty write keeps lockstep)
-            self._timed(self.executor.run_commit, commit)
+            t.record.commit_rows.append(len(commit.token_ids))
+            t.executor(self.executor.run_commit, commit)
+        t.lap("commit")
         outputs, drafting = self._apply(scheduled, plan)  # 6. apply
-        if self.state_slots is not None:  # rollback of the recurrent state: a slot choice per request
-            self.state_slots.commit(scheduled, plan.updates)
-        c_draft = self.draft_clock()
+        t.lap("apply")
         if self.k:  # 7. draft
             k_i = [k] * len(drafting) if isinstance(ks, int) else [ks[i] for i in drafting]
-            k = self._agreed_depths(k_i, k)
-            if drafting and k:
-                self._draft_loop([scheduled[i].req for i in drafting], [plan.updates[i] for i in drafting],
-                                 main.hidden, tables[drafting], outputs, k_i, k)  # fmt: skip
-            elif self.ranks.lockstep:
-                self._dummy_drafts(k)
-            if drafting:
-                self.metrics.record_draft_length(k)
-        c_draft = self.draft_clock() - c_draft
+            self._draft([scheduled[i].req for i in drafting], [plan.updates[i] for i in drafting], main.hidden,
+                        tables[drafting], outputs, k_i, self._agreed_depths(k_i, k))  # fmt: skip
+        t.lap("draft")
         self._publish(scheduled)  # 8. publish
-        step_seconds = time.perf_counter() - t_start
-        if self.draft_length is not None:
-            prev_seconds, prev_k, prev_r = self._prev_draft
-            c_step = self.draft_clock() - c_start
-            self._cycle = (prev_seconds + c_step - c_draft, prev_k, prev_r, float(len(main_plan.inp.input_ids)))
-            self._prev_draft = (c_draft, float(k), float(len(drafting)))
-        self.metrics.record_step(step_seconds, self._exec_seconds, self.kv)
+        t.lap("publish")
+        return self._end_step(outputs)
+
+    def _after_schedule(self, sched) -> None:
+        """Preemptions (a hybrid model's preempted request restarts from position 0: a fresh recurrent state), then
+        the prefix cache's copy-on-write copies, before anything reads them."""
+        self._timer.record.num_preemptions = len(sched.preempted)
+        if self.state_slots is not None:
+            self.state_slots.free(*[r.req_id for r in sched.preempted])
+        if sched.block_copies:
+            self.executor.copy_blocks(sched.block_copies)
+            self.kv.complete_copies()
+
+    def _idle_step(self) -> None:
+        """Nothing scheduled here: a lockstep rank still enters every collective-bearing forward (invariant 9)."""
+        if self.ranks.lockstep:
+            idle = mtp_plan.plan_idle_main(self.width)
+            self.executor.run_main(idle if self.state_slots is None else idle_input(idle))
+            self._dummy_drafts(self._agreed_depths([], self._choose_draft_length(StepSample)[0]))
+
+    def _main_input(self, scheduled: list[ScheduledRequest], main_plan: MainPlan):
+        """The verify forward's input; a hybrid model's also names each request's recurrent-state slots."""
+        return main_plan.inp if self.state_slots is None else self.state_slots.plan(scheduled, main_plan.inp)
+
+    def _end_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Publish the step's record to its readers: auto's cycles, the metrics, `last_step`, the listeners."""
+        record = self._timer.finish()
+        if record.num_scheduled and self.draft_length is not None:
+            self._cycles.close(record)
+        self.metrics.record_step(record, self.kv)
+        self.last_step = record
+        for listener in self.step_listeners:
+            listener(record)
         return outputs
 
     def _sample(self, scheduled: list[ScheduledRequest], accepted: list[int], errors: list[str | None]) -> StepSample:
         """This step's measurements for the draft-length controller (with K=0 chosen it still measures)."""
         if self.draft_length is None:
             return StepSample()
-        cycle, self._cycle = self._cycle, (0.0, 0.0, 0.0, 0.0)  # each finished cycle is reported once
-        return mtp_plan.step_sample(scheduled, accepted, errors, self.k, self.cfg.max_seq_len, cycle)
+        return mtp_plan.step_sample(scheduled, accepted, errors, self.k, self.cfg.max_seq_len, self._cycles.take())
 
     def _choose_draft_length(self, measure: Callable[[], StepSample], may_draft: bool = True) -> tuple[int, bool]:
         """Fixed K, or the controller's pick (under MPI from every rank's sample, so every rank picks the same),
@@ -235,49 +247,6 @@ class LLMEngine:
         k = max(k_i, default=0)
         return int(max(s[0] for s in self.ranks.gather_draft_samples(np.array([k], float)))) if self.ranks.lockstep else k
 
-    def _timed(self, fn, *args):
-        """Call an executor method, adding its time to this step's executor time."""
-        t0 = time.perf_counter()
-        out = fn(*args)
-        self._exec_seconds += time.perf_counter() - t0
-        return out
-
-    def _accept_all(self, scheduled: list[ScheduledRequest], plan: MainPlan, logits: np.ndarray):
-        """Per request: accepted draft count a_r, the main model's next token (None: a non-final chunk
-        samples nothing), and the error that aborts the request alone (None: fine)."""
-        accepted: list[int] = []
-        next_tokens: list[int | None] = []
-        errors: list[str | None] = []
-        for i, s in enumerate(scheduled):
-            a, nxt, err = 0, None, None
-            if s.reaches_end:
-                lo = plan.logit_offsets[i]
-                try:
-                    a, nxt = self._accept(s.req, logits[lo : lo + 1 + s.num_drafts])
-                except Exception as e:  # noqa: BLE001 - one request's failure must not fail the batch
-                    err = f"sampling failed: {type(e).__name__}: {e}"
-            accepted.append(a)
-            next_tokens.append(nxt)
-            errors.append(err)
-        return accepted, next_tokens, errors
-
-    def _accept(self, req: Request, rows: np.ndarray) -> tuple[int, int]:
-        """rows [1+k, V]: logits of the last real token and of each draft."""
-        if not np.isfinite(rows).all():
-            raise FloatingPointError("the main model returned non-finite logits for this request")
-        p, spec = req.params, req.spec
-        masked = grammar.mask_verify_rows(req, rows, spec.drafts)  # structured output: each row's allowed tokens
-        if p.is_greedy:
-            a, nxt = accept_greedy(spec.drafts, masked.argmax(-1).tolist())
-        elif p.acceptance == "rejection" and spec.drafts and spec.draft_probs is not None:
-            a, nxt = accept_rejection(spec.drafts, spec.draft_probs, probs_from_logits(masked, p), req.rng)
-        else:
-            a, nxt = accept_exact_match(spec.drafts, sample(probs_from_logits(masked, p), req.rng).tolist())
-        emitted = [*spec.drafts[:a], nxt]
-        logprobs.stage(req, rows, emitted)  # raw (unmasked) main-model logprobs, as vLLM's default
-        grammar.advance(req, emitted)
-        return a, nxt
-
     def _apply(self, scheduled: list[ScheduledRequest], plan: StepPlan) -> tuple[list[RequestOutput], list[int]]:
         """Apply the plan to request state and emit. Returns the outputs and the indices (into scheduled)
         of the requests that draft next."""
@@ -301,6 +270,8 @@ class LLMEngine:
             outputs.append(RequestOutput.snapshot(req, new))
             if not req.is_finished and req.spec.may_draft:  # drafts next (k = 0 included: counted, not run)
                 drafting.append(i)
+        if self.state_slots is not None:  # rollback of the recurrent state: a slot choice per request
+            self.state_slots.commit(scheduled, plan.updates)
         return outputs, drafting
 
     def _publish(self, scheduled: list[ScheduledRequest]) -> None:
@@ -316,11 +287,27 @@ class LLMEngine:
         for _ in range(k):
             self.executor.run_draft(mtp_plan.plan_idle_draft(self.executor.hidden_size, self.width))
 
-    def _draft_loop(self, reqs: list[Request], updates: list[RequestUpdate], main_hidden: np.ndarray,
-                    tables: np.ndarray, outputs: list[RequestOutput], k_i: list[int], k: int) -> None:  # fmt: skip
-        """k serial depths (runtime/core/draft_loop.py); a request failing there is aborted after the loop."""
-        failed = draft_loop.run(lambda inp: self._timed(self.executor.run_draft, inp), lambda: self._dummy_drafts(1),
-                                reqs, updates, main_hidden, tables, k_i, k)  # fmt: skip
+    def _draft(self, reqs: list[Request], updates: list[RequestUpdate], main_hidden: np.ndarray, tables: np.ndarray,
+               outputs: list[RequestOutput], k_i: list[int], k: int) -> None:  # fmt: skip
+        """k serial depths (runtime/core/draft_loop.py) for the requests that draft (an idle lockstep rank pads);
+        a request failing there is aborted after the loop."""
+        record = self._timer.record
+        record.draft_depths, record.num_drafting = k, len(reqs)
+        record.k_per_request = {r.req_id: n for r, n in zip(reqs, k_i, strict=True)}
+        if not (reqs and k):
+            if self.ranks.lockstep:
+                self._dummy_drafts(k)
+            return
+
+        def run_draft(inp):
+            record.draft_rows.append(int(inp.counts.sum()))
+            return self._timer.executor(self.executor.run_draft, inp)
+
+        def padded_depth() -> None:
+            record.draft_rows.append(0)
+            self._dummy_drafts(1)
+
+        failed = draft_loop.run(run_draft, padded_depth, reqs, updates, main_hidden, tables, k_i, k)
         outputs += [self._fail(reqs[j], error) for j, error in failed.items()]
 
     # ------------------------------------------------------------------ emission and bookkeeping
@@ -335,7 +322,7 @@ class LLMEngine:
         for t in tokens:
             req.token_ids.append(t)
             new.append(t)
-            self.metrics.num_generated_tokens += 1
+            self._timer.record.num_generated_tokens += 1
             if self.tokenizer is not None and p.stop:  # stop strings are checked token by token
                 req.text = self.tokenizer.decode(req.output_ids)
             if t in stop_ids:
@@ -374,7 +361,8 @@ class LLMEngine:
             s.req.num_steps += 1
             s.req.num_proposed += s.num_drafts
             s.req.accepted_per_step.append(a)
-            self.metrics.record_verify(s.num_drafts, a, a + 1)
+            self._timer.record.proposed_per_request[s.req.req_id] = s.num_drafts
+            self._timer.record.accepted_per_request[s.req.req_id] = a
             self.acceptance_watch.feed(s.num_drafts, a)
 
     # ------------------------------------------------------------------ convenience

@@ -1,8 +1,13 @@
-"""Run metrics (docs/ARCHITECTURE.md): acceptance by draft position, tokens/s, executor vs host time, KV use."""
+"""Run metrics (docs/ARCHITECTURE.md): acceptance by draft position, tokens/s, executor vs host time, KV use.
+
+Counters summed over the engine's step records (`record_step`); nothing here times anything itself.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from runtime.core.step_record import StepRecord
 
 
 @dataclass(slots=True)
@@ -53,17 +58,23 @@ class Metrics:
             self.accepted_per_position[i] += int(i < num_accepted)
             self.reached_per_position[i] += int(i <= num_accepted)
 
-    def record_step(self, step_seconds: float, exec_seconds: float, kv) -> None:
-        """One engine step ended: its times, and the KV cache's state after it (kv: the KVCacheManager)."""
+    def record_step(self, record: StepRecord, kv) -> None:
+        """One engine step ended (runtime/core/step_record.py): its counts and times, and the KV cache's state
+        after it (kv: the KVCacheManager). An idle step (nothing scheduled) counts only its preemptions."""
+        self.num_preemptions += record.num_preemptions
+        if not record.num_scheduled:
+            return
         self.num_steps += 1
-        self.step_seconds += step_seconds
-        self.executor_seconds += exec_seconds
+        self.step_seconds += record.total_seconds
+        self.executor_seconds += record.executor_seconds
+        self.num_generated_tokens += record.num_generated_tokens
+        for req_id, accepted in record.accepted_per_request.items():
+            self.record_verify(record.proposed_per_request[req_id], accepted, accepted + 1)
+        if record.num_drafting and self.num_draft_tokens:  # steps that drafted, by their draft length
+            self.draft_length_counts[record.draft_depths] += 1
         self.prefix_hit_tokens = kv.stats.num_hit_tokens
         self.kv_blocks_used, self.kv_blocks_free = kv.num_used_blocks, kv.num_free_blocks
         self.kv_blocks_used_peak = max(self.kv_blocks_used_peak, self.kv_blocks_used)
-
-    def record_draft_length(self, k: int) -> None:
-        self.draft_length_counts[k] += 1
 
     @property
     def mean_acceptance_length(self) -> float:

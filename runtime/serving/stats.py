@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.core.step_record import StepRecord
+
 OUTCOMES = ("admitted", "finished", "cancelled", "failed", "rejected")
 
 
@@ -39,6 +41,7 @@ class LoopStats:
     accepted_per_position: list[int] = field(default_factory=list)
     acceptance_collapse_warnings: int = 0  # the engine's running collapse detector (runtime/core/acceptance_guard.py)
     outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    last_step: StepRecord | None = None  # the engine's record of its last step (never changed once published)
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:
@@ -53,4 +56,4 @@ def take(engine: Any, num_pending: int, num_active: int, counts: Counts) -> Loop
                      kv.num_free_blocks, kv.stats.num_hit_tokens, m.num_generated_tokens, m.num_verify_steps,
                      m.num_preemptions, m.mean_acceptance_length, list(m.proposed_per_position),
                      list(m.accepted_per_position), engine.acceptance_watch.num_warnings,
-                     dict(counts.by_outcome))  # fmt: skip
+                     dict(counts.by_outcome), engine.last_step)  # fmt: skip

@@ -7,6 +7,7 @@ import copy
 
 import numpy as np
 
+from runtime.core.accept import accept_all
 from runtime.core.mtp_plan import plan_main, plan_step, table_array
 from runtime.core.sampling import SamplingParams
 from tests.runtime.engine_utils import make_engine, random_prompts
@@ -31,7 +32,7 @@ def test_plan_step_is_pure_and_deterministic():
         tables = table_array([engine.kv.block_table(s.req.req_id) for s in sched.scheduled], engine.width)
         main_plan = plan_main(sched.scheduled, tables)
         main = engine.executor.run_main(main_plan.inp)
-        accepted, nxt, errors = engine._accept_all(sched.scheduled, main_plan, main.logits)
+        accepted, nxt, errors = accept_all(sched.scheduled, main_plan, main.logits)
         before = [copy.deepcopy(state(s.req)) for s in sched.scheduled]
         plans = [plan_step(sched.scheduled, main_plan, main.hidden, accepted, nxt, errors=errors, mtp=True)
                  for _ in range(2)]  # fmt: skip

@@ -58,6 +58,13 @@ class _EngineCollector(Collector):
         yield proposed
         yield accepted
         yield rate
+        step = s.last_step  # the engine's record of its last step (runtime/core/step_record.py)
+        yield GaugeMetricFamily("mtp_step_seconds", "Wall seconds of the engine's last step",
+                                value=step.total_seconds if step else 0.0)  # fmt: skip
+        yield GaugeMetricFamily("mtp_spec_draft_length", "Draft depths of the engine's last step",
+                                value=step.draft_depths if step else 0)  # fmt: skip
+        yield GaugeMetricFamily("mtp_spec_requests_drafting", "Requests that drafted in the engine's last step",
+                                value=step.num_drafting if step else 0)  # fmt: skip
         yield CounterMetricFamily("mtp_spec_acceptance_collapse_warnings",
                                   "Windows whose draft acceptance fell below a third of the running average (each "
                                   "logged once; docs/RUNTIME.md, Acceptance guards)", value=s.acceptance_collapse_warnings)
