@@ -44,7 +44,7 @@ from runtime.core.mtp_plan import MainPlan, RequestUpdate, StepPlan, plan_main, 
 from runtime.core.ranks import SINGLE_RANK, RankStrategy
 from runtime.core.request import Request, RequestOutput, RequestStatus, request_rng
 from runtime.core.sampling import SamplingParams
-from runtime.core.scheduler import ScheduledRequest, Scheduler
+from runtime.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from runtime.core.state_pool import StateSlots, hybrid_runtime_config, idle_input
 from runtime.core.step_record import CycleMeter, StepRecord, StepTimer
 from runtime.core.verify_lengths import AcceptancePolicy, VerifyLengthPolicy
@@ -185,7 +185,7 @@ class LLMEngine:
         t.lap("publish")
         return self._end_step(outputs)
 
-    def _after_schedule(self, sched) -> None:
+    def _after_schedule(self, sched: SchedulerOutput) -> None:
         """Preemptions (a hybrid model's preempted request restarts from position 0: a fresh recurrent state), then
         the prefix cache's copy-on-write copies, before anything reads them."""
         self._timer.record.num_preemptions = len(sched.preempted)
