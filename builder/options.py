@@ -192,10 +192,9 @@ class BuildOptions:
                              "built); serve the checkpoint itself: mtp-run --checkpoint DIR (the torch executor)")  # fmt: skip
         if cfg.is_hybrid:
             self._validate_hybrid(cfg)
-        if cfg.is_dsa:
-            raise BuildError(f"{cfg.model_type} uses DeepSeek Sparse Attention: engines are not supported for it yet (its "
-                             "indexer top-k and sparse attention have no plugin op for ONNX / TensorRT / AOTInductor); "
-                             "run the checkpoint directly: mtp-run --checkpoint DIR (torch executor)")  # fmt: skip
+        if cfg.is_dsa and self.tp_size > 1:  # the indexer's keys and top-k are not split over a TP group yet
+            raise BuildError(f"--tp-size {self.tp_size}: {cfg.model_type} uses DeepSeek Sparse Attention, whose engines "
+                             "run on one rank per TP group only (expert parallelism is fine); build with --tp-size 1")  # fmt: skip
         if self.quantize != "none":
             if fp8_checkpoint:
                 raise BuildError(f"--quantize {self.quantize} with an FP8 checkpoint is not supported yet: its compiled "

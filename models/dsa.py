@@ -76,12 +76,26 @@ class Indexer(nn.Module):
 
 def _positions(counts: torch.Tensor, starts: torch.Tensor, rows: int) -> torch.Tensor:
     """Position of each of `rows` packed rows of segments (counts, starts): starts[r] + 0..counts[r]-1, then 0 for
-    padding rows past sum(counts) (the write skips them)."""
-    counts, starts = counts.long().cpu(), starts.long().cpu()
-    first_row = torch.cumsum(counts, 0) - counts
-    n = int(counts.sum())
-    seg = torch.repeat_interleave(torch.arange(counts.shape[0]), counts, output_size=n)
-    return F.pad(starts[seg] + torch.arange(n) - first_row[seg], (0, rows - n))
+    padding rows past sum(counts) (the write skips them). Tensor ops only, no data-dependent size: it is traced into
+    the commit graph of an engine."""
+    counts, starts = counts.long(), starts.long()
+    ends = torch.cumsum(counts, 0)
+    row = torch.arange(rows, device=counts.device)
+    seg = (row[:, None] >= ends[None, :]).sum(-1).clamp(max=counts.shape[0] - 1)  # the segment holding each row
+    pos = starts[seg] + row - (ends - counts)[seg]
+    return torch.where(row < ends[-1:], pos, torch.zeros_like(pos))
+
+
+def _zero(written: torch.Tensor) -> torch.Tensor:
+    """0 computed from `written` (rows stored: >= 0), in a form no graph compiler can fold to a constant (Inductor
+    folds `t * 0`), so the data dependency on the write survives."""
+    return written.clamp(max=0)
+
+
+def _after(x: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
+    """x, made to depend on `written` (a pool write's output): the DSA ops have no `after` input, and a graph runs a
+    node reading the pool after the write it needs only through a data dependency (adding 0 keeps x's values)."""
+    return x + _zero(written).to(x.dtype).reshape(1, *([1] * (x.dim() - 1)))
 
 
 class DSAAttention(MLAAttention):
@@ -110,12 +124,13 @@ class DSAAttention(MLAAttention):
         c_kv, k_pe = kv.split([self.rank, self.rope_dim], dim=-1)
         return q_nope, q_pe, self.kv_a_layernorm(c_kv), k_pe, q_resid
 
-    def _write_keys(self, x, positions, counts, starts, block_tables, kv: PagedKV) -> None:
+    def _write_keys(self, x, positions, counts, starts, block_tables, kv: PagedKV) -> torch.Tensor | None:
+        """The indexer keys written into this layer's indexer-key plane: the write's output (None: shared layer)."""
         if self.indexer is None:
-            return
+            return None
         keys = self.indexer.keys(x, positions)
         row = F.pad(keys, (0, self.latent_dim - keys.shape[-1]))  # the key in the first index_head_dim values
-        kv.write_latent(self.index_plane, row, counts, starts, block_tables, self._freqs(x.device))
+        return kv.write_latent(self.index_plane, row, counts, starts, block_tables, self._freqs(x.device))
 
     def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         q_nope, q_pe, c_kv, k_pe, q_resid = self._project_dsa(x)
@@ -123,39 +138,46 @@ class DSAAttention(MLAAttention):
         latent = torch.cat([rope.apply(k_pe[:, None])[:, 0], c_kv], dim=-1)
         written = kv.write_latent(self.plane, latent, meta.q_counts, meta.write_starts, meta.block_tables,
                                   self._freqs(x.device))  # fmt: skip
-        self._write_keys(x, meta.positions, meta.q_counts, meta.write_starts, meta.block_tables, kv)
+        keys_written = self._write_keys(x, meta.positions, meta.q_counts, meta.write_starts, meta.block_tables, kv)
         w_uk, w_uv_t = self.absorbed if self.absorbed is not None else self._unfused_absorbed()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         q = torch.cat([rope.apply(q_pe), q_lat], dim=-1)
-        if int(meta.kv_lens.max()) <= self.index_topk:  # every visible position is selected: dense attention
+        # Every visible position selected: dense attention. A traced graph (an engine) cannot branch on the lengths;
+        # it always runs the sparse ops, which give such rows the same bits.
+        if not torch.compiler.is_compiling() and int(meta.kv_lens.max()) <= self.index_topk:
             o_lat = kv.attend_latent(self.plane, q, meta.q_counts, meta.kv_lens, meta.block_tables, written,
                                      self.rope_dim, self.scale)  # fmt: skip
         else:
-            o_lat = self.sparse_attention(x, q, q_resid, meta, kv)
+            if keys_written is not None:
+                written = written + keys_written  # the indexer reads the keys just written
+            o_lat = self.sparse_attention(x, _after(q, written), q_resid, meta, kv, written)
         out = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
         return self.o_proj(out.reshape(-1, self.num_heads * self.v_dim))
 
-    def select(self, x: torch.Tensor, q_resid: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
+    def select(self, x, q_resid, meta: StepMeta, kv: PagedKV, written: torch.Tensor) -> torch.Tensor:
         """int64 [T, index_topk]: the positions each row attends to (its indexer's top-k, or the last full layer's
         for a shared layer; -1 = unused slot)."""
         if self.indexer is None:
             return meta.derived["dsa_topk"]
         q_idx, weights = self.indexer.queries(x, q_resid, meta.positions)
+        q_idx = _after(q_idx, written)
         selected = index_topk(kv.pool_ptr, kv.geom, q_idx, weights, meta.q_counts, meta.kv_lens, meta.block_tables,
                               self.index_plane, self.index_topk, self.indexer.scale)  # fmt: skip
         meta.derived["dsa_topk"] = selected  # for the shared layers after this one
         return selected
 
-    def sparse_attention(self, x, q, q_resid, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
-        selected = self.select(x, q_resid, meta, kv)
+    def sparse_attention(self, x, q, q_resid, meta: StepMeta, kv: PagedKV, written: torch.Tensor) -> torch.Tensor:
+        """q: made to depend on `written`, the pool writes of this layer (the attention reads them)."""
+        selected = self.select(x, q_resid, meta, kv, written)
         return sparse_attention(kv.pool_ptr, kv.geom, q, meta.q_counts, meta.block_tables, selected, self.plane,
                                 self.rope_dim, self.scale)  # fmt: skip
 
     def write_kv_only(self, x, counts, starts, block_tables, kv: PagedKV) -> torch.Tensor:
         """The commit pass: the latent rows (MLAAttention) and this layer's own indexer keys at the same positions."""
         written = super().write_kv_only(x, counts, starts, block_tables, kv)
-        self._write_keys(x, _positions(counts, starts, x.shape[0]).to(x.device), counts, starts, block_tables, kv)
-        return written
+        keys = self._write_keys(x, _positions(counts, starts, x.shape[0]).to(x.device), counts, starts, block_tables, kv)
+        # rows written = the latent write's count; the keys' write joins the output so no graph optimizer drops it
+        return written if keys is None else written + _zero(keys)
 
     def forward_train(self, x: torch.Tensor) -> torch.Tensor:
         raise ValueError("forward_train (dense training attention) is not implemented for sparse-attention (DSA) "

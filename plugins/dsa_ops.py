@@ -1,9 +1,11 @@
 """DeepSeek Sparse Attention over the paged latent pool: the indexer's top-k selection and the sparse attention.
 
-CPU implementations in vectorised PyTorch, one request at a time (the semantics, position by position, are
-plugins/dsa_reference.py; tests/plugins/test_dsa_ops.py holds these to them). They read the pool through a view
-at its address (plugins/kv_pool.py `view_pool`), so they run in the torch executor; they are not plugin ops with
-an ONNX / TensorRT form, nor a C++ or Triton kernel (docs/MODELS.md, DSA limits).
+Off CPU, implementations in vectorised PyTorch, one request at a time (the semantics, position by position, are
+plugins/dsa_reference.py; tests/plugins/test_dsa_ops.py holds these to them), reading the pool through a view
+at its address (plugins/kv_pool.py `view_pool`). On CPU the C++ kernels run (plugins/csrc/dsa_*.cpp): the plugin ops
+`mtp::dsa_index_topk` / `mtp::dsa_sparse_attention`, specified in plugins/op_spec.py, hence ONNX nodes
+(DsaIndexTopk, DsaSparseAttention), ONNX Runtime ops and opaque calls in the compiled packages; no TensorRT plugin
+nor Triton kernel (docs/MODELS.md, DSA limits).
 
 Per request r with n_kv cached positions and n_q query rows (the last n_q positions), row j sees positions
 0..n_kv-n_q+j. The gather of a request's rows goes through its block table once per call.
@@ -15,18 +17,11 @@ import torch
 
 import plugins.cpp_ops  # noqa: F401  (loads the C++ library: the mtp::dsa_* schemas and CPU kernels)
 from plugins.kv_pool import KVPoolGeometry, view_pool
+from plugins.op_backends import define_torch
+from plugins.op_spec import SPECS
 
-
-@torch.library.register_fake("mtp::dsa_index_topk")
-def _(q, weights, q_counts, kv_lens, block_tables, pool_ptr, plane, num_planes, num_blocks, block_size, row_dim,
-      dtype, topk, scale):  # fmt: skip
-    return q.new_empty(q.shape[0], topk, dtype=torch.int64)
-
-
-@torch.library.register_fake("mtp::dsa_sparse_attention")
-def _(q, q_counts, selected, block_tables, pool_ptr, plane, num_planes, num_blocks, block_size, latent_dim, dtype,
-      rope_dim, scale):  # fmt: skip
-    return q.new_empty(q.shape[0], q.shape[1], latent_dim - rope_dim)
+for _op in ("dsa_index_topk", "dsa_sparse_attention"):
+    define_torch(SPECS[_op])  # the C++ library's schema checked against the spec; the fake from its shape rule
 
 
 def sparse_attention(pool_ptr: torch.Tensor, geom: KVPoolGeometry, q, q_counts, block_tables, selected, plane: int,

@@ -25,11 +25,20 @@ MLA_NODES = (MLA_KV_WRITE, MLA_PAGED_ATTENTION)
 GDN_STEP = "GdnStep"
 # PagedAttention's sliding-window mode with per-head attention sinks (MiMo-V2-Flash's SWA layers; plugins/swa_ops.py).
 SWA_PAGED_ATTENTION = "SwaPagedAttention"
-PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, MOE_EXPERTS, *MLA_NODES, GDN_STEP, SWA_PAGED_ATTENTION)
-# MoeExperts has no TensorRT plugin yet (its ep_size > 1 form needs NCCL), nor SwaPagedAttention (no Triton kernel).
+# DeepSeek Sparse Attention (plugins/dsa_ops.py): the indexer's top-k over an indexer-key plane of the latent pool, and
+# the absorbed MLA attention over the selected positions of a latent plane. Read the pool only.
+DSA_INDEX_TOPK = "DsaIndexTopk"
+DSA_SPARSE_ATTENTION = "DsaSparseAttention"
+DSA_NODES = (DSA_INDEX_TOPK, DSA_SPARSE_ATTENTION)
+PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, MOE_EXPERTS, *MLA_NODES, GDN_STEP, SWA_PAGED_ATTENTION, *DSA_NODES)
+# MoeExperts has no TensorRT plugin yet (its ep_size > 1 form needs NCCL), nor SwaPagedAttention (no Triton kernel),
+# nor the DSA nodes (no TensorRT plugin written: docs/MODELS.md).
 TRT_PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES, GDN_STEP)
-# Nodes that index the KV pool and therefore carry its geometry as attributes (MLA ones call head_dim latent_dim).
-POOL_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES, SWA_PAGED_ATTENTION)
+# Nodes that index the KV pool and therefore carry its geometry as attributes (latent-pool ones call head_dim
+# latent_dim).
+POOL_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES, SWA_PAGED_ATTENTION, *DSA_NODES)
+# The pool nodes of an MLA latent pool (kv_kind 1): the latent row length is their latent_dim (DsaIndexTopk: row_dim).
+LATENT_POOL_NODES = (*MLA_NODES, *DSA_NODES)
 
 # Not an ONNX graph node: the compiled (AOTInductor) packages call it for bf16-stored dense weights.
 LINEAR_BF16 = "LinearBf16"

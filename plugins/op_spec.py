@@ -19,6 +19,8 @@ import torch
 from plugins.names import (
     ALL_GATHER,
     ALL_REDUCE,
+    DSA_INDEX_TOPK,
+    DSA_SPARSE_ATTENTION,
     GDN_STEP,
     KV_WRITE,
     LINEAR_BF16,
@@ -189,6 +191,36 @@ register(OpSpec(
      Attr("scale", float, "softmax scale applied to q.latent")),
     (Tensor("out", FLOAT, "[T, H, latent_dim - rope_dim]"),),
     lambda q, *_, latent_dim, rope_dim, **__: q.new_empty(q.shape[0], q.shape[1], latent_dim - rope_dim),
+))  # fmt: skip
+
+# DeepSeek Sparse Attention (plugins/dsa_ops.py; semantics plugins/dsa_reference.py). Both only read the pool; the model
+# orders them after the writes they read by a data dependency on their float input (models/dsa.py `_after`).
+register(OpSpec(
+    "dsa_index_topk", DSA_INDEX_TOPK,
+    "The lightning indexer's selection: per query row its topk best visible positions by sum_h w[h] relu(scale * "
+    "q[h] . k[s]) over the indexer keys (the first q.size(2) values of each row of `plane`); int64, ascending, -1 = "
+    "unused.",
+    (Tensor("q", FP32, "[T, heads, dim] indexer queries"), Tensor("weights", FP32, "[T, heads] per-head weights"),
+     Tensor("q_counts", INDEX, "[R]"), Tensor("kv_lens", INDEX, "[R]"), _TABLES, _READ_POOL_PTR),
+    (_int("plane", "the indexer-key plane this node reads"), *_POOL,
+     _int("row_dim", "pool geometry: row width (the latent_dim of the MLA pool)"),
+     _int("dtype", "pool element type: 0 fp32, 1 fp16, 2 bf16"), _int("topk", "positions kept per row"),
+     Attr("scale", float, "index score scale (index_head_dim ** -0.5)")),
+    (Tensor("selected", INT64, "[T, topk] positions, -1 = unused"),),
+    lambda q, *_, topk, **__: q.new_empty(q.shape[0], topk, dtype=torch.int64),
+    tensorrt=False,  # no TensorRT plugin written (docs/MODELS.md "DSA")
+))  # fmt: skip
+register(OpSpec(
+    "dsa_sparse_attention", DSA_SPARSE_ATTENTION,
+    "Absorbed MLA attention of each row over its selected positions of latent plane `plane` (keys = latent, values "
+    "= c_kv).",
+    (Tensor("q", FLOAT, "[T, H, latent_dim] absorbed queries"), Tensor("q_counts", INDEX, "[R]"),
+     Tensor("selected", INT64, "[T, topk] a DsaIndexTopk output"), _TABLES, _READ_POOL_PTR),
+    (_PLANE, *_MLA_POOL, _int("rope_dim", "values are latent[:, rope_dim:] (c_kv)"),
+     Attr("scale", float, "softmax scale applied to q.latent")),
+    (Tensor("out", FLOAT, "[T, H, latent_dim - rope_dim]"),),
+    lambda q, *_, latent_dim, rope_dim, **__: q.new_empty(q.shape[0], q.shape[1], latent_dim - rope_dim),
+    tensorrt=False,  # no TensorRT plugin written (docs/MODELS.md "DSA")
 ))  # fmt: skip
 
 register(OpSpec(

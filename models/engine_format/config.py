@@ -16,7 +16,8 @@ from models.engine_format.layout import KVLayout, StateLayout
 from models.engine_format.paths import safe_path
 from plugins.mapping import Parallel
 
-SCHEMA_VERSION = 2  # 2: typed kv layout (table_width incl. lookahead), manifest.json covering config.json
+SCHEMA_VERSION = 3  # 2: typed kv layout (table_width incl. lookahead), manifest.json covering config.json; 3: DSA engines
+# (the indexer-key planes counted in kv.num_planes, DsaIndexTopk / DsaSparseAttention nodes: a schema-2 reader must refuse them)
 CONFIG_NAME = "config.json"
 MANIFEST_NAME = "manifest.json"
 

@@ -21,7 +21,7 @@ from models.engine_format.layout import KVLayout, StateLayout, table_width
 from models.engine_format.paths import EngineDirError, rank_dir
 from plugins.kv_pool import DTYPE_CODES
 from plugins.mapping import MappingError, RankMapping, check_model, local_kv_heads, rank_mapping
-from plugins.names import GDN_STEP, MLA_NODES, MOE_EXPERTS, POOL_NODES
+from plugins.names import DSA_INDEX_TOPK, GDN_STEP, LATENT_POOL_NODES, MOE_EXPERTS, POOL_NODES
 
 _FIX = "the config does not describe the graphs it ships with; rebuild with `mtp-build --checkpoint CKPT --output {}`"
 # Graph files the checks read (a TensorRT plan is opaque here: its recorded profiles are checked instead).
@@ -162,20 +162,22 @@ def state_node_mismatch(state: StateLayout | None, node: onnx.NodeProto) -> str 
 def node_mismatch(kv: KVLayout, moe: dict[str, int], node: onnx.NodeProto) -> str | None:
     """Why a plugin node's attributes disagree with config.json's `kv` (or the MoE fields), or None.
 
-    GQA pool nodes carry num_kv_heads and head_dim; MLA nodes (MlaKvWrite, MlaPagedAttention) only exist for
-    an MLA pool (kv.kv_kind 1) and carry the latent row length as latent_dim (= kv.head_dim).
+    GQA pool nodes carry num_kv_heads and head_dim; MLA and DSA nodes (MlaKvWrite, MlaPagedAttention, DsaIndexTopk,
+    DsaSparseAttention) only exist for an MLA pool (kv.kv_kind 1) and carry the latent row length as latent_dim
+    (DsaIndexTopk: row_dim) (= kv.head_dim).
     """
     if node.op_type == MOE_EXPERTS:
         want, fields = moe, {name: name for name in moe}
     elif node.op_type in POOL_NODES:
-        mla = node.op_type in MLA_NODES
+        mla = node.op_type in LATENT_POOL_NODES
         if mla != (kv.kv_kind == 1):
             pool = "an MLA latent pool (kv.kv_kind=1)" if kv.kv_kind == 1 else "a GQA K/V pool (kv.kv_kind=0)"
             return f"{node.op_type} node in an engine whose config.json gives {pool}"
-        rows = {"latent_dim": kv.head_dim} if mla else {"num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim}
+        row = "row_dim" if node.op_type == DSA_INDEX_TOPK else "latent_dim"
+        rows = {row: kv.head_dim} if mla else {"num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim}
         want = {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes, **rows,
                 "dtype": kv.dtype_code}  # fmt: skip
-        fields = {name: "kv.head_dim" if name == "latent_dim" else "kv.dtype_code" if name == "dtype" else f"kv.{name}"
+        fields = {name: "kv.head_dim" if name == row else "kv.dtype_code" if name == "dtype" else f"kv.{name}"
                   for name in want}  # fmt: skip
     else:
         return None

@@ -187,15 +187,17 @@ def test_commit_pass_writes_the_mtp_indexer_keys(dsa, variant):
     torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
 
 
-def test_engine_build_is_refused_in_one_line(dsa, tmp_path, capsys):
-    """mtp-build of a DSA checkpoint: no engine form yet (docs/MODELS.md), one line naming the way to run it."""
+def test_tensor_parallel_engine_build_is_refused_in_one_line(dsa, tmp_path, capsys):
+    """mtp-build of a DSA checkpoint with --tp-size 2: the indexer is not split over a TP group (docs/MODELS.md), one
+    line naming the fix, before anything is exported (the engines themselves: tests/builder/test_dsa_engine.py)."""
     from builder import cli
 
     path = dsa("glm5")[0]
     capsys.readouterr()  # the checkpoint writer's progress lines
-    assert cli.main(["--checkpoint", str(path), "--output", str(tmp_path / "engine")]) == 2
+    argv = ["--checkpoint", str(path), "--output", str(tmp_path / "engine"), "--world-size", "2", "--tp-size", "2"]
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "glm_moe_dsa uses DeepSeek Sparse Attention" in err[0] and "mtp-run --checkpoint" in err[0]
+    assert len(err) == 1 and "glm_moe_dsa uses DeepSeek Sparse Attention" in err[0] and "--tp-size 1" in err[0]
     assert not (tmp_path / "engine").exists()
 
 
