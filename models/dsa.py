@@ -150,25 +150,24 @@ class DSAAttention(MLAAttention):
         else:
             if keys_written is not None:
                 written = written + keys_written  # the indexer reads the keys just written
-            o_lat = self.sparse_attention(x, _after(q, written), q_resid, meta, kv, written)
+            # both DSA ops read what this layer just wrote: their inputs depend on the writes (_after)
+            o_lat = self.sparse_attention(x, _after(q, written), _after(q_resid, written), meta, kv)
         out = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
         return self.o_proj(out.reshape(-1, self.num_heads * self.v_dim))
 
-    def select(self, x, q_resid, meta: StepMeta, kv: PagedKV, written: torch.Tensor) -> torch.Tensor:
+    def select(self, x: torch.Tensor, q_resid: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
         """int64 [T, index_topk]: the positions each row attends to (its indexer's top-k, or the last full layer's
         for a shared layer; -1 = unused slot)."""
         if self.indexer is None:
             return meta.derived["dsa_topk"]
         q_idx, weights = self.indexer.queries(x, q_resid, meta.positions)
-        q_idx = _after(q_idx, written)
         selected = index_topk(kv.pool_ptr, kv.geom, q_idx, weights, meta.q_counts, meta.kv_lens, meta.block_tables,
                               self.index_plane, self.index_topk, self.indexer.scale)  # fmt: skip
         meta.derived["dsa_topk"] = selected  # for the shared layers after this one
         return selected
 
-    def sparse_attention(self, x, q, q_resid, meta: StepMeta, kv: PagedKV, written: torch.Tensor) -> torch.Tensor:
-        """q: made to depend on `written`, the pool writes of this layer (the attention reads them)."""
-        selected = self.select(x, q_resid, meta, kv, written)
+    def sparse_attention(self, x, q, q_resid, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
+        selected = self.select(x, q_resid, meta, kv)
         return sparse_attention(kv.pool_ptr, kv.geom, q, meta.q_counts, meta.block_tables, selected, self.plane,
                                 self.rope_dim, self.scale)  # fmt: skip
 
