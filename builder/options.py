@@ -195,6 +195,9 @@ class BuildOptions:
         if cfg.is_dsa and self.tp_size > 1:  # the indexer's keys and top-k are not split over a TP group yet
             raise BuildError(f"--tp-size {self.tp_size}: {cfg.model_type} uses DeepSeek Sparse Attention, whose engines "
                              "run on one rank per TP group only (expert parallelism is fine); build with --tp-size 1")  # fmt: skip
+        if cfg.is_dsa and self.backend == "tensorrt":  # plugins/op_spec.py: the DSA ops are tensorrt=False
+            raise BuildError(f"--backend tensorrt: {cfg.model_type} uses DeepSeek Sparse Attention, whose ops have no "
+                             "TensorRT plugin yet; build with --backend onnxruntime")  # fmt: skip
         if self.quantize != "none":
             if fp8_checkpoint:
                 raise BuildError(f"--quantize {self.quantize} with an FP8 checkpoint is not supported yet: its compiled "

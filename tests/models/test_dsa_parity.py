@@ -201,6 +201,20 @@ def test_tensor_parallel_engine_build_is_refused_in_one_line(dsa, tmp_path, caps
     assert not (tmp_path / "engine").exists()
 
 
+
+def test_tensorrt_engine_build_is_refused(dsa, tmp_path):
+    """The DSA ops have no TensorRT plugin (plugins/op_spec.py tensorrt=False): refused by the model check, which a
+    machine with TensorRT reaches (here the missing library is refused first, so the check is called directly)."""
+    from builder.options import BuildError, BuildOptions
+    from models.checkpoint_files import read_model_config
+
+    path = dsa("glm5")[0]
+    opts = BuildOptions(path, tmp_path / "engine", backend="tensorrt")
+    with pytest.raises(BuildError, match="glm_moe_dsa uses DeepSeek Sparse Attention, whose ops have no TensorRT"):
+        opts.validate_for_model(read_model_config(path)[0])
+    BuildOptions(path, tmp_path / "engine").validate_for_model(read_model_config(path)[0])  # onnxruntime: accepted
+
+
 def test_fp8_release_imports_dequantized_indexer_included(dsa, tmp_path):
     """The FP8 releases (GLM-5-FP8, DeepSeek-V3.2): float8_e4m3fn projections with 128x128 `weight_scale_inv`, the
     indexer's wq_b and wk among them (weights_proj stays float): imported equal, tensor for tensor, to the float
