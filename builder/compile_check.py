@@ -29,6 +29,7 @@ from builder.graphs import wrapper
 from builder.options import BuildError
 from models.engine_format import EngineConfig, EngineDirError
 from models.engine_format.compiled import AOTI_KIND, baked_state, compiled_info, compiled_problem, load_package
+from models.engine_format.graph_io import draft_graphs
 from models.gdn import GDNStatePool
 from plugins.kv_pool import allocate_pool, pool_address
 from plugins.reference import dequantize_int4_ref, dequantize_int8_ref, quantize_int4, quantize_int8
@@ -70,8 +71,9 @@ def probe_inputs(cfg: EngineConfig) -> dict[str, tuple[torch.Tensor, ...]]:
         out["main"] += (torch.tensor([0, 1, 0], dtype=torch.int32), write)
     if cfg.model.num_mtp_modules:
         hidden = torch.randn(3, h, generator=g)
-        out["mtp_draft"] = (hidden, ids[:3], torch.tensor([prefill - 1, bs, 0]), torch.tensor([1, 1, 0], dtype=torch.int32),
-                            tables)  # fmt: skip
+        for name in draft_graphs(cfg.model):  # a per-module family: every module's draft graph, in module order
+            out[name] = (hidden, ids[:3], torch.tensor([prefill - 1, bs, 0]), torch.tensor([1, 1, 0], dtype=torch.int32),
+                         tables)  # fmt: skip
         out["mtp_commit"] = (torch.randn(t, h, generator=g), ids, counts, torch.tensor([0, bs - 1, 0], dtype=torch.int32),
                              tables)  # fmt: skip
     return out

@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from models.engine_format.graph_io import SPECS
+from models.engine_format.graph_io import SPECS, draft_graph_module
 from models.gdn import GDNStateRef, HybridCache
 from models.glm4_moe import Glm4MoeMTPModel
 from models.layers import PagedKV, StepMeta
@@ -52,15 +52,17 @@ class HybridMainGraph(nn.Module):
 
 
 class DraftGraph(nn.Module):
-    def __init__(self, model: Glm4MoeMTPModel, geom: KVPoolGeometry) -> None:
+    """One draft depth with MTP module `module` (a per-module family's `mtp_draft_{module}`; graph_io.py)."""
+
+    def __init__(self, model: Glm4MoeMTPModel, geom: KVPoolGeometry, module: int = 0) -> None:
         super().__init__()
-        self.model, self.geom = model, geom
+        self.model, self.geom, self.module = model, geom, module
         self.dtype = next(model.parameters()).dtype
 
     def forward(self, hidden_in, token_ids, positions, counts, block_tables, kv_pool_ptr):
         kv = PagedKV(kv_pool_ptr, self.geom)
         hidden, logits = self.model.forward_draft(
-            hidden_in.to(self.dtype), token_ids, positions, counts, block_tables, kv
+            hidden_in.to(self.dtype), token_ids, positions, counts, block_tables, kv, mtp_index=self.module
         )
         return hidden.float(), logits
 
@@ -85,6 +87,9 @@ def wrapper(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, state: GDNP
     """Graph `name`'s wrapper; `state`: the GDN state pool of a hybrid model (only its main graph takes it)."""
     if name == "main" and state is not None:
         return HybridMainGraph(model, geom, state)
+    module = draft_graph_module(name)
+    if module is not None:
+        return DraftGraph(model, geom, module)
     return WRAPPERS[name](model, geom)
 
 
@@ -104,7 +109,7 @@ def example_inputs(name: str, hidden_size: int, max_blocks: int, hybrid: bool = 
     if name == "main":
         return (torch.zeros(t, dtype=i64), torch.arange(t, dtype=i64), torch.tensor([4, 2, 1], dtype=i32),
                 torch.tensor([4, 2, 1], dtype=i32), bt, torch.arange(2, dtype=i64), ptr)  # fmt: skip
-    if name == "mtp_draft":
+    if draft_graph_module(name) is not None:
         return (torch.zeros(r, hidden_size), torch.zeros(r, dtype=i64), torch.zeros(r, dtype=i64),
                 torch.ones(r, dtype=i32), bt, ptr)  # fmt: skip
     if name == "mtp_commit":

@@ -175,6 +175,16 @@ class BuildOptions:
             raise BuildError(f"{what}: its GdnStep TensorRT plugin is written and type-checked but has never been built "
                              "or run (no GPU here); build it with --backend onnxruntime")  # fmt: skip
 
+    def _validate_mimo_v2(self) -> None:
+        """What a MiMo-V2-Flash engine can be: single-TP-rank ONNX Runtime and its AOTInductor packages (one draft
+        graph per MTP module: models/engine_format/graph_io.py draft_graphs)."""
+        if self.backend == "tensorrt":
+            raise BuildError("mimo_v2_flash: its sliding-window attention (SwaPagedAttention) has no TensorRT plugin "
+                             "yet; build it with --backend onnxruntime")  # fmt: skip
+        if self.tp_size > 1:
+            raise BuildError(f"--tp-size {self.tp_size}: mimo_v2_flash's attention is not split over a TP group yet "
+                             "(models/mimo_v2.py); use --tp-size 1")  # fmt: skip
+
     def resolve_compile(self, cfg: ModelConfig) -> tuple[str, str]:
         """What `--compile` means for this model: ("aoti" | "none", why). "auto" compiles wherever the packages
         can be built: CPU engines (--backend onnxruntime) of every model. The one rule `mtp-build` and `build_engine`
@@ -187,9 +197,8 @@ class BuildOptions:
 
     def validate_for_model(self, cfg: ModelConfig, fp8_checkpoint: bool = False) -> None:
         """Checks against the checkpoint's architecture (fp8_checkpoint: config.json declares FP8 weights)."""
-        if cfg.model_type == "mimo_v2_flash":  # its draft graphs would need one per MTP module (docs/MODELS.md)
-            raise BuildError("engines for mimo_v2_flash are not supported yet (one draft graph per MTP module is not "
-                             "built); serve the checkpoint itself: mtp-run --checkpoint DIR (the torch executor)")  # fmt: skip
+        if cfg.model_type == "mimo_v2_flash":
+            self._validate_mimo_v2()
         if cfg.is_hybrid:
             self._validate_hybrid(cfg)
         if cfg.is_dsa and self.tp_size > 1:  # the indexer's keys and top-k are not split over a TP group yet

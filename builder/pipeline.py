@@ -52,6 +52,7 @@ from models.engine_format import (
     rank_dir,
     write_engine_config,
 )
+from models.engine_format.graph_io import engine_graphs
 from plugins.mapping import RankMapping, rank_mapping
 from plugins.names import installed_plugins
 
@@ -93,10 +94,6 @@ def check_output(opts: BuildOptions) -> None:
     validate.check_output(opts.checkpoint, opts.output, opts.force)
 
 
-def _graph_names(cfg: ModelConfig, opts: BuildOptions) -> list[str]:
-    return ["main", "mtp_draft", "mtp_commit"] if cfg.num_mtp_modules else ["main"]
-
-
 Template = tuple[int, dict[str, dict[str, str]]]  # (rank, {graph: its module's tensor digests}): rank_graphs.py
 
 
@@ -122,7 +119,7 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
     rdir = work / rank_dir(rank)
     rdir.mkdir()
     graphs: dict[str, dict[str, str]] = {}
-    for name in _graph_names(model.cfg, opts):
+    for name in engine_graphs(model.cfg):  # graph_io.py: one draft graph per MTP module where depth d runs module d
         t0 = time.perf_counter()
         path, geom = rdir / f"{name}.onnx", None if state is None else state.geometry()
         tensors = rank_graphs.graph_tensors(name, model, layout.geometry(), geom) if opts.world_size > 1 else {}

@@ -22,6 +22,7 @@ position it attends to (base-1 .. base-2+d are written by the earlier depths' ro
 
 from __future__ import annotations
 
+import functools
 from typing import cast
 
 import torch
@@ -88,12 +89,16 @@ class MiMoV2Attention(nn.Module):
             k, v = k.repeat_interleave(self.repeat, dim=1), v.repeat_interleave(self.repeat, dim=1)
         return k, v
 
-    def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV, after: torch.Tensor | None = None) -> torch.Tensor:
+        """after: other KV writes of this forward (a draft row's writes into later modules' planes) that the
+        attention is ordered after; nothing reads those planes here, so without it an exported graph drops them."""
         q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
         k, v = self.project_kv(x)
         rope = meta.rope(self.rope_dim, self.head_dim, self.rope_theta, x.dtype)
         q, k = rope.apply(q), rope.apply(k)
         written = kv.write(self.plane, k, v, meta.q_counts, meta.write_starts, meta.block_tables)
+        if after is not None:  # the plugin ops' `after` input is ordering only (never read): any combination will do
+            written = torch.minimum(written, after)
         if self.sliding:
             g = kv.geom
             assert self.sinks is not None
@@ -121,8 +126,8 @@ class MiMoV2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = MoE(cfg, mapping=mapping) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, kv)
+    def forward(self, x: torch.Tensor, meta: StepMeta, kv: PagedKV, after: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta, kv, after)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -199,17 +204,19 @@ class MiMoV2MTPModel(nn.Module):
         attend to this position)."""
         module = cast(MiMoV2MTPModule, self.mtp[mtp_index])
         emb = self.embed(token_ids)
-        for later in self.mtp[mtp_index + 1 :]:
-            cast(MiMoV2MTPModule, later).write_kv(emb, hidden, counts, positions.to(counts.dtype), block_tables, kv)
+        later = [cast(MiMoV2MTPModule, m).write_kv(emb, hidden, counts, positions.to(counts.dtype), block_tables, kv)
+                 for m in self.mtp[mtp_index + 1 :]]  # fmt: skip
         meta = StepMeta(positions.long(), counts, (positions.to(counts.dtype) + 1) * counts, block_tables)
-        out = module.final_norm(module.block(module.fuse(emb, hidden), meta, kv))
+        after = functools.reduce(torch.minimum, later) if later else None  # keeps those writes in exported graphs
+        out = module.final_norm(module.block(module.fuse(emb, hidden), meta, kv, after))
         return out, self.compute_logits(out)
 
     def forward_commit(self, hidden, token_ids, counts, starts, block_tables, kv: PagedKV,
                        mtp_index: int = 0) -> torch.Tensor:  # fmt: skip
-        """The commit pass: every module's K/V for the committed (h_p, t_{p+1}) rows; returns rows written (one
-        module's count: every module writes the same rows). `mtp_index` is accepted for the common signature."""
+        """The commit pass: every module's K/V for the committed (h_p, t_{p+1}) rows; returns rows written (every
+        module writes the same rows: their minimum, so that an exported graph's output depends on, and so keeps,
+        every module's write). `mtp_index` is accepted for the common signature."""
         emb = self.embed(token_ids)
         written = [cast(MiMoV2MTPModule, mod).write_kv(emb, hidden, counts, starts, block_tables, kv)
                    for mod in self.mtp]  # fmt: skip
-        return written[0]
+        return functools.reduce(torch.minimum, written)

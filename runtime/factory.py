@@ -137,12 +137,12 @@ def create_engine(
         elif executor == "compiled":
             from runtime.executors.compiled_executor import CompiledExecutor
 
-            ex = CompiledExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks)
+            ex = CompiledExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks, mtp_modules=cfg.mtp_modules)
         elif executor == "onnxruntime":
             from runtime.executors.ort_executor import OrtExecutor
 
             ex = OrtExecutor(engine_dir, rank=rank, num_blocks=cfg.num_blocks, intra_op_threads=threads,
-                             num_state_snapshots=cfg.state_snapshot_slots)
+                             num_state_snapshots=cfg.state_snapshot_slots, mtp_modules=cfg.mtp_modules)
         elif executor == "tensorrt":
             from runtime.executors.trt_executor import TrtExecutor
 

@@ -16,7 +16,7 @@ from onnx.helper import tensor_dtype_to_np_dtype
 
 from models.config import ModelConfig, kv_geometry_fields, num_kv_planes
 from models.engine_format.config import EngineConfig
-from models.engine_format.graph_io import GRAPH_NAMES, graph_spec
+from models.engine_format.graph_io import engine_graphs, graph_spec
 from models.engine_format.layout import KVLayout, StateLayout, table_width
 from models.engine_format.paths import EngineDirError, rank_dir
 from plugins.kv_pool import DTYPE_CODES
@@ -56,7 +56,7 @@ def check_consistent(cfg: EngineConfig) -> None:
         raise _refuse(cfg, f"kv.num_blocks={kv.num_blocks}: the pool needs the null block 0 plus one block")
     if lim.max_num_tokens < lim.max_batch * (1 + k):
         raise _refuse(cfg, f"limits.max_num_tokens={lim.max_num_tokens} < max_batch*(1+K)={lim.max_batch * (1 + k)}")
-    expected_graphs = set(GRAPH_NAMES) if m.num_mtp_modules else {"main"}
+    expected_graphs = set(engine_graphs(m))  # a per-module family: one draft graph per MTP module
     for rank, per_graph in enumerate(cfg.graphs):
         if set(per_graph) != expected_graphs:
             raise _refuse(cfg, f"{rank_dir(rank)} has graphs {sorted(per_graph)}, expected {sorted(expected_graphs)}")

@@ -11,12 +11,19 @@ an int is fixed. Hidden states are float32 at graph boundaries whatever the engi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from models.config import ModelConfig
+
 GRAPH_NAMES = ("main", "mtp_draft", "mtp_commit")
+DRAFT_GRAPH = "mtp_draft"  # module 0's draft graph; module j > 0 of a per-module family: f"{DRAFT_GRAPH}_{j}"
+# Families whose draft depth d runs MTP module d (models/mimo_v2.py): one draft graph per module, all with
+# mtp_draft's I/O contract. Every other family drafts with module 0 at every depth: one draft graph.
+PER_MODULE_DRAFTS = ("mimo_v2_flash",)
 POOL_INPUT = "kv_pool_ptr"  # int64[1] pool address, supplied by the executor (not a step field)
 # Hybrid (Gated DeltaNet) main graphs also take the GDN state pools' addresses (plugins/gdn_pool.py).
 STATE_INPUTS = ("conv_pool_ptr", "ssm_pool_ptr")
@@ -96,9 +103,41 @@ HYBRID_MAIN = _spec(
 )  # fmt: skip
 
 
+def draft_graph(module: int) -> str:
+    """The name of MTP module `module`'s draft graph."""
+    return DRAFT_GRAPH if module == 0 else f"{DRAFT_GRAPH}_{module}"
+
+
+def draft_graph_module(name: str) -> int | None:
+    """The MTP module draft graph `name` runs; None when `name` is not a draft graph."""
+    if name == DRAFT_GRAPH:
+        return 0
+    suffix = name.removeprefix(f"{DRAFT_GRAPH}_")
+    return int(suffix) if suffix != name and suffix.isdigit() and suffix[0] != "0" else None
+
+
+def draft_graphs(model: ModelConfig) -> tuple[str, ...]:
+    """The draft graphs an engine of `model` has: one per MTP module for PER_MODULE_DRAFTS, else `mtp_draft` alone
+    (none without MTP modules). The executors pick one per depth (runtime/executors/base.py draft_module)."""
+    if not model.num_mtp_modules:
+        return ()
+    modules = model.num_mtp_modules if model.model_type in PER_MODULE_DRAFTS else 1
+    return tuple(draft_graph(j) for j in range(modules))
+
+
+def engine_graphs(model: ModelConfig) -> tuple[str, ...]:
+    """Every graph of one rank of an engine of `model`, in build order: main, the draft graphs, the commit graph."""
+    return ("main", *draft_graphs(model), "mtp_commit") if model.num_mtp_modules else ("main",)
+
+
 def graph_spec(name: str, hybrid: bool = False) -> GraphSpec:
-    """The I/O contract of graph `name` (`hybrid`: of a model with Gated DeltaNet layers)."""
-    return HYBRID_MAIN if hybrid and name == "main" else SPECS[name]
+    """The I/O contract of graph `name` (`hybrid`: of a model with Gated DeltaNet layers); every draft graph has
+    mtp_draft's."""
+    if hybrid and name == "main":
+        return HYBRID_MAIN
+    if name not in SPECS and draft_graph_module(name) is not None:
+        return replace(SPECS[DRAFT_GRAPH], name=name)
+    return SPECS[name]
 
 
 def feeds(spec: GraphSpec, inp: Any) -> dict[str, np.ndarray]:

@@ -33,10 +33,10 @@ import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from models.engine_format import EngineConfig, EngineDirError, load_engine_config
 from models.engine_format.compiled import AOTI_KIND, baked_state, compiled_problem, load_package
-from models.engine_format.graph_io import GraphSpec, graph_spec
+from models.engine_format.graph_io import GraphSpec, draft_graph, draft_graphs, graph_spec
 from models.gdn import GDNStatePool
 from plugins.kv_pool import allocate_pool, pool_address
-from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
+from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput, draft_module
 from runtime.executors.torch_executor import warn_spinning_threads
 
 
@@ -65,9 +65,12 @@ class ExecutionContext:
 
 
 class CompiledExecutor:
-    def __init__(self, engine_dir: str | Path, rank: int = 0, num_blocks: int | None = None) -> None:
+    def __init__(self, engine_dir: str | Path, rank: int = 0, num_blocks: int | None = None,
+                 mtp_modules: str = "per-depth") -> None:  # fmt: skip
         self.config: EngineConfig = load_engine_config(engine_dir)
         cfg = self.config
+        # the draft graph of depth d: module d's where the engine has one per module (graph_io.py draft_graphs)
+        self.num_draft_graphs, self.mtp_modules = len(draft_graphs(cfg.model)), mtp_modules
         problem = compiled_problem(cfg)
         if problem is not None:
             raise EngineDirError(f"--executor compiled: {problem}")
@@ -116,7 +119,8 @@ class CompiledExecutor:
         return MainOutput(hidden.numpy(), logits.numpy())
 
     def run_draft(self, inp: DraftInput) -> DraftOutput:
-        hidden, logits = self._graph("mtp_draft")(inp)
+        module = draft_module(inp.depth, self.num_draft_graphs, self.mtp_modules)
+        hidden, logits = self._graph(draft_graph(module))(inp)
         return DraftOutput(hidden.numpy(), logits.numpy())
 
     def run_commit(self, inp: CommitInput) -> int:

@@ -23,13 +23,13 @@ import onnxruntime as ort
 import torch
 
 from models.engine_format import EngineConfig, EngineDirError, load_engine_config
-from models.engine_format.graph_io import POOL_INPUT, STATE_INPUTS, feeds, graph_spec
+from models.engine_format.graph_io import POOL_INPUT, STATE_INPUTS, draft_graph, draft_graphs, feeds, graph_spec
 from models.engine_format.ort_session import SESSION_OPTIONS, session_options
 from models.gdn import GDNStatePool
 from plugins.kv_pool import allocate_pool, pool_address
 from plugins.names import GDN_STEP, POOL_NODES
 from plugins.ort_ops import prepare_for_ort
-from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput
+from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput, draft_module
 
 
 def _set_attr(model: onnx.ModelProto, op_types: Collection[str], name: str, value: int) -> None:
@@ -42,9 +42,12 @@ def _set_attr(model: onnx.ModelProto, op_types: Collection[str], name: str, valu
 
 class OrtExecutor:
     def __init__(self, engine_dir: str | Path, rank: int = 0, num_blocks: int | None = None,
-                 intra_op_threads: int | None = None, num_state_snapshots: int = 0) -> None:
+                 intra_op_threads: int | None = None, num_state_snapshots: int = 0,
+                 mtp_modules: str = "per-depth") -> None:  # fmt: skip
         self.config: EngineConfig = load_engine_config(engine_dir)
         cfg = self.config
+        # the draft graph of depth d: module d's where the engine has one per module (graph_io.py draft_graphs)
+        self.num_draft_graphs, self.mtp_modules = len(draft_graphs(cfg.model)), mtp_modules
         if not 0 <= rank < cfg.world_size:
             raise EngineDirError(f"rank {rank} is outside the engine's world_size={cfg.world_size}")
         if cfg.dtype != "float32":
@@ -95,7 +98,8 @@ class OrtExecutor:
         return MainOutput(**self._run("main", inp))
 
     def run_draft(self, inp: DraftInput) -> DraftOutput:
-        return DraftOutput(**self._run("mtp_draft", inp))
+        module = draft_module(inp.depth, self.num_draft_graphs, self.mtp_modules)
+        return DraftOutput(**self._run(draft_graph(module), inp))
 
     def run_commit(self, inp: CommitInput) -> int:
         return int(self._run("mtp_commit", inp)["rows_written"][0])

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from builder import cli, pipeline
-from builder.options import BuildError
+from builder.options import BuildError, BuildOptions
 from builder.pipeline import build, check_output
 from tests.builder.conftest import LIMITS, tiny_opts
 
@@ -75,17 +75,24 @@ def test_2026_families_are_refused_by_name_with_what_is_missing(tmp_path, capsys
     assert not out.exists()
 
 
-def test_mimo_v2_flash_engines_are_refused_with_the_torch_executor_named(tmp_path, capsys):
-    """MiMo-V2-Flash is served from its checkpoint (torch executor); mtp-build says so in one line, writes nothing."""
+def test_mimo_v2_flash_engines_refuse_tensor_parallelism_and_tensorrt_in_one_line(tmp_path, capsys):
+    """MiMo-V2-Flash engines are built (tests/builder/test_mimo_v2_engine.py) on one TP rank for ONNX Runtime and its
+    compiled packages; mtp-build refuses a TP build in one line and writes nothing, and --backend tensorrt (refused
+    on this GPU-less machine before the model is read) is refused by the model check too."""
+    from models.checkpoint import read_model_config
     from models.testing_mimo_v2 import make_mimo_v2_checkpoint
 
     make_mimo_v2_checkpoint(tmp_path / "ckpt", num_mtp=1)
     capsys.readouterr()  # transformers' save_pretrained progress bar
     out = tmp_path / "engine"
-    assert cli.main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(out)]) == 2
+    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--output", str(out), "--world-size", "2", "--tp-size", "2"]
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "engines for mimo_v2_flash are not supported yet" in err[0] and "--checkpoint" in err[0]
+    assert len(err) == 1 and "--tp-size 2: mimo_v2_flash" in err[0] and "use --tp-size 1" in err[0], err
     assert not out.exists()
+    opts = BuildOptions(checkpoint=tmp_path / "ckpt", output=out, backend="tensorrt", compile="none")
+    with pytest.raises(BuildError, match=r"^mimo_v2_flash: .* no TensorRT plugin .*--backend onnxruntime$"):
+        opts.validate_for_model(read_model_config(tmp_path / "ckpt")[0])
 
 
 def test_output_that_is_not_an_engine_is_refused_even_with_force(checkpoint, tmp_path):
