@@ -186,178 +186,22 @@ struct Generic {
   }
 };
 
-// The vector primitives, written once over the traits of plugins/csrc/simd.h (S = simd::Avx512 or simd::Avx2) and
-// instantiated per ISA below (`Avx512`, `Avx2`: what a kernel body templated over V calls). Each row has its own
-// accumulators and reduction tree, so a row's result is fixed whatever else is in the batch; the portable loops of
-// `Generic` compile to 4-lane SSE2 without FMA and call libm's expf per score.
-template <class S>
-struct Vector : S {
-  using F = typename S::F;
-  static constexpr int W = S::W;
-
-  template <class T>
-  static MTP_INLINE void to_f32(const T* src, float* dst, int64_t n) {
-    int64_t i = 0;
-    for (; i + W <= n; i += W) S::store(dst + i, S::load(src + i));
-    if (i < n) S::store_n(dst + i, S::load_n(src + i, n - i), n - i);
-  }
-  // Each activation row gets two accumulators (even / odd W-lane chunks) and reduce4's tree, so dot_multi<1> and
-  // every row of dot_multi<4> run the same operations: a row's result does not depend on its neighbours.
-  template <int NX, class T>
-  static MTP_INLINE void dot_multi(const float* const* a, const T* b, int64_t n, float* out) {
-    F acc0[4], acc1[4];
-    for (int r = 0; r < 4; ++r) acc0[r] = acc1[r] = S::zero();
-    int64_t i = 0;
-    for (; i + 2 * W <= n; i += 2 * W) {
-      const F b0 = S::load(b + i), b1 = S::load(b + i + W);
-      for (int r = 0; r < NX; ++r) {
-        acc0[r] = S::fma(S::load(a[r] + i), b0, acc0[r]);
-        acc1[r] = S::fma(S::load(a[r] + i + W), b1, acc1[r]);
-      }
-    }
-    for (; i < n; i += W) {
-      if (n - i >= W) {
-        const F b0 = S::load(b + i);
-        for (int r = 0; r < NX; ++r) acc0[r] = S::fma(S::load(a[r] + i), b0, acc0[r]);
-      } else {
-        const F b0 = S::load_n(b + i, n - i);
-        for (int r = 0; r < NX; ++r) acc0[r] = S::fma(S::load_n(a[r] + i, n - i), b0, acc0[r]);
-      }
-    }
-    float sums[4];
-    S::reduce4(S::add(acc0[0], acc1[0]), S::add(acc0[1], acc1[1]), S::add(acc0[2], acc1[2]),
-               S::add(acc0[3], acc1[3]), sums);
-    for (int r = 0; r < NX; ++r) out[r] = sums[r];
-  }
-  template <class T>
-  static MTP_INLINE float dot(const float* a, const T* b, int64_t n) {
-    float out;
-    dot_multi<1>(&a, b, n, &out);
-    return out;
-  }
-  template <class T>
-  static MTP_INLINE void axpy(float w, const T* x, float* y, int64_t n) {
-    axpy_multi<1>(&w, &x, y, n);
-  }
-  // y += w[0] * x[0] + w[1] * x[1] + ..., accumulated in that order (== NX successive axpy calls)
-  template <int NX, class T>
-  static MTP_INLINE void axpy_multi(const float* w, const T* const* x, float* y, int64_t n) {
-    F wv[NX];
-    for (int r = 0; r < NX; ++r) wv[r] = S::set1(w[r]);
-    int64_t i = 0;
-    for (; i + W <= n; i += W) {
-      F acc = S::load(y + i);
-      for (int r = 0; r < NX; ++r) acc = S::fma(wv[r], S::load(x[r] + i), acc);
-      S::store(y + i, acc);
-    }
-    if (i < n) {
-      F acc = S::load_n(y + i, n - i);
-      for (int r = 0; r < NX; ++r) acc = S::fma(wv[r], S::load_n(x[r] + i, n - i), acc);
-      S::store_n(y + i, acc, n - i);
-    }
-  }
-  // out[i][o] = dot(a[i], b + o * ld, n) for i < nx (1..4), o < rows: an M x K by K x N micro-kernel over weight
-  // rows (an expert's [N, K] rows against the M tokens that chose it), used where S::kRowsDotTiles (AVX2: 16
-  // registers). Tiles of 4 weight rows x 2 activation rows (8 accumulators in registers), each weight chunk converted
-  // once per tile and each activation chunk loaded once for 4 weight rows. One accumulator per (row, weight row) and
-  // reduce4's tree: a value does not depend on nx, rows or its place in a tile.
-  template <class T>
-  static MTP_INLINE void rows_dot_tiled(int nx, const float* const* a, const T* b, int64_t ld, int64_t rows,
-                                        int64_t n, float* const* out) {
-    for (int64_t o = 0; o < rows; o += 4) {
-      const T* w[4];
-      for (int j = 0; j < 4; ++j) w[j] = b + std::min<int64_t>(o + j, rows - 1) * ld;  // a short tile repeats
-      const int nw = static_cast<int>(std::min<int64_t>(4, rows - o));
-      for (int i = 0; i < nx; i += 2) {
-        if (nx - i >= 2) rows_tile<2>(a + i, w, n, o, nw, out + i);
-        else rows_tile<1>(a + i, w, n, o, nw, out + i);
-      }
-    }
-  }
-  template <int MX, class T>
-  static MTP_INLINE void rows_tile(const float* const* a, const T* const* w, int64_t n, int64_t o, int nw,
-                                   float* const* out) {
-    F acc[MX][4];
-    for (int m = 0; m < MX; ++m)
-      for (int j = 0; j < 4; ++j) acc[m][j] = S::zero();
-    int64_t k = 0;
-    for (; k + W <= n; k += W) {
-      const F w0 = S::load(w[0] + k), w1 = S::load(w[1] + k), w2 = S::load(w[2] + k), w3 = S::load(w[3] + k);
-      for (int m = 0; m < MX; ++m) {
-        const F x = S::load(a[m] + k);
-        acc[m][0] = S::fma(x, w0, acc[m][0]);
-        acc[m][1] = S::fma(x, w1, acc[m][1]);
-        acc[m][2] = S::fma(x, w2, acc[m][2]);
-        acc[m][3] = S::fma(x, w3, acc[m][3]);
-      }
-    }
-    if (k < n) {
-      const int64_t t = n - k;
-      const F w0 = S::load_n(w[0] + k, t), w1 = S::load_n(w[1] + k, t), w2 = S::load_n(w[2] + k, t),
-              w3 = S::load_n(w[3] + k, t);
-      for (int m = 0; m < MX; ++m) {
-        const F x = S::load_n(a[m] + k, t);
-        acc[m][0] = S::fma(x, w0, acc[m][0]);
-        acc[m][1] = S::fma(x, w1, acc[m][1]);
-        acc[m][2] = S::fma(x, w2, acc[m][2]);
-        acc[m][3] = S::fma(x, w3, acc[m][3]);
-      }
-    }
-    for (int m = 0; m < MX; ++m) {
-      float sums[4];
-      S::reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3], sums);
-      for (int j = 0; j < nw; ++j) out[m][o + j] = sums[j];
-    }
-  }
-  // exp(x), Cephes' expf polynomial (about 1 ulp): 2^n * p(r), n = round(x / ln 2), r = x - n ln 2
-  static MTP_INLINE F exp(const F& in) {  // by reference: no ABI note for a 64-byte vector argument
-    const F x = S::vmin(S::vmax(in, S::set1(-87.33654f)), S::set1(S::kExpHi));
-    const F n = S::round(S::mul(x, S::set1(1.44269504088896341f)));
-    F r = S::fnma(n, S::set1(0.693359375f), x);
-    r = S::fnma(n, S::set1(-2.12194440e-4f), r);
-    F y = S::set1(1.9875691500e-4f);
-    y = S::fma(y, r, S::set1(1.3981999507e-3f));
-    y = S::fma(y, r, S::set1(8.3334519073e-3f));
-    y = S::fma(y, r, S::set1(4.1665795894e-2f));
-    y = S::fma(y, r, S::set1(1.6666665459e-1f));
-    y = S::fma(y, r, S::set1(5.0000001201e-1f));
-    y = S::fma(y, S::mul(r, r), S::add(r, S::set1(1.0f)));
-    return S::pow2_mul(y, n);
-  }
-  static MTP_INLINE void exp_sub(float* x, float m, int64_t n) {  // x[i] = exp(x[i] - m)
-    const F mv = S::set1(m);
-    int64_t i = 0;
-    for (; i + W <= n; i += W) S::store(x + i, exp(S::sub(S::load(x + i), mv)));
-    if (i < n) S::store_n(x + i, exp(S::sub(S::load_n(x + i, n - i), mv)), n - i);
-  }
-  static MTP_INLINE float max(const float* x, int64_t n) {
-    F m = S::set1(x[0]);
-    int64_t i = 0;
-    for (; i + W <= n; i += W) m = S::vmax(m, S::load(x + i));
-    return S::max_rest(m, x + i, n - i);
-  }
-  // W lane sums in index order, then reduce4's tree: fixed for a given n
-  static MTP_INLINE float sum(const float* x, int64_t n) {
-    F s = S::zero();
-    int64_t i = 0;
-    for (; i + W <= n; i += W) s = S::add(s, S::load(x + i));
-    if (i < n) s = S::add(s, S::load_n(x + i, n - i));
-    float out[4];
-    const F z = S::zero();
-    S::reduce4(s, z, z, z, out);
-    return out[0];
-  }
-  static MTP_INLINE F silu_mul(const F& g, const F& u) {
-    return S::mul(S::div(g, S::add(S::set1(1.0f), exp(S::sub(S::zero(), g)))), u);
-  }
-  static MTP_INLINE void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
-    int64_t i = 0;
-    for (; i + W <= n; i += W) S::store(out + i, silu_mul(S::load(gate + i), S::load(up + i)));
-    if (i < n) S::store_n(out + i, silu_mul(S::load_n(gate + i, n - i), S::load_n(up + i, n - i)), n - i);
-  }
-};
-using Avx512 = Vector<simd::Avx512>;
-using Avx2 = Vector<simd::Avx2>;
+// The vector primitives and tiles, written once (simd_body.inc) and compiled once per ISA: `Avx512` and `Avx2`, what a
+// kernel body templated over V calls.
+namespace isa_avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2,bmi2")  // MTP_AVX512_TARGET's
+#include "simd_body.inc"
+#pragma GCC pop_options
+}  // namespace isa_avx512
+namespace isa_avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi2")  // MTP_AVX2_TARGET's
+#include "simd_body.inc"
+#pragma GCC pop_options
+}  // namespace isa_avx2
+using Avx512 = isa_avx512::Vector<simd::Avx512>;
+using Avx2 = isa_avx2::Vector<simd::Avx2>;
 
 
 // dot_multi / axpy_multi for a run-time row count 1..4 (tiles of keys, values or tokens)

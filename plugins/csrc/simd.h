@@ -25,9 +25,9 @@
 #include <cstdint>
 #include <cstring>
 
-// The bodies (no target attribute) pass simd vectors by value to these members; they are always inlined into the
-// per-ISA wrappers (check: `objdump -dr` of a wrapper shows no call to mtp::simd::), so the ABI note GCC gives for a
-// vector argument outside its ISA does not apply.
+// The weight formats' loads (tiles.h: always_inline, no target attribute) return vectors; they are only ever inlined
+// into the per-ISA bodies (`objdump -dr` of the library shows no call into mtp::simd::), so the ABI note GCC gives
+// for a vector return outside its ISA does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace mtp {
@@ -37,6 +37,8 @@ namespace mtp {
 #define MTP_INLINE inline __attribute__((always_inline))
 
 namespace simd {
+
+constexpr int64_t kTilePrefetch = 2048;  // software prefetch distance along each weight row (bytes), 2 KB ahead
 
 // e4m3fn bytes -> fp16 bits of q * 2^-8 (common.h "float8_e4m3fn weights" says why): sign-extend, shift left 7,
 // keep sign | exponent | mantissa; `nan`: 0x7f / 0xff become fp16 NaN (0xffff) lane by lane.
@@ -112,16 +114,9 @@ struct Avx512 {
     out[2] = lanes[8];
     out[3] = lanes[12];
   }
-  // The tiles' sums of n accumulators: reduce4's tree, 4 at a time (zeros pad the last group)
-  template <int N>
-  static MTP_AVX512_TARGET inline void hsum(const F* acc, float* out) {
-    const F z = zero();
-    for (int j = 0; j < N; j += 4) {
-      float sums[4];
-      reduce4(acc[j], j + 1 < N ? acc[j + 1] : z, j + 2 < N ? acc[j + 2] : z, j + 3 < N ? acc[j + 3] : z, sums);
-      for (int q = 0; q < 4 && j + q < N; ++q) out[j + q] = sums[q];
-    }
-  }
+  // The tiles' sums of 4 accumulators (zeros for unused ones): reduce4's tree. (Vectors by value: an accumulator
+  // array whose address is taken stays in memory.)
+  static MTP_AVX512_TARGET inline void hsum4(F a, F b, F c, F d, float* out) { reduce4(a, b, c, d, out); }
   // the largest of m's lanes and the n (< W) values at p
   static MTP_AVX512_TARGET inline float max_rest(F m, const float* p, int64_t n) {
     if (n) m = _mm512_mask_max_ps(m, tail(n), m, _mm512_maskz_loadu_ps(tail(n), p));
@@ -228,9 +223,11 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  template <int N>
-  static MTP_AVX2_TARGET inline void hsum(const F* acc, float* out) {
-    for (int j = 0; j < N; ++j) out[j] = hsum8(acc[j]);
+  static MTP_AVX2_TARGET inline void hsum4(F a, F b, F c, F d, float* out) {
+    out[0] = hsum8(a);
+    out[1] = hsum8(b);
+    out[2] = hsum8(c);
+    out[3] = hsum8(d);
   }
   static MTP_AVX2_TARGET inline float max_rest(F m, const float* p, int64_t n) {
     alignas(32) float lanes[8];

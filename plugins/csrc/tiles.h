@@ -6,8 +6,8 @@
 //
 // A tile computes out[r * NR + j] = x[r] . dequant(w[j]) for MR activation rows and NR weight rows k apart, every
 // weight rounded once as the reference (plugins/reference.py) rounds it, fp32 math. Accumulator lane l of (r, j) sums
-// the columns i with i % W == l in column order, then S's fixed tree (S::hsum), so a (row, output) value does not
-// depend on MR, NR or the rest of the batch. A partial last chunk is one masked step (S::kMaskedTail: AVX-512) or a
+// the columns i with i % W == l in column order, then S's fixed tree, so a (row, output) value does not
+// depend on MR, NR or the rest of the batch (S::hsum4 sums each accumulator alone). A partial last chunk is one masked step (S::kMaskedTail: AVX-512) or a
 // scalar tail in column order after the reduction (AVX2). The portable tile keeps 8 partial sums per dot,
 // ((0+1)+(2+3)) + ((4+5)+(6+7)), then the tail (Generic::dot's order).
 #pragma once
@@ -17,15 +17,16 @@
 namespace mtp {
 
 // ---- weight formats ------------------------------------------------------------------------------------------------
-// Elem: the stored element. value(w, i, s, j): the fp32 weight w[i] of row j, scaled (the portable paths and scalar
-// tails). kScaled: the vector loads give q, to be multiplied by scale<S>(s, j, c0) (the scale of row j for columns
+// Elem: the stored element. times(q, scale_at(s, j, i)): the fp32 weight q = w[i] of row j, scaled, as the reference
+// rounds it (the portable paths and scalar tails; scale_at is the same for 8 columns from a multiple of 8). kScaled: the vector loads give q, to be multiplied by scale<S>(s, j, c0) (the scale of row j for columns
 // c0 .. c0 + kCols - 1). kRowScales: s is one scale per weight row (quant_rows passes s + o), else one scale row for
 // the whole block of rows (FP8's 128 x 128 blocks).
 struct Bf16Weights {  // bf16 bits: a 16-bit shift, exact
   using Elem = c10::BFloat16;
   static constexpr bool kScaled = false, kRowScales = false;
   static constexpr int64_t kCols = std::numeric_limits<int64_t>::max();
-  static MTP_INLINE float value(const Elem* w, int64_t i, const float*, int) { return f32(w[i]); }
+  static MTP_INLINE float scale_at(const float*, int, int64_t) { return 1.0f; }
+  static MTP_INLINE float times(Elem q, float) { return f32(q); }
   template <class S> static MTP_INLINE typename S::F load(const Elem* p) { return S::load(p); }
   template <class S> static MTP_INLINE typename S::F load_n(const Elem* p, int64_t n) { return S::load_n(p, n); }
   template <class S> static MTP_INLINE typename S::F load_exact(const Elem* p) { return S::load(p); }
@@ -39,7 +40,8 @@ struct Fp8Weights {
   using Elem = uint8_t;
   static constexpr bool kScaled = true, kRowScales = false;
   static constexpr int64_t kCols = kFp8Block;
-  static MTP_INLINE float value(const Elem* w, int64_t i, const float* s, int) { return e4m3_times(w[i], s[i / kCols]); }
+  static MTP_INLINE float scale_at(const float* s, int, int64_t i) { return s[i / kCols]; }
+  static MTP_INLINE float times(Elem q, float s) { return e4m3_times(q, s); }
   template <class S> static MTP_INLINE typename S::F scale(const float* s, int, int64_t c0) {
     return S::set1(s[c0 / kCols] * 256.0f);
   }
@@ -57,9 +59,8 @@ struct Int8Weights {
   using Elem = int8_t;
   static constexpr bool kScaled = true, kRowScales = true;
   static constexpr int64_t kCols = std::numeric_limits<int64_t>::max();
-  static MTP_INLINE float value(const Elem* w, int64_t i, const float* s, int j) {
-    return static_cast<float>(w[i]) * s[j];
-  }
+  static MTP_INLINE float scale_at(const float* s, int j, int64_t) { return s[j]; }
+  static MTP_INLINE float times(Elem q, float s) { return static_cast<float>(q) * s; }
   template <class S> static MTP_INLINE typename S::F scale(const float* s, int j, int64_t) { return S::set1(s[j]); }
   template <class S> static MTP_INLINE typename S::F load(const Elem* p) { return S::load_i8(p); }
   template <class S> static MTP_INLINE typename S::F load_n(const Elem* p, int64_t n) { return S::load_i8_n(p, n); }
@@ -68,72 +69,6 @@ struct Int8Weights {
 };
 
 // ---- the tiles -----------------------------------------------------------------------------------------------------
-constexpr int64_t kTilePrefetch = 2048;  // software prefetch distance along each weight row (bytes), 2 KB ahead
-
-// One W-column step of a tile: masked (the last partial chunk, n columns; AVX-512) or not. (A function, not a lambda in
-// vector_tile: GCC's flatten did not inline simd.h's members through a generic lambda.)
-template <class S, class Fmt, int MR, int NR, bool kMasked>
-MTP_INLINE void tile_step(typename S::F (&acc)[MR][NR], const float* const* x, const typename Fmt::Elem* w, int64_t k,
-                          int64_t i, const typename S::F* sv, int64_t n) {
-  using F = typename S::F;
-  F wv[NR];
-  for (int j = 0; j < NR; ++j) {
-    if constexpr (kMasked) {
-      const F q = Fmt::template load_n<S>(w + j * k + i, n);
-      if constexpr (Fmt::kScaled) wv[j] = S::mul_n(q, sv[j], n);  // masked-off lanes 0, not 0 * s
-      else wv[j] = q;
-    } else {
-      const F q = Fmt::template load<S>(w + j * k + i);
-      if constexpr (Fmt::kScaled) wv[j] = S::mul(q, sv[j]);
-      else wv[j] = q;
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    F xv;
-    if constexpr (kMasked) xv = S::load_n(x[r] + i, n);
-    else xv = S::load(x[r] + i);
-    for (int j = 0; j < NR; ++j) acc[r][j] = S::fma(xv, wv[j], acc[r][j]);
-  }
-}
-
-// The vector tile: NR weight rows w (k apart; s as Fmt takes it) against MR activation rows x.
-template <class S, class Fmt, int MR, int NR>
-MTP_INLINE void vector_tile(const float* const* x, const typename Fmt::Elem* w, const float* s, int64_t k,
-                            float* out) {
-  using F = typename S::F;
-  constexpr int W = S::W;
-  constexpr int64_t kLine = 64 / sizeof(typename Fmt::Elem);  // elements per cache line of a weight row
-  F acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = S::zero();
-  int64_t i = 0;
-  for (int64_t c0 = 0; c0 < k; c0 += std::min(k, Fmt::kCols)) {  // the columns of one scale (all of them, unscaled)
-    const int64_t end = std::min(k - c0, Fmt::kCols) + c0;
-    F sv[NR];
-    if constexpr (Fmt::kScaled)
-      for (int j = 0; j < NR; ++j) sv[j] = Fmt::template scale<S>(s, j, c0);
-    for (i = c0; i + W <= end; i += W) {
-      if (i % kLine == 0)
-        for (int j = 0; j < NR; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i) + kTilePrefetch, _MM_HINT_T0);
-      tile_step<S, Fmt, MR, NR, false>(acc, x, w, k, i, sv, W);
-    }
-    if constexpr (S::kMaskedTail)
-      if (i < end) {
-        tile_step<S, Fmt, MR, NR, true>(acc, x, w, k, i, sv, end - i);
-        i = end;
-      }
-  }
-  for (int r = 0; r < MR; ++r) {
-    float sums[NR];
-    S::template hsum<NR>(acc[r], sums);
-    for (int j = 0; j < NR; ++j) {
-      float v = sums[j];
-      for (int64_t t = i; t < k; ++t) v += x[r][t] * Fmt::value(w + j * k, t, s, j);  // AVX2: < W columns left
-      out[r * NR + j] = v;
-    }
-  }
-}
 
 // The portable tile: 8 partial sums per dot, then the tail
 template <class Fmt, int MR, int NR>
@@ -143,10 +78,12 @@ inline void portable_tile(const float* const* x, const typename Fmt::Elem* w, co
       const typename Fmt::Elem* wj = w + j * k;
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       int64_t i = 0;
-      for (; i + 8 <= k; i += 8)
-        for (int l = 0; l < 8; ++l) acc[l] += x[r][i + l] * Fmt::value(wj, i + l, s, j);
+      for (; i + 8 <= k; i += 8) {
+        const float sc = Fmt::scale_at(s, j, i);  // 8 columns never straddle a 128-column FP8 block
+        for (int l = 0; l < 8; ++l) acc[l] += x[r][i + l] * Fmt::times(wj[i + l], sc);
+      }
       float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      for (; i < k; ++i) sum += x[r][i] * Fmt::value(wj, i, s, j);
+      for (; i < k; ++i) sum += x[r][i] * Fmt::times(wj[i], Fmt::scale_at(s, j, i));
       out[r * NR + j] = sum;
     }
 }
@@ -154,7 +91,7 @@ inline void portable_tile(const float* const* x, const typename Fmt::Elem* w, co
 template <class V, class Fmt, int MR, int NR>
 MTP_INLINE void run_tile(const float* const* x, const typename Fmt::Elem* w, const float* s, int64_t k, float* out) {
   if constexpr (std::is_same_v<V, Generic>) portable_tile<Fmt, MR, NR>(x, w, s, k, out);
-  else vector_tile<V, Fmt, MR, NR>(x, w, s, k, out);
+  else V::template tile<Fmt, MR, NR>(x, w, s, k, out);
 }
 
 // NR weight rows at w (rows o .. o + NR - 1 of the caller's block) against m activation rows, MR at a time:
@@ -209,20 +146,11 @@ MTP_INLINE void dequant_rows(const typename Fmt::Elem* w, const float* s, int64_
     const typename Fmt::Elem* wo = w + o * k;
     const float* so = Fmt::kRowScales ? s + o : s;
     float* d = dst + o * k;
-    int64_t i = 0;
-    if constexpr (!std::is_same_v<V, Generic>) {
-      for (int64_t c0 = 0; c0 < k; c0 += std::min(k, Fmt::kCols)) {
-        const int64_t end = std::min(k - c0, Fmt::kCols) + c0;
-        typename V::F sv = V::set1(1.0f);
-        if constexpr (Fmt::kScaled) sv = Fmt::template scale<V>(so, 0, c0);
-        for (i = c0; i + V::W <= end; i += V::W) {
-          const typename V::F q = Fmt::template load_exact<V>(wo + i);
-          V::store(d + i, Fmt::kScaled ? V::mul(q, sv) : q);
-        }
-        for (; i < end; ++i) d[i] = Fmt::value(wo, i, so, 0);  // each value is exact: any tail order is
-      }
+    if constexpr (std::is_same_v<V, Generic>) {
+      for (int64_t i = 0; i < k; ++i) d[i] = Fmt::times(wo[i], Fmt::scale_at(so, 0, i));
+    } else {
+      V::template dequant_row<Fmt>(wo, so, k, d);
     }
-    for (; i < k; ++i) d[i] = Fmt::value(wo, i, so, 0);
   }
 }
 
