@@ -27,6 +27,7 @@ struct Bf16Weights {  // bf16 bits: a 16-bit shift, exact
   static constexpr int64_t kCols = std::numeric_limits<int64_t>::max();
   static MTP_INLINE float scale_at(const float*, int, int64_t) { return 1.0f; }
   static MTP_INLINE float times(Elem q, float) { return f32(q); }
+  template <class S> static constexpr bool kPaired = false;
   template <class S> static MTP_INLINE typename S::F load(const Elem* p) { return S::load(p); }
   template <class S> static MTP_INLINE typename S::F load_n(const Elem* p, int64_t n) { return S::load_n(p, n); }
   template <class S> static MTP_INLINE typename S::F load_exact(const Elem* p) { return S::load(p); }
@@ -46,6 +47,10 @@ struct Fp8Weights {
     return S::set1(s[c0 / kCols] * 256.0f);
   }
   template <class S> static MTP_INLINE typename S::F load(const Elem* p) { return S::load_e4m3(p); }
+  template <class S> static constexpr bool kPaired = S::kPairedE4m3;  // load2: 2W columns in one conversion
+  template <class S> static MTP_INLINE void load2(const Elem* p, typename S::F& lo, typename S::F& hi) {
+    S::load_e4m3_x2(p, lo, hi);
+  }
   template <class S> static MTP_INLINE typename S::F load_n(const Elem* p, int64_t n) { return S::load_e4m3_n(p, n); }
   template <class S> static MTP_INLINE typename S::F load_exact(const Elem* p) { return S::load_e4m3_nan(p); }
   template <class S> static MTP_INLINE bool has_nan(const Elem* w, int64_t k) {
@@ -62,6 +67,7 @@ struct Int8Weights {
   static MTP_INLINE float scale_at(const float* s, int j, int64_t) { return s[j]; }
   static MTP_INLINE float times(Elem q, float s) { return static_cast<float>(q) * s; }
   template <class S> static MTP_INLINE typename S::F scale(const float* s, int j, int64_t) { return S::set1(s[j]); }
+  template <class S> static constexpr bool kPaired = false;
   template <class S> static MTP_INLINE typename S::F load(const Elem* p) { return S::load_i8(p); }
   template <class S> static MTP_INLINE typename S::F load_n(const Elem* p, int64_t n) { return S::load_i8_n(p, n); }
   template <class S> static MTP_INLINE typename S::F load_exact(const Elem* p) { return S::load_i8(p); }
