@@ -2,9 +2,9 @@
 //
 // What lives here: reading the KV pool from its address plus geometry ints (plugins/kv_pool.py's layout),
 // int32/int64 metadata views, the dtype dispatch (fp32 / fp16 / bf16), the run-time ISA choice, and the
-// vector primitives (dot, axpy, exp, row conversion) in two bodies: `Generic` (portable C++) and `Vector<S>`,
-// written once over the vector traits of simd.h and instantiated as `Avx512` and `Avx2` (compiled for their ISA,
-// used only when the CPU has it). The weight-row tiles of the linear and MoE kernels are in tiles.h, over the same
+// vector primitives (dot, axpy, exp, row conversion) in two bodies: `Generic` (portable C++) and `Vector<S>`
+// (simd_body.inc), written once over the vector traits of simd.h and compiled as `Avx512` and `Avx2` (each for its
+// ISA, used only when the CPU has it). The weight-row tiles of the linear and MoE kernels: tiles.h, over the same
 // traits.
 //
 // A kernel body is a template over V (Generic, Avx512 or Avx2); `MTP_ISA_KERNEL` instantiates it three times and

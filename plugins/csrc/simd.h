@@ -1,14 +1,14 @@
 // The vector traits of the C++ kernels: one struct per instruction set (simd::Avx512, 16 fp32 lanes; simd::Avx2,
 // 8 lanes) that names the few operations a kernel body needs: load / convert (fp32, bf16, fp16, e4m3, int8), partial
-// loads and stores, arithmetic, fma, the horizontal sums. A kernel body is written once as a template over the traits
-// (common.h: the primitives `Vector<S>` and the weight-row tiles `quant_tile<S, Fmt>`) and instantiated per ISA, in
-// the spirit of ggml's simd-mappings.h; a new weight format adds a load here (or in its format struct) and reuses the
-// bodies.
+// loads and stores, arithmetic, fma, the horizontal sums. The vector bodies are written once over these traits
+// (simd_body.inc: the primitives and the weight-row tile of `Vector<S>`) and compiled once per ISA, in the spirit of
+// ggml's simd-mappings.h; a new weight format is a struct of loads in tiles.h and reuses the bodies.
 //
-// How the bodies get compiled for their ISA: these members carry the ISA's target attribute and are plain `inline`
-// (not always_inline, which would fail to inline into a body that has no target attribute); the bodies have no
-// attribute and are only ever called from the per-ISA wrappers marked target(...) + flatten (MTP_ISA_KERNEL,
-// MTP_ISA_CALL), which inline the body and, through it, these members. The library stays baseline x86-64.
+// How the bodies get compiled for their ISA: these members carry the ISA's target attribute and are plain `inline`;
+// common.h includes simd_body.inc once per ISA under `#pragma GCC target(...)`, so the bodies carry it too and
+// inline them. Kernel bodies templated over V (attention, MoE, ...) have no attribute and are only ever called from
+// the per-ISA wrappers marked target(...) + flatten (MTP_ISA_KERNEL), which inline the body and, through it, the
+// primitives. The library stays baseline x86-64.
 //
 // What stays per ISA on purpose (each kernel's summation order is kept exactly, so results are bit-identical to the
 // twin bodies this replaced): the horizontal-sum trees (reduce4, hsum), how a partial chunk is handled

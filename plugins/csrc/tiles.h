@@ -1,14 +1,14 @@
 // Weight-row tiles: dot products of weight rows stored in some format with fp32 activation rows, the few-row path of
 // every weight-only linear (linear_bf16, linear_fp8, linear_int8) and of the quantized MoE experts (moe_experts).
-// One body per purpose, written once over the vector traits of simd.h (S) and a weight format (Fmt, below): a new
-// format is a struct of four loads, and gets the vector tile on every ISA, the portable tile and the dequantizing
-// conversion for the at::mm path.
+// One body per purpose, written once over the vector traits of simd.h (S) and a weight format (Fmt, below): the vector
+// tile (simd_body.inc `Vector::tile`, compiled per ISA), the portable tile and the dequantizing conversion for the
+// at::mm path (here). A new format is a struct of a few loads and gets all of them on every ISA.
 //
 // A tile computes out[r * NR + j] = x[r] . dequant(w[j]) for MR activation rows and NR weight rows k apart, every
 // weight rounded once as the reference (plugins/reference.py) rounds it, fp32 math. Accumulator lane l of (r, j) sums
-// the columns i with i % W == l in column order, then S's fixed tree, so a (row, output) value does not
-// depend on MR, NR or the rest of the batch (S::hsum4 sums each accumulator alone). A partial last chunk is one masked step (S::kMaskedTail: AVX-512) or a
-// scalar tail in column order after the reduction (AVX2). The portable tile keeps 8 partial sums per dot,
+// the columns i with i % W == l in column order, then S's fixed tree (S::hsum4 sums each accumulator alone), so a
+// (row, output) value does not depend on MR, NR or the rest of the batch. A partial last chunk is one masked step
+// (S::kMaskedTail: AVX-512) or a scalar tail in column order after the reduction (AVX2). The portable tile keeps 8 partial sums per dot,
 // ((0+1)+(2+3)) + ((4+5)+(6+7)), then the tail (Generic::dot's order).
 #pragma once
 
