@@ -111,7 +111,7 @@ MTP_AVX2_TARGET inline void int4_tile_avx2(const Gemv& g, const float* const* x,
       }
   }
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) out[r * NR + j] = fp8_hsum8(acc[r][j]) + rest[r][j];
+    for (int j = 0; j < NR; ++j) out[r * NR + j] = simd::Avx2::hsum8(acc[r][j]) + rest[r][j];
 }
 
 // fp32(q) for the nibbles 0..15 (two's complement): the per-group table the AVX-512 paths scale and permute

@@ -25,6 +25,7 @@
 #include <ATen/ops/empty.h>
 
 #include "common.h"
+#include "tiles.h"
 
 namespace mtp {
 namespace {
@@ -46,18 +47,11 @@ struct MoeArgs {
 struct Fp8 {};   // the weight type of moe_experts_fp8: e4m3 bytes + block scales
 struct Int8 {};  // the weight type of moe_experts_int8: int8 + one scale per output row
 
-// A weight type's stored element and its common.h tile for ISA V (the quantized types; a float type is its own
-// element and is read by rows_dot)
+// A weight type's stored element and its tiles.h format (the quantized types; a float type is its own element and is
+// read by rows_dot)
 template <class W> struct Quant { static constexpr bool kQuantized = false; using Elem = W; };
-template <> struct Quant<Fp8> { static constexpr bool kQuantized = true; using Elem = uint8_t; };
-template <> struct Quant<Int8> { static constexpr bool kQuantized = true; using Elem = int8_t; };
-template <class W, class V> struct TileOf;
-template <> struct TileOf<Fp8, Generic> { using T = Fp8GenericTile; };
-template <> struct TileOf<Fp8, Avx2> { using T = Fp8Avx2Tile; };
-template <> struct TileOf<Fp8, Avx512> { using T = Fp8Avx512Tile; };
-template <> struct TileOf<Int8, Generic> { using T = Int8GenericTile; };
-template <> struct TileOf<Int8, Avx2> { using T = Int8Avx2Tile; };
-template <> struct TileOf<Int8, Avx512> { using T = Int8Avx512Tile; };
+template <> struct Quant<Fp8> { static constexpr bool kQuantized = true; using Fmt = Fp8Weights; using Elem = uint8_t; };
+template <> struct Quant<Int8> { static constexpr bool kQuantized = true; using Fmt = Int8Weights; using Elem = int8_t; };
 
 MTP_INLINE int64_t blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 
@@ -84,13 +78,9 @@ MTP_INLINE void expert_block(int nx, const float* const* x, const typename Quant
   float* shifted[4];
   for (int i = 0; i < nx; ++i) shifted[i] = out[i] + r0;
   if constexpr (Quant<W>::kQuantized) {
-    using Tile = typename TileOf<W, V>::T;  // the register tiles linear_fp8 / linear_int8 choose for this ISA
-    const float* srow = Tile::kRowScales ? s + r0 : s + (p * blocks(part_rows) + j) * blocks(k);
-    if constexpr (std::is_same_v<V, Avx512>) quant_rows<Tile, 4, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
-    else if constexpr (std::is_same_v<V, Avx2>) {
-      if (nx <= 2) quant_rows<Tile, 2, 4>(nx, x, w + r0 * k, srow, n, k, shifted);
-      else quant_rows<Tile, 4, 2>(nx, x, w + r0 * k, srow, n, k, shifted);
-    } else quant_rows<Tile, 4, 1>(nx, x, w + r0 * k, srow, n, k, shifted);
+    using Fmt = typename Quant<W>::Fmt;  // the register tiles linear_fp8 / linear_int8 use for this ISA
+    const float* srow = Fmt::kRowScales ? s + r0 : s + (p * blocks(part_rows) + j) * blocks(k);
+    tiled_rows<V, Fmt>(nx, x, w + r0 * k, srow, n, k, shifted);
   } else {
     rows_dot<V>(nx, x, w + r0 * k, k, n, k, shifted);
   }

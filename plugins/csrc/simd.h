@@ -1,0 +1,273 @@
+// The vector traits of the C++ kernels: one struct per instruction set (simd::Avx512, 16 fp32 lanes; simd::Avx2,
+// 8 lanes) that names the few operations a kernel body needs: load / convert (fp32, bf16, fp16, e4m3, int8), partial
+// loads and stores, arithmetic, fma, the horizontal sums. The vector bodies are written once over these traits
+// (simd_body.inc: the primitives and the weight-row tile of `Vector<S>`) and compiled once per ISA, in the spirit of
+// ggml's simd-mappings.h; a new weight format is a struct of loads in tiles.h and reuses the bodies.
+//
+// How the bodies get compiled for their ISA: these members carry the ISA's target attribute and are plain `inline`;
+// common.h includes simd_body.inc once per ISA under `#pragma GCC target(...)`, so the bodies carry it too and
+// inline them. Kernel bodies templated over V (attention, MoE, ...) have no attribute and are only ever called from
+// the per-ISA wrappers marked target(...) + flatten (MTP_ISA_KERNEL), which inline the body and, through it, the
+// primitives. The library stays baseline x86-64.
+//
+// What stays per ISA on purpose (each kernel's summation order is kept exactly, so results are bit-identical to the
+// twin bodies this replaced): the horizontal-sum trees (reduce4, hsum), how a partial chunk is handled
+// (kMaskedTail: AVX-512 runs one masked step, AVX2's tiles a scalar tail after the reduction), exp's last step
+// (scalef vs exponent bits) and the max reduction.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+// The weight formats' loads (tiles.h: always_inline, no target attribute) return vectors; they are only ever inlined
+// into the per-ISA bodies (`objdump -dr` of the library shows no call into mtp::simd::), so the ABI note GCC gives
+// for a vector return outside its ISA does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace mtp {
+
+#define MTP_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2,bmi2")))
+#define MTP_AVX2_TARGET __attribute__((target("avx2,fma,f16c,bmi2")))
+#define MTP_INLINE inline __attribute__((always_inline))
+
+namespace simd {
+
+constexpr int64_t kTilePrefetch = 2048;  // software prefetch distance along each weight row (bytes), 2 KB ahead
+
+// e4m3fn bytes -> fp16 bits of q * 2^-8 (common.h "float8_e4m3fn weights" says why): sign-extend, shift left 7,
+// keep sign | exponent | mantissa; `nan`: 0x7f / 0xff become fp16 NaN (0xffff) lane by lane.
+MTP_AVX2_TARGET inline __m128i e4m3x8_fp16(__m128i bytes, bool nan) {
+  __m128i h = _mm_cvtepi8_epi16(bytes);
+  h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<short>(0xbf80)));
+  if (nan) h = _mm_or_si128(h, _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x3f80)));
+  return h;
+}
+
+struct Avx512 {
+  using F = __m512;
+  static constexpr int W = 16;
+  static constexpr int kRegisters = 32;       // zmm registers a tile may fill
+  static constexpr bool kMaskedTail = true;   // a partial chunk is one masked vector step
+  static constexpr bool kRowsDotTiles = false;
+  static constexpr bool kPairedE4m3 = false;  // see Avx2
+
+  static MTP_AVX512_TARGET inline __mmask16 tail(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+  static MTP_AVX512_TARGET inline F zero() { return _mm512_setzero_ps(); }
+  static MTP_AVX512_TARGET inline F set1(float v) { return _mm512_set1_ps(v); }
+  static MTP_AVX512_TARGET inline F load(const float* p) { return _mm512_loadu_ps(p); }
+  static MTP_AVX512_TARGET inline F load(const c10::BFloat16* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static MTP_AVX512_TARGET inline F load(const c10::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  // the first n (< W, or any n with the mask of tail(n)) elements, zeros after them
+  static MTP_AVX512_TARGET inline F load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+  static MTP_AVX512_TARGET inline F load(const c10::BFloat16* p, __mmask16 m) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static MTP_AVX512_TARGET inline F load(const c10::Half* p, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+  }
+  template <class T>
+  static MTP_AVX512_TARGET inline F load_n(const T* p, int64_t n) { return load(p, tail(n)); }
+  static MTP_AVX512_TARGET inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static MTP_AVX512_TARGET inline void store_n(float* p, F v, int64_t n) { _mm512_mask_storeu_ps(p, tail(n), v); }
+  static MTP_AVX512_TARGET inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static MTP_AVX512_TARGET inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static MTP_AVX512_TARGET inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  // a * b in the first n lanes, 0 after them (not 0 * b: NaN for an infinite scale)
+  static MTP_AVX512_TARGET inline F mul_n(F a, F b, int64_t n) { return _mm512_maskz_mul_ps(tail(n), a, b); }
+  static MTP_AVX512_TARGET inline F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static MTP_AVX512_TARGET inline F vmax(F a, F b) { return _mm512_max_ps(a, b); }
+  static MTP_AVX512_TARGET inline F vmin(F a, F b) { return _mm512_min_ps(a, b); }
+  static MTP_AVX512_TARGET inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
+  static MTP_AVX512_TARGET inline F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+  static MTP_AVX512_TARGET inline F round(F x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static constexpr float kExpHi = 88.37626f;  // exp's input clamp (scalef handles n = 128)
+  static MTP_AVX512_TARGET inline F pow2_mul(F y, F n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
+  // Sums of 4 vectors' 16 lanes, each by the same pairing tree: lanes (i, i+8), then (i, i+4), (i, i+2),
+  // (i, i+1). A vector's sum does not depend on the other three (pass zeros for unused ones), so reducing
+  // 1 or 4 rows at once gives bit-identical results.
+  static MTP_AVX512_TARGET inline void reduce4(F a, F b, F c, F d, float* out) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, t);
+    out[0] = lanes[0];
+    out[1] = lanes[4];
+    out[2] = lanes[8];
+    out[3] = lanes[12];
+  }
+  // The tiles' sums of 4 accumulators (zeros for unused ones): reduce4's tree. (Vectors by value: an accumulator
+  // array whose address is taken stays in memory.)
+  static MTP_AVX512_TARGET inline void hsum4(F a, F b, F c, F d, float* out) { reduce4(a, b, c, d, out); }
+  // the largest of m's lanes and the n (< W) values at p
+  static MTP_AVX512_TARGET inline float max_rest(F m, const float* p, int64_t n) {
+    if (n) m = _mm512_mask_max_ps(m, tail(n), m, _mm512_maskz_loadu_ps(tail(n), p));
+    return _mm512_reduce_max_ps(m);
+  }
+  // W e4m3 bytes -> fp32 of q * 2^-8 (a NaN byte: finite; the tiles scan rows with e4m3_has_nan) / NaN (`_nan`)
+  static MTP_AVX512_TARGET inline __m256i e4m3_fp16(const uint8_t* p, __mmask16 m) {
+    const __m256i h = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, p));
+    return _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+  }
+  static MTP_AVX512_TARGET inline F load_e4m3(const uint8_t* p) {
+    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xbf80))));
+  }
+  static MTP_AVX512_TARGET inline F load_e4m3_n(const uint8_t* p, int64_t n) {
+    return _mm512_cvtph_ps(e4m3_fp16(p, tail(n)));
+  }
+  static MTP_AVX512_TARGET inline F load_e4m3_nan_n(const uint8_t* p, int64_t n) {
+    const __m256i h = e4m3_fp16(p, tail(n));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)),
+                                                  _mm256_set1_epi16(0x3f80));
+    return _mm512_cvtph_ps(_mm256_mask_set1_epi16(h, nan, -1));
+  }
+  static MTP_AVX512_TARGET inline F load_e4m3_nan(const uint8_t* p) { return load_e4m3_nan_n(p, W); }
+  static MTP_AVX512_TARGET inline F load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static MTP_AVX512_TARGET inline F load_i8_n(const int8_t* p, int64_t n) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail(n), p)));
+  }
+  // Whether any of n e4m3 bytes is a NaN (0x7f / 0xff): the largest of 2 * byte (mod 256) is 0xfe exactly then.
+  static MTP_AVX512_TARGET inline bool e4m3_has_nan(const uint8_t* p, int64_t n) {
+    __m512i most = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m512i b = _mm512_loadu_si512(p + i);
+      most = _mm512_max_epu8(most, _mm512_add_epi8(b, b));
+    }
+    if (i < n) {
+      const __m512i b = _mm512_maskz_loadu_epi8(static_cast<__mmask64>(~0ull >> (64 - (n - i))), p + i);
+      most = _mm512_max_epu8(most, _mm512_add_epi8(b, b));
+    }
+    return _mm512_cmpeq_epi8_mask(most, _mm512_set1_epi8(static_cast<char>(0xfe))) != 0;
+  }
+};
+
+// The same operations 8 lanes wide for CPUs with AVX2 + FMA + F16C but no AVX-512 (AMD Zen 2/3, Intel before
+// Skylake-SP). Partial chunks go through a zero-filled 8-lane buffer.
+struct Avx2 {
+  using F = __m256;
+  static constexpr int W = 8;
+  static constexpr int kRegisters = 16;
+  static constexpr bool kMaskedTail = false;  // the tiles add a partial chunk as a scalar tail after the reduction
+  static constexpr bool kRowsDotTiles = true;  // rows_dot's 4 x 2 register tile (Vector::rows_dot_tiled)
+  // FP8 tiles step 2W columns at a time: one 16-byte e4m3 conversion gives both 8-lane halves (load_e4m3_x2), ~10%
+  // faster than two 8-byte ones; the accumulators see the same operations in the same order either way
+  static constexpr bool kPairedE4m3 = true;
+
+  static MTP_AVX2_TARGET inline F zero() { return _mm256_setzero_ps(); }
+  static MTP_AVX2_TARGET inline F set1(float v) { return _mm256_set1_ps(v); }
+  static MTP_AVX2_TARGET inline F load(const float* p) { return _mm256_loadu_ps(p); }
+  static MTP_AVX2_TARGET inline F load(const c10::BFloat16* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static MTP_AVX2_TARGET inline F load(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  // the first n < 8 elements, zeros after them
+  template <class T>
+  static MTP_AVX2_TARGET inline F load_n(const T* p, int64_t n) {
+    alignas(32) unsigned char buf[8 * sizeof(T)] = {};
+    std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(T));
+    return load(reinterpret_cast<const T*>(buf));
+  }
+  static MTP_AVX2_TARGET inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static MTP_AVX2_TARGET inline void store_n(float* p, F v, int64_t n) {  // the first n lanes
+    alignas(32) float buf[8];
+    _mm256_store_ps(buf, v);
+    std::memcpy(p, buf, static_cast<size_t>(n) * sizeof(float));
+  }
+  static MTP_AVX2_TARGET inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static MTP_AVX2_TARGET inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static MTP_AVX2_TARGET inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static MTP_AVX2_TARGET inline F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static MTP_AVX2_TARGET inline F vmax(F a, F b) { return _mm256_max_ps(a, b); }
+  static MTP_AVX2_TARGET inline F vmin(F a, F b) { return _mm256_min_ps(a, b); }
+  static MTP_AVX2_TARGET inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static MTP_AVX2_TARGET inline F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static MTP_AVX2_TARGET inline F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // exp's input clamp: 2^n is built in the exponent bits, so n stays in [-126, 127] (the kernels only take exp of
+  // values <= 0 or of -x in SiLU)
+  static constexpr float kExpHi = 88.0f;
+  static MTP_AVX2_TARGET inline F pow2_mul(F y, F n) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  }
+  // Sums of 4 vectors' 8 lanes: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) each, independent of the others
+  static MTP_AVX2_TARGET inline void reduce4(F a, F b, F c, F d, float* out) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  }
+  // The tiles' sums: ((0+4)+(2+6)) + ((1+5)+(3+7)) per accumulator, a fixed order
+  static MTP_AVX2_TARGET inline float hsum8(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static MTP_AVX2_TARGET inline void hsum4(F a, F b, F c, F d, float* out) {
+    out[0] = hsum8(a);
+    out[1] = hsum8(b);
+    out[2] = hsum8(c);
+    out[3] = hsum8(d);
+  }
+  static MTP_AVX2_TARGET inline float max_rest(F m, const float* p, int64_t n) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (int64_t i = 0; i < n; ++i) lanes[0] = std::max(lanes[0], p[i]);
+    float out = lanes[0];
+    for (int l = 1; l < 8; ++l) out = std::max(out, lanes[l]);
+    return out;
+  }
+  static MTP_AVX2_TARGET inline F load_e4m3(const uint8_t* p) {
+    return _mm256_cvtph_ps(e4m3x8_fp16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), false));
+  }
+  static MTP_AVX2_TARGET inline void load_e4m3_x2(const uint8_t* p, F& lo, F& hi) {  // 16 bytes: columns 0-7, 8-15
+    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+    lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  }
+  static MTP_AVX2_TARGET inline F load_e4m3_nan(const uint8_t* p) {
+    return _mm256_cvtph_ps(e4m3x8_fp16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), true));
+  }
+  static MTP_AVX2_TARGET inline F load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static MTP_AVX2_TARGET inline bool e4m3_has_nan(const uint8_t* p, int64_t n) {
+    __m256i most = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+      most = _mm256_max_epu8(most, _mm256_add_epi8(b, b));
+    }
+    bool nan = _mm256_movemask_epi8(_mm256_cmpeq_epi8(most, _mm256_set1_epi8(static_cast<char>(0xfe)))) != 0;
+    for (; i < n && !nan; ++i) nan = (p[i] & 0x7f) == 0x7f;
+    return nan;
+  }
+};
+
+}  // namespace simd
+}  // namespace mtp

@@ -1,0 +1,163 @@
+// Weight-row tiles: dot products of weight rows stored in some format with fp32 activation rows, the few-row path of
+// every weight-only linear (linear_bf16, linear_fp8, linear_int8) and of the quantized MoE experts (moe_experts).
+// One body per purpose, written once over the vector traits of simd.h (S) and a weight format (Fmt, below): the vector
+// tile (simd_body.inc `Vector::tile`, compiled per ISA), the portable tile and the dequantizing conversion for the
+// at::mm path (here). A new format is a struct of a few loads and gets all of them on every ISA.
+//
+// A tile computes out[r * NR + j] = x[r] . dequant(w[j]) for MR activation rows and NR weight rows k apart, every
+// weight rounded once as the reference (plugins/reference.py) rounds it, fp32 math. Accumulator lane l of (r, j) sums
+// the columns i with i % W == l in column order, then S's fixed tree (S::hsum4 sums each accumulator alone), so a
+// (row, output) value does not depend on MR, NR or the rest of the batch. A partial last chunk is one masked step
+// (S::kMaskedTail: AVX-512) or a scalar tail in column order after the reduction (AVX2). The portable tile keeps 8 partial sums per dot,
+// ((0+1)+(2+3)) + ((4+5)+(6+7)), then the tail (Generic::dot's order).
+#pragma once
+
+#include "common.h"
+
+namespace mtp {
+
+// ---- weight formats ------------------------------------------------------------------------------------------------
+// Elem: the stored element. times(q, scale_at(s, j, i)): the fp32 weight q = w[i] of row j, scaled, as the reference
+// rounds it (the portable paths and scalar tails; scale_at is the same for 8 columns from a multiple of 8). kScaled: the vector loads give q, to be multiplied by scale<S>(s, j, c0) (the scale of row j for columns
+// c0 .. c0 + kCols - 1). kRowScales: s is one scale per weight row (quant_rows passes s + o), else one scale row for
+// the whole block of rows (FP8's 128 x 128 blocks).
+struct Bf16Weights {  // bf16 bits: a 16-bit shift, exact
+  using Elem = c10::BFloat16;
+  static constexpr bool kScaled = false, kRowScales = false;
+  static constexpr int64_t kCols = std::numeric_limits<int64_t>::max();
+  static MTP_INLINE float scale_at(const float*, int, int64_t) { return 1.0f; }
+  static MTP_INLINE float times(Elem q, float) { return f32(q); }
+  template <class S> static constexpr bool kPaired = false;
+  template <class S> static MTP_INLINE typename S::F load(const Elem* p) { return S::load(p); }
+  template <class S> static MTP_INLINE typename S::F load_n(const Elem* p, int64_t n) { return S::load_n(p, n); }
+  template <class S> static MTP_INLINE typename S::F load_exact(const Elem* p) { return S::load(p); }
+  template <class S> static MTP_INLINE bool has_nan(const Elem*, int64_t) { return false; }
+};
+
+// float8_e4m3fn (common.h "float8_e4m3fn weights"): the vector loads give q * 2^-8 and the scale is s * 256;
+// load_exact (the dequantizing conversion) turns NaN bytes into NaN lane by lane, the tiles scan each row once
+// (has_nan) and make its outputs NaN instead. The portable paths read q from the table (NaN included).
+struct Fp8Weights {
+  using Elem = uint8_t;
+  static constexpr bool kScaled = true, kRowScales = false;
+  static constexpr int64_t kCols = kFp8Block;
+  static MTP_INLINE float scale_at(const float* s, int, int64_t i) { return s[i / kCols]; }
+  static MTP_INLINE float times(Elem q, float s) { return e4m3_times(q, s); }
+  template <class S> static MTP_INLINE typename S::F scale(const float* s, int, int64_t c0) {
+    return S::set1(s[c0 / kCols] * 256.0f);
+  }
+  template <class S> static MTP_INLINE typename S::F load(const Elem* p) { return S::load_e4m3(p); }
+  template <class S> static constexpr bool kPaired = S::kPairedE4m3;  // load2: 2W columns in one conversion
+  template <class S> static MTP_INLINE void load2(const Elem* p, typename S::F& lo, typename S::F& hi) {
+    S::load_e4m3_x2(p, lo, hi);
+  }
+  template <class S> static MTP_INLINE typename S::F load_n(const Elem* p, int64_t n) { return S::load_e4m3_n(p, n); }
+  template <class S> static MTP_INLINE typename S::F load_exact(const Elem* p) { return S::load_e4m3_nan(p); }
+  template <class S> static MTP_INLINE bool has_nan(const Elem* w, int64_t k) {
+    if constexpr (std::is_same_v<S, Generic>) return false;  // the table gives NaN itself
+    else return S::e4m3_has_nan(w, k);
+  }
+};
+
+// int8 with one fp32 scale per weight row (`mtp-build --quantize int8`, plugins/reference.py quantize_int8)
+struct Int8Weights {
+  using Elem = int8_t;
+  static constexpr bool kScaled = true, kRowScales = true;
+  static constexpr int64_t kCols = std::numeric_limits<int64_t>::max();
+  static MTP_INLINE float scale_at(const float* s, int j, int64_t) { return s[j]; }
+  static MTP_INLINE float times(Elem q, float s) { return static_cast<float>(q) * s; }
+  template <class S> static MTP_INLINE typename S::F scale(const float* s, int j, int64_t) { return S::set1(s[j]); }
+  template <class S> static constexpr bool kPaired = false;
+  template <class S> static MTP_INLINE typename S::F load(const Elem* p) { return S::load_i8(p); }
+  template <class S> static MTP_INLINE typename S::F load_n(const Elem* p, int64_t n) { return S::load_i8_n(p, n); }
+  template <class S> static MTP_INLINE typename S::F load_exact(const Elem* p) { return S::load_i8(p); }
+  template <class S> static MTP_INLINE bool has_nan(const Elem*, int64_t) { return false; }
+};
+
+// ---- the tiles -----------------------------------------------------------------------------------------------------
+
+// The portable tile: 8 partial sums per dot, then the tail
+template <class Fmt, int MR, int NR>
+inline void portable_tile(const float* const* x, const typename Fmt::Elem* w, const float* s, int64_t k, float* out) {
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      const typename Fmt::Elem* wj = w + j * k;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 8 <= k; i += 8) {
+        const float sc = Fmt::scale_at(s, j, i);  // 8 columns never straddle a 128-column FP8 block
+        for (int l = 0; l < 8; ++l) acc[l] += x[r][i + l] * Fmt::times(wj[i + l], sc);
+      }
+      float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+      for (; i < k; ++i) sum += x[r][i] * Fmt::times(wj[i], Fmt::scale_at(s, j, i));
+      out[r * NR + j] = sum;
+    }
+}
+
+template <class V, class Fmt, int MR, int NR>
+MTP_INLINE void run_tile(const float* const* x, const typename Fmt::Elem* w, const float* s, int64_t k, float* out) {
+  if constexpr (std::is_same_v<V, Generic>) portable_tile<Fmt, MR, NR>(x, w, s, k, out);
+  else V::template tile<Fmt, MR, NR>(x, w, s, k, out);
+}
+
+// NR weight rows at w (rows o .. o + NR - 1 of the caller's block) against m activation rows, MR at a time:
+// out[r][o + j] = x[r] . dequant(w[j]), NaN for a weight row holding a NaN byte. s: as Fmt takes it.
+template <class V, class Fmt, int MR, int NR>
+MTP_INLINE void quant_block(int64_t m, const float* const* x, const typename Fmt::Elem* w, const float* s, int64_t k,
+                            float* const* out, int64_t o) {
+  float res[MR * NR];
+  bool nan[NR];
+  for (int j = 0; j < NR; ++j) nan[j] = Fmt::template has_nan<V>(w + j * k, k);
+  for (int64_t m0 = 0; m0 < m; m0 += MR) {
+    const int mr = static_cast<int>(std::min<int64_t>(MR, m - m0));
+    const float* const* xs = x + m0;
+    switch (mr) {
+      case 4: if constexpr (MR >= 4) run_tile<V, Fmt, 4, NR>(xs, w, s, k, res); break;
+      case 3: if constexpr (MR >= 3) run_tile<V, Fmt, 3, NR>(xs, w, s, k, res); break;
+      case 2: if constexpr (MR >= 2) run_tile<V, Fmt, 2, NR>(xs, w, s, k, res); break;
+      default: run_tile<V, Fmt, 1, NR>(xs, w, s, k, res); break;
+    }
+    for (int r = 0; r < mr; ++r)
+      for (int j = 0; j < NR; ++j) out[m0 + r][o + j] = nan[j] ? std::numeric_limits<float>::quiet_NaN() : res[r * NR + j];
+  }
+}
+
+// out[r][o] = x[r] . dequant(w[o]) for r < m activation rows and o < rows weight rows (k elements apart): blocks of
+// NR weight rows, then single rows. s: the FP8 scale row all these rows use, or (Fmt::kRowScales) one scale per row.
+template <class V, class Fmt, int MR, int NR>
+MTP_INLINE void quant_rows(int64_t m, const float* const* x, const typename Fmt::Elem* w, const float* s, int64_t rows,
+                           int64_t k, float* const* out) {
+  int64_t o = 0;
+  for (; o + NR <= rows; o += NR)
+    quant_block<V, Fmt, MR, NR>(m, x, w + o * k, Fmt::kRowScales ? s + o : s, k, out, o);
+  for (; o < rows; ++o) quant_block<V, Fmt, MR, 1>(m, x, w + o * k, Fmt::kRowScales ? s + o : s, k, out, o);
+}
+
+// quant_rows with the tile shape that fills V's registers: AVX-512 (32 zmm): 4 x 4 (16 accumulators + 4 weights + one
+// x); AVX2 (16 ymm): 4 weight rows x 1-2 activation rows, or 2 x 4; portable: one weight row against 4 rows.
+template <class V, class Fmt>
+MTP_INLINE void tiled_rows(int64_t m, const float* const* x, const typename Fmt::Elem* w, const float* s, int64_t rows,
+                           int64_t k, float* const* out) {
+  if constexpr (std::is_same_v<V, Generic>) quant_rows<V, Fmt, 4, 1>(m, x, w, s, rows, k, out);
+  else if constexpr (V::kRegisters >= 32) quant_rows<V, Fmt, 4, 4>(m, x, w, s, rows, k, out);
+  else if (m <= 2) quant_rows<V, Fmt, 2, 4>(m, x, w, s, rows, k, out);
+  else quant_rows<V, Fmt, 4, 2>(m, x, w, s, rows, k, out);
+}
+
+// ---- dequantization: rows [0, rows) of w (k wide) into dst as fp32, the values the reference computes (NaN bytes
+// NaN), for the at::mm path of many activation rows. s: as Fmt takes it (FP8: the scale row of these rows).
+template <class V, class Fmt>
+MTP_INLINE void dequant_rows(const typename Fmt::Elem* w, const float* s, int64_t rows, int64_t k, float* dst) {
+  for (int64_t o = 0; o < rows; ++o) {
+    const typename Fmt::Elem* wo = w + o * k;
+    const float* so = Fmt::kRowScales ? s + o : s;
+    float* d = dst + o * k;
+    if constexpr (std::is_same_v<V, Generic>) {
+      for (int64_t i = 0; i < k; ++i) d[i] = Fmt::times(wo[i], Fmt::scale_at(so, 0, i));
+    } else {
+      V::template dequant_row<Fmt>(wo, so, k, d);
+    }
+  }
+}
+
+}  // namespace mtp
