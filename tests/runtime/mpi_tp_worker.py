@@ -10,7 +10,8 @@ Each DP leader serves its share of PROMPTS (chunked prefill, a shared prefix for
 arriving mid-run so batches mix prefill and decode); followers replay. For each K in KS (comma-separated) a
 fresh engine runs ("auto": the leaders agree on each step's k over the leaders comm); rank 0 writes {"K": {"outputs": ..., "calls": [per-rank executor calls], "heads": [per-rank q heads],
 "collective_seconds": [...], "accepted": [per-rank (accepted, proposed) drafts per position],
-"experts": [per-rank routed experts held], "executors": [per-rank executor class], "prefix_hit_tokens": leaders' sum,
+"experts": [per-rank routed experts held (first MoE layer)], "experts_per_layer": [per-rank list, every MoE layer the
+model holds, MTP layers included], "executors": [per-rank executor class], "prefix_hit_tokens": leaders' sum,
 "gdn_heads": [per-rank Gated DeltaNet value heads (null: no GDN layer)]}}
 to OUT.
 MODE "ok": as above. MODE "kill": every rank writes its pid to OUT.pid<rank>, the leaders serve forever.
@@ -97,12 +98,13 @@ def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: 
     attn = next((layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")), None) if model else None
     gdn = next((layer.linear_attn for layer in model.layers if hasattr(layer, "linear_attn")), None) if model else None
     named = model.named_parameters() if model else ()
-    experts = next((p.shape[0] for n, p in named if n.endswith("w_gate_up")), None)  # routed experts held here
+    held = [p.shape[0] for n, p in named if n.endswith("w_gate_up")]  # routed experts held here, per MoE layer
+    experts = held[0] if held else None
     met = engine.metrics
     accepted = (met.accepted_per_position, met.proposed_per_position) if role.is_leader else ([], [])
     hits = met.prefix_hit_tokens if role.is_leader else 0
     gathered = comm.gather((outputs, role.num_calls, attn and attn.num_heads, collective_seconds(), accepted, experts,
-                            type(role.executor).__name__, hits, gdn and gdn.hv),
+                            type(role.executor).__name__, hits, gdn and gdn.hv, held),
                            root=0)  # fmt: skip
     if rank != 0:
         return None
@@ -110,7 +112,7 @@ def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: 
             "heads": [g[2] for g in gathered], "collective_seconds": [g[3] for g in gathered],
             "accepted": [g[4] for g in gathered], "experts": [g[5] for g in gathered],
             "executors": [g[6] for g in gathered], "prefix_hit_tokens": sum(g[7] for g in gathered),
-            "gdn_heads": [g[8] for g in gathered]}
+            "gdn_heads": [g[8] for g in gathered], "experts_per_layer": [g[9] for g in gathered]}
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
-"""Issues 19 and 28: the families beyond GLM under a real `mpirun -np 2 --oversubscribe` (torch executor, tests/runtime/
+"""Issues 19, 28 and 29: the families beyond GLM under a real `mpirun -np 2 --oversubscribe` (torch executor, tests/runtime/
 mpi_tp_worker.py): Qwen3-Next with expert parallelism (EP2: the Gated DeltaNet layers, their recurrent state pool and
 the attention replicated on every rank, the routed experts split; each rank serves its own requests in DP lockstep, an
 idle rank's dummy forwards touching no state slot), MiMo with tensor parallelism (TP2: heads, MLP and vocab split), and
 Qwen3-Next and DeepSeek-V3 (MLA) with tensor parallelism (TP2: GDN layers split by key head with their value heads and
-each rank's state pool holding its heads; MLA heads split with the latent replicated). Greedy output equals one rank's
+each rank's state pool holding its heads; MLA heads split with the latent replicated), and the 2026 families with
+expert parallelism (EP2, both in one launch: DeepSeek Sparse Attention as GLM-5 and MiMo-V2-Flash, attention, indexer
+and sliding-window caches replicated, every MoE layer's routed experts split, GLM-5's MoE MTP layer's included). Greedy output equals one rank's
 at K=0 and K=2 (MTP on == MTP off), with 8-token prefill chunks shorter than the prompts, a prefix-cache hit and late
 arrivals mixing prefill and decode; the draft acceptances are counted so the K=2 run exercises accepted and rejected
 drafts. The same TP2 run on an ONNX Runtime engine built by `mtp-build --world-size 2 --tp-size 2` (each rank its heads,
@@ -20,6 +22,8 @@ import pytest
 from builder import cli
 from models.engine_format import EngineDirError, load_engine_config
 from models.testing import MLA_VARIANTS, make_hybrid_checkpoint, make_mimo_checkpoint, make_mla_checkpoint
+from models.testing_dsa import DSA_VARIANTS, make_dsa_checkpoint
+from models.testing_mimo_v2 import make_mimo_v2_checkpoint
 from tests.builder.engine_edits import copy_engine, edit_config
 from tests.runtime.test_mpi_lockstep import pytestmark  # noqa: F401  (skipped without mpirun)
 from tests.runtime.test_mpi_tp import launch, single_rank_outputs
@@ -48,6 +52,24 @@ def mla(tmp_path_factory):
     path = tmp_path_factory.mktemp("dsv3")
     model_type, overrides = MLA_VARIANTS["dsv3_dense_then_moe_2"]
     make_mla_checkpoint(path, model_type, seed=2, **{**overrides, "vocab_size": 6})
+    return path
+
+
+@pytest.fixture(scope="module")
+def dsa(tmp_path_factory):
+    """Tiny GLM-5 (DSA, index_topk 8: the worker's prompts cross it; 8 routed experts in layers 1-2 and the MTP
+    layer), a 6-token vocab so drafts get accepted."""
+    path = tmp_path_factory.mktemp("glm5")
+    model_type, overrides = DSA_VARIANTS["glm5"]
+    make_dsa_checkpoint(path, model_type, seed=6, **{**overrides, "vocab_size": 6})
+    return path
+
+
+@pytest.fixture(scope="module")
+def mimo_v2(tmp_path_factory):
+    """Tiny MiMo-V2-Flash (window 8, three MTP modules, 4 routed experts in layers 1-2), a 6-token vocab."""
+    path = tmp_path_factory.mktemp("mimo_v2")
+    make_mimo_v2_checkpoint(path, seed=6, vocab_size=6)
     return path
 
 
@@ -133,6 +155,21 @@ def test_qwen3_next_tp2_engine_equals_single_rank(hybrid_engine, tmp_path):
     for res in results.values():
         assert res["executors"] == ["OrtExecutor"] * 2
         assert res["calls"][0] == res["calls"][1] > 0 and res["prefix_hit_tokens"] > 0
+
+
+def test_dsa_and_mimo_v2_ep2_equal_single_rank(dsa, mimo_v2, tmp_path):
+    """Issue 29: EP2 on the torch executor, both 2026 families in one launch (start-up is most of its cost). Each rank
+    holds half the routed experts of every MoE layer (GLM-5's MTP layer is MoE too) and all the attention."""
+    out = tmp_path / "out.json"
+    proc = launch(2, f"{dsa},{mimo_v2}", out, "ok", 1, 2, "0,2", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for checkpoint, results, per_layer in zip((dsa, mimo_v2), json.loads(out.read_text()), ([4, 4, 4], [2, 2]),
+                                              strict=True):  # fmt: skip
+        check_against_one_rank(checkpoint, results)
+        for k, res in results.items():
+            assert res["experts_per_layer"] == [per_layer] * 2, (checkpoint, k, "half of every MoE layer's experts")
+            assert res["heads"] == [4, 4], (checkpoint, k, "attention is replicated (no TP)")
+            assert min(res["calls"]) > 0 and res["prefix_hit_tokens"] > 0, (checkpoint, k)
 
 
 def test_qwen3_next_engine_edited_to_a_whole_model_state_pool_is_refused_with_one_line(hybrid_engine, tmp_path):
