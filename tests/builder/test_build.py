@@ -36,6 +36,8 @@ def test_layout_and_config(engine, checkpoint):
         "MlaKvWrite",
         "MlaPagedAttention",
         "GdnStep",  # hybrid models' Gated DeltaNet op: installed, not in this GQA engine's graphs
+        "DsaIndexTopk",  # DeepSeek Sparse Attention's two ops (GLM-5 / DeepSeek-V3.2): installed, not in this engine
+        "DsaSparseAttention",
         "AllReduce",  # the TP collectives are installed plugins too (an engine built with tp_size 1 emits none)
         "AllGather",
     }
