@@ -21,9 +21,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Ranks waiting in an MPI collective yield the core instead of busy-polling it (Open MPI's default when a host
 # is not oversubscribed): the suite runs mpirun jobs beside another pytest worker on 2 cores, where a spinning
-# rank takes the time the rank it waits for (or the other worker) needs. Measured: a 4-rank TP test 29-57 s ->
-# 19-41 s wall at the same CPU time (docs/PERFORMANCE.md "Threads and runtime defaults"). Every mpirun a test starts
-# inherits it (Open MPI reads OMPI_MCA_* from the environment and forwards them to its daemons' ranks).
+# rank takes the time the rank it waits for (or the other worker) needs. Measured under load ~8: a 4-rank TP test
+# 29-57 s -> 19-41 s wall at the same CPU time; on a quiet machine no change (docs/PERFORMANCE.md "Threads and
+# runtime defaults"). Every mpirun a test starts inherits it (Open MPI reads OMPI_MCA_* from the environment and
+# forwards them to its daemons' ranks).
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 
