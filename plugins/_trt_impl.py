@@ -1,149 +1,42 @@
 """TensorRT IPluginV3 classes for the plugin nodes. Imports `tensorrt`: load only through plugins/trt_plugins.py.
 
-Plugins: KvWrite, PagedAttention (GQA pool), MlaKvWrite, MlaPagedAttention (MLA latent pool, kv_kind 1) and
-GdnStep (the Gated DeltaNet state pool, plugins/gdn_pool.py). GdnStep is type-checked against tensorrt-stubs only:
-no hybrid TensorRT engine has been built or run (no GPU here; mtp-build refuses --backend tensorrt for hybrid models).
+Plugins: KvWrite, PagedAttention (GQA pool), SwaPagedAttention (its sliding-window + sinks mode, MiMo-V2-Flash),
+MlaKvWrite, MlaPagedAttention (MLA latent pool, kv_kind 1), DsaIndexTopk, DsaSparseAttention (DeepSeek Sparse
+Attention over that pool) and GdnStep (the Gated DeltaNet state pool, plugins/gdn_pool.py). GdnStep, SwaPagedAttention
+and the DSA plugins are type-checked against tensorrt-stubs only: no TensorRT engine holding them has been built or
+run, and their Triton kernels have run only in the CPU interpreter (no GPU here; mtp-build refuses --backend tensorrt
+for those models).
 
-Each plugin is one object implementing the core, build and runtime capabilities; `enqueue` wraps TensorRT's
-device pointers as torch tensors (no copy) and launches the Triton launchers of plugins/triton_kernels.py on
-TensorRT's stream. Attributes arrive as plugin fields named like the ONNX node attributes.
-
-Pool address: the node's `pool_ptr` input (GdnStep: `conv_pool_ptr`, `ssm_pool_ptr`) is an int64[1] *device* tensor. Reading it needs a device-to-host
-copy, so the plugin reads it once per binding address (at the warm-up enqueue that must precede graph
-capture) and caches it; the runtime keeps the pool and that buffer fixed for the engine's life.
+Each plugin names its node and op spec and writes its output types and shapes and `enqueue`, which launches the
+Triton launchers (plugins/triton_kernels.py, mla_triton.py, dsa_triton.py, gdn_triton.py) on TensorRT's stream over
+TensorRT's buffers; the shared machinery (capabilities, fields, format checks, the cached pool address) is
+plugins/_trt_base.py.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
 import tensorrt as trt
 import torch
 
+from plugins._trt_base import _as_tensor, _CreatorBase, _DeviceArray, _PluginBase
+from plugins.dsa_triton import dsa_index_topk_triton, dsa_sparse_attention_triton
 from plugins.gdn_pool import GDNPoolGeometry, layer_views
 from plugins.gdn_triton import gdn_step_triton
 from plugins.kv_pool import KVPoolGeometry
 from plugins.mla_ops import mla_geometry
 from plugins.mla_triton import mla_kv_write_triton, mla_paged_attention_triton
-from plugins.names import DOMAIN, GDN_STEP, KV_WRITE, MLA_KV_WRITE, MLA_PAGED_ATTENTION, PAGED_ATTENTION, PLUGIN_VERSION
-from plugins.op_spec import SPECS, OpSpec, accepts
+from plugins.names import (
+    DSA_INDEX_TOPK,
+    DSA_SPARSE_ATTENTION,
+    GDN_STEP,
+    KV_WRITE,
+    MLA_KV_WRITE,
+    MLA_PAGED_ATTENTION,
+    PAGED_ATTENTION,
+    SWA_PAGED_ATTENTION,
+)
+from plugins.op_spec import SPECS
 from plugins.triton_kernels import kv_write_triton, paged_attention_triton
-
-_TYPE_NAMES = {trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16", trt.DataType.BF16: "bfloat16",
-               trt.DataType.INT32: "int32", trt.DataType.INT64: "int64"}  # fmt: skip
-# __cuda_array_interface__ has no bf16 typestr: bf16 is wrapped as int16 and reinterpreted.
-_TYPESTR = {trt.DataType.FLOAT: "<f4", trt.DataType.HALF: "<f2", trt.DataType.BF16: "<i2",
-            trt.DataType.INT32: "<i4", trt.DataType.INT64: "<i8"}  # fmt: skip
-
-
-class _DeviceArray:
-    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str) -> None:
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 3}
-
-
-def _as_tensor(ptr: int, desc: trt.PluginTensorDesc) -> torch.Tensor:
-    shape = tuple(int(desc.dims[i]) for i in range(len(desc.dims)))
-    t = torch.as_tensor(_DeviceArray(ptr, shape, _TYPESTR[desc.type]), device="cuda")
-    return t.view(torch.bfloat16) if desc.type == trt.DataType.BF16 else t
-
-
-def _fields(spec: OpSpec, values: dict[str, float]) -> trt.PluginFieldCollection:
-    fields = []
-    for attr in spec.attrs:
-        # FallbackString: the binding's name type (implicitly converted from str at runtime; explicit for mypy).
-        name, key = attr.name, trt.FallbackString(attr.name)
-        if attr.kind is float:
-            fields.append(trt.PluginField(key, np.array([values[name]], np.float32), trt.PluginFieldType.FLOAT32))
-        else:
-            fields.append(trt.PluginField(key, np.array([values[name]], np.int32), trt.PluginFieldType.INT32))
-    return trt.PluginFieldCollection(fields)
-
-
-def _read_fields(spec: OpSpec, fc: trt.PluginFieldCollection_) -> dict[str, float]:
-    """Plugin fields -> attribute values. The ONNX parser may hand ints as INT32 or INT64 and floats as
-    FLOAT32 or FLOAT64, and adds the routing strings: take the first element of each known field."""
-    known = {a.name for a in spec.attrs}
-    values: dict[str, float] = {}
-    for i in range(len(fc)):
-        f = fc[i]
-        if f.name in known:
-            values[f.name] = float(np.asarray(f.data).reshape(-1)[0])
-    missing = known - values.keys()
-    if missing:
-        raise ValueError(f"plugin fields missing: {sorted(missing)}")
-    return values
-
-
-class _PluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
-    name = ""
-    spec: OpSpec
-    pool_input = 0
-
-    def __init__(self, values: dict[str, float]) -> None:
-        trt.IPluginV3.__init__(self)
-        trt.IPluginV3OneCore.__init__(self)
-        trt.IPluginV3OneBuild.__init__(self)
-        trt.IPluginV3OneRuntime.__init__(self)
-        self.plugin_name = self.name
-        self.plugin_version = PLUGIN_VERSION
-        self.plugin_namespace = DOMAIN
-        self.num_outputs = 1
-        self.timing_cache_id = f"{DOMAIN}::{self.name}::{PLUGIN_VERSION}"  # deterministic, no tactics
-        self.metadata_string = ""
-        self.format_combination_limit = trt.IPluginV3OneBuild.DEFAULT_FORMAT_COMBINATION_LIMIT
-        self.values = dict(values)
-        self._pool_cache: dict[int, int] = {}  # address of a *_ptr buffer -> the pool address stored there
-        floats = {a.name for a in self.spec.attrs if a.kind is float}
-        v = {k: int(x) for k, x in values.items() if k not in floats}
-        self.plane = v.get("plane", v.get("layer", 0))  # GdnStep: the layer of the state pool
-        self.geom = self._geometry(v)
-
-    def _geometry(self, v: dict[str, int]) -> Any:
-        return KVPoolGeometry(v["num_planes"], v["num_blocks"], v["block_size"], v["num_kv_heads"], v["head_dim"],
-                              v["dtype"])  # fmt: skip
-
-    def get_capability_interface(self, type: trt.PluginCapabilityType) -> Any:
-        return self
-
-    def clone(self) -> trt.IPluginV3:
-        return type(self)(self.values)
-
-    def get_fields_to_serialize(self) -> trt.PluginFieldCollection_:
-        return trt.PluginFieldCollection_(_fields(self.spec, self.values))
-
-    def configure_plugin(self, inp: list[trt.DynamicPluginTensorDesc], out: list[trt.DynamicPluginTensorDesc]) -> None:
-        return None
-
-    def on_shape_change(self, inp: list[trt.PluginTensorDesc], out: list[trt.PluginTensorDesc]) -> None:
-        return None
-
-    def set_tactic(self, tactic: int) -> None:
-        return None
-
-    def get_valid_tactics(self) -> list[int]:
-        return []
-
-    def get_workspace_size(self, inp: list[trt.DynamicPluginTensorDesc], out: list[trt.DynamicPluginTensorDesc]) -> int:
-        return 0
-
-    def attach_to_context(self, resource_context: Any) -> trt.IPluginV3:
-        return self.clone()
-
-    def _pool_address(self, buffer_ptr: int) -> int:
-        """The pool address stored at device address `buffer_ptr` (read once per buffer; see module doc)."""
-        if buffer_ptr not in self._pool_cache:
-            host = torch.empty(1, dtype=torch.int64)
-            host.copy_(torch.as_tensor(_DeviceArray(buffer_ptr, (1,), "<i8"), device="cuda"))
-            self._pool_cache[buffer_ptr] = int(host[0])
-        return self._pool_cache[buffer_ptr]
-
-    def supports_format_combination(self, pos: int, in_out: list[trt.DynamicPluginTensorDesc], num_inputs: int) -> bool:
-        """Linear tensors whose types the op's spec accepts (plugins/op_spec.py `accepts`)."""
-        if in_out[pos].desc.format != trt.TensorFormat.LINEAR:
-            return False
-        types = [_TYPE_NAMES.get(d.desc.type, "other") for d in in_out[: pos + 1]]
-        return accepts(self.spec, pos, types)
 
 
 class KvWritePlugin(_PluginBase):
@@ -262,6 +155,91 @@ class MlaPagedAttentionPlugin(_PluginBase):
                                        int(self.values["rope_dim"]), self.values["scale"], out=out)  # fmt: skip
 
 
+class SwaPagedAttentionPlugin(PagedAttentionPlugin):
+    """SwaPagedAttention: inputs q, q_counts, kv_lens, block_tables, pool_ptr, after, sinks; output like q. The paged
+    attention kernel in its window + sinks mode (plugins/triton_kernels.py; semantics plugins/reference_swa.py)."""
+
+    name = SWA_PAGED_ATTENTION
+    spec = SPECS["swa_paged_attention"]
+    pool_input = 4
+
+    def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
+                inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
+        q, q_counts, kv_lens, tables = (_as_tensor(inputs[i], input_desc[i]) for i in range(4))
+        sinks = _as_tensor(inputs[6], input_desc[6])
+        out = _as_tensor(outputs[0], output_desc[0])
+        pool = self._pool_address(inputs[self.pool_input])
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            paged_attention_triton(q, q_counts, kv_lens, tables, pool, self.plane, self.geom, self.values["scale"],
+                                   out=out, window=int(self.values["window"]), sinks=sinks)  # fmt: skip
+
+
+class DsaIndexTopkPlugin(_PluginBase):
+    """DsaIndexTopk: inputs q, weights, q_counts, kv_lens, block_tables, pool_ptr; output int64 [T, topk]. The scores
+    scratch (fp32 [T, max_blocks * block_size], plugins/dsa_triton.py) is TensorRT's workspace, sized for the
+    largest T and block-table width of the profile."""
+
+    name = DSA_INDEX_TOPK
+    spec = SPECS["dsa_index_topk"]
+    pool_input = 5
+
+    def _geometry(self, v: dict[str, int]) -> KVPoolGeometry:
+        return mla_geometry(v["num_planes"], v["num_blocks"], v["block_size"], v["row_dim"], v["dtype"])
+
+    def get_output_data_types(self, input_types: list[trt.DataType]) -> list[trt.DataType]:
+        return [trt.DataType.INT64]
+
+    def get_output_shapes(
+        self, inputs: list[trt.DimsExprs], shape_inputs: list[trt.DimsExprs], expr_builder: trt.IExprBuilder
+    ) -> list[trt.DimsExprs]:
+        return [trt.DimsExprs([inputs[0][0], expr_builder.constant(int(self.values["topk"]))])]
+
+    def get_workspace_size(self, inp: list[trt.DynamicPluginTensorDesc], out: list[trt.DynamicPluginTensorDesc]) -> int:
+        rows, columns = int(inp[0].max[0]), int(inp[4].max[1])
+        return rows * columns * self.geom.block_size * 4
+
+    def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
+                inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
+        q, weights, q_counts, kv_lens, tables = (_as_tensor(inputs[i], input_desc[i]) for i in range(5))
+        out = _as_tensor(outputs[0], output_desc[0])
+        shape = (q.shape[0], tables.shape[1] * self.geom.block_size)
+        scratch = torch.as_tensor(_DeviceArray(workspace, shape, "<f4"), device="cuda") if shape[0] * shape[1] else None
+        pool = self._pool_address(inputs[self.pool_input])
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            dsa_index_topk_triton(q, weights, q_counts, kv_lens, tables, pool, self.plane, self.geom,
+                                  int(self.values["topk"]), self.values["scale"], out=out,
+                                  scratch=scratch)  # fmt: skip
+
+
+class DsaSparseAttentionPlugin(_PluginBase):
+    """DsaSparseAttention: inputs q, q_counts, selected, block_tables, pool_ptr; output [T, H, latent - rope]."""
+
+    name = DSA_SPARSE_ATTENTION
+    spec = SPECS["dsa_sparse_attention"]
+    pool_input = 4
+
+    def _geometry(self, v: dict[str, int]) -> KVPoolGeometry:
+        return mla_geometry(v["num_planes"], v["num_blocks"], v["block_size"], v["latent_dim"], v["dtype"])
+
+    def get_output_data_types(self, input_types: list[trt.DataType]) -> list[trt.DataType]:
+        return [input_types[0]]
+
+    def get_output_shapes(
+        self, inputs: list[trt.DimsExprs], shape_inputs: list[trt.DimsExprs], expr_builder: trt.IExprBuilder
+    ) -> list[trt.DimsExprs]:
+        value_dim = self.geom.head_dim - int(self.values["rope_dim"])  # the c_kv part of the latent
+        return [trt.DimsExprs([inputs[0][0], inputs[0][1], expr_builder.constant(value_dim)])]
+
+    def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
+                inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
+        q, q_counts, selected, tables = (_as_tensor(inputs[i], input_desc[i]) for i in range(4))
+        out = _as_tensor(outputs[0], output_desc[0])
+        pool = self._pool_address(inputs[self.pool_input])
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            dsa_sparse_attention_triton(q, q_counts, selected, tables, pool, self.plane, self.geom,
+                                        int(self.values["rope_dim"]), self.values["scale"], out=out)  # fmt: skip
+
+
 class GdnStepPlugin(_PluginBase):
     """GdnStep: inputs mixed, b, a, q_counts, starts, read_slots, write_slots, conv_pool_ptr, ssm_pool_ptr,
     conv_weight, a_log, dt_bias; output float32 [T, Hv, Dv]. Writes its layer's state slots through the addresses."""
@@ -297,21 +275,6 @@ class GdnStepPlugin(_PluginBase):
                                       self.geom.head_v_dim))  # fmt: skip
 
 
-class _CreatorBase(trt.IPluginCreatorV3One):
-    plugin_cls: type[_PluginBase] = _PluginBase
-
-    def __init__(self) -> None:
-        trt.IPluginCreatorV3One.__init__(self)
-        self.name = self.plugin_cls.name
-        self.plugin_namespace = DOMAIN
-        self.plugin_version = PLUGIN_VERSION
-        spec = self.plugin_cls.spec
-        self.field_names = trt.PluginFieldCollection_(_fields(spec, {a.name: 0 for a in spec.attrs}))
-
-    def create_plugin(self, name: str, field_collection: trt.PluginFieldCollection_, phase: Any) -> trt.IPluginV3:
-        return self.plugin_cls(_read_fields(self.plugin_cls.spec, field_collection))
-
-
 class KvWriteCreator(_CreatorBase):
     plugin_cls = KvWritePlugin
 
@@ -328,10 +291,23 @@ class MlaPagedAttentionCreator(_CreatorBase):
     plugin_cls = MlaPagedAttentionPlugin
 
 
+class SwaPagedAttentionCreator(_CreatorBase):
+    plugin_cls = SwaPagedAttentionPlugin
+
+
+class DsaIndexTopkCreator(_CreatorBase):
+    plugin_cls = DsaIndexTopkPlugin
+
+
+class DsaSparseAttentionCreator(_CreatorBase):
+    plugin_cls = DsaSparseAttentionPlugin
+
+
 class GdnStepCreator(_CreatorBase):
     plugin_cls = GdnStepPlugin
 
 
 def creators() -> list[trt.IPluginCreatorV3One]:
     """One creator per name in TRT_PLUGIN_NODES, in that order."""
-    return [KvWriteCreator(), PagedAttentionCreator(), MlaKvWriteCreator(), MlaPagedAttentionCreator(), GdnStepCreator()]
+    return [KvWriteCreator(), PagedAttentionCreator(), MlaKvWriteCreator(), MlaPagedAttentionCreator(), GdnStepCreator(),
+            SwaPagedAttentionCreator(), DsaIndexTopkCreator(), DsaSparseAttentionCreator()]

@@ -4,8 +4,9 @@ Off CPU, implementations in vectorised PyTorch, one request at a time (the seman
 plugins/dsa_reference.py; tests/plugins/test_dsa_ops.py holds these to them), reading the pool through a view
 at its address (plugins/kv_pool.py `view_pool`). On CPU the C++ kernels run (plugins/csrc/dsa_*.cpp): the plugin ops
 `mtp::dsa_index_topk` / `mtp::dsa_sparse_attention`, specified in plugins/op_spec.py, hence ONNX nodes
-(DsaIndexTopk, DsaSparseAttention), ONNX Runtime ops and opaque calls in the compiled packages; no TensorRT plugin
-nor Triton kernel (docs/MODELS.md, DSA limits).
+(DsaIndexTopk, DsaSparseAttention), ONNX Runtime ops and opaque calls in the compiled packages. On CUDA the torch ops
+run the Triton kernels (plugins/dsa_triton.py, which the TensorRT plugins of plugins/_trt_impl.py launch too); both
+are tested under TRITON_INTERPRET=1 only: no GPU has run them (docs/MODELS.md, DSA limits).
 
 Per request r with n_kv cached positions and n_q query rows (the last n_q positions), row j sees positions
 0..n_kv-n_q+j. The gather of a request's rows goes through its block table once per call.
@@ -17,11 +18,32 @@ import torch
 
 import plugins.cpp_ops  # noqa: F401  (loads the C++ library: the mtp::dsa_* schemas and CPU kernels)
 from plugins.kv_pool import KVPoolGeometry, view_pool
+from plugins.mla_ops import mla_geometry
 from plugins.op_backends import define_torch
 from plugins.op_spec import SPECS
 
 for _op in ("dsa_index_topk", "dsa_sparse_attention"):
     define_torch(SPECS[_op])  # the C++ library's schema checked against the spec; the fake from its shape rule
+
+
+@torch.library.impl("mtp::dsa_index_topk", "CUDA")
+def _(q, weights, q_counts, kv_lens, block_tables, pool_ptr, plane, num_planes, num_blocks, block_size, row_dim,
+      dtype, topk, scale):  # fmt: skip
+    from plugins.dsa_triton import dsa_index_topk_triton
+
+    geom = mla_geometry(num_planes, num_blocks, block_size, row_dim, dtype)
+    return dsa_index_topk_triton(q, weights, q_counts, kv_lens, block_tables, int(pool_ptr[0]), plane, geom, topk,
+                                 scale)  # fmt: skip
+
+
+@torch.library.impl("mtp::dsa_sparse_attention", "CUDA")
+def _(q, q_counts, selected, block_tables, pool_ptr, plane, num_planes, num_blocks, block_size, latent_dim, dtype,
+      rope_dim, scale):  # fmt: skip
+    from plugins.dsa_triton import dsa_sparse_attention_triton
+
+    geom = mla_geometry(num_planes, num_blocks, block_size, latent_dim, dtype)
+    return dsa_sparse_attention_triton(q, q_counts, selected, block_tables, int(pool_ptr[0]), plane, geom, rope_dim,
+                                       scale)  # fmt: skip
 
 
 def sparse_attention(pool_ptr: torch.Tensor, geom: KVPoolGeometry, q, q_counts, block_tables, selected, plane: int,

@@ -1,6 +1,8 @@
 """`python -m plugins.gpu_check`: the Triton kernels on a CUDA device vs the reference, plus achieved bandwidth.
 
-GQA (plugins/triton_kernels.py) and MLA latent (plugins/mla_triton.py) cases; each prints max errors and GB/s.
+GQA (plugins/triton_kernels.py) and MLA latent (plugins/mla_triton.py) cases print max errors and GB/s; DeepSeek
+Sparse Attention (plugins/dsa_triton.py) cases print the rows whose top-k set differs from the reference's, the sparse
+attention's max error and the time per call. Never run here (no GPU): written for `make gpu-check` on a CUDA machine.
 
 Prints one JSON object. Without a CUDA device it prints {"skipped": "no CUDA device: skipping GPU check"} and
 exits 0. Exit status 1 when a kernel disagrees with plugins/reference.py.
@@ -14,6 +16,8 @@ from typing import Any
 
 import torch
 
+from plugins.dsa_reference import dsa_index_topk_ref, dsa_sparse_attention_ref
+from plugins.dsa_triton import dsa_index_topk_triton, dsa_sparse_attention_triton
 from plugins.kv_pool import KVPoolGeometry, allocate_pool
 from plugins.mla_triton import mla_kv_write_triton, mla_paged_attention_triton
 from plugins.reference import kv_write_ref, mla_kv_write_ref, mla_paged_attention_ref, paged_attention_ref
@@ -78,6 +82,41 @@ def _mla_case(geom: KVPoolGeometry, counts: list[int], starts: list[int], heads:
     }  # fmt: skip
 
 
+def _dsa_case(geom: KVPoolGeometry, counts: list[int], starts: list[int], heads: int, topk: int, seed: int,
+              dev: str = "cuda") -> dict[str, Any]:  # fmt: skip
+    """The DSA kernels (plugins/dsa_triton.py) vs plugins/dsa_reference.py: GLM-5's indexer (32 heads of 128 over
+    plane 1) and absorbed attention over plane 0 (64 rope + 512 c_kv) of the reference's selection."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = allocate_pool(geom, dev)
+    pool.normal_(generator=torch.Generator(device=dev).manual_seed(seed))
+    tables = _tables(geom, counts, starts, gen)
+    rows, scale = sum(counts), 128**-0.5
+    c = torch.tensor(counts, dtype=torch.int32)
+    kv_lens = torch.tensor([s0 + c0 for s0, c0 in zip(starts, counts, strict=True)], dtype=torch.int32)
+    q_idx, w = torch.randn(rows, 32, 128, generator=gen), torch.randn(rows, 32, generator=gen)
+    q = torch.randn(rows, heads, geom.head_dim, generator=gen).to(geom.dtype)
+    ref_pool = pool.cpu()
+    want = dsa_index_topk_ref(ref_pool, q_idx, w, c, kv_lens, tables, 1, topk, scale)
+    ref = dsa_sparse_attention_ref(ref_pool, q, c, tables, want, 0, 64, 0.05)
+    cd, kvd, td, qid, wd, qd, seld = (t.to(dev) for t in (c, kv_lens, tables, q_idx, w, q, want))
+
+    def select() -> torch.Tensor:
+        return dsa_index_topk_triton(qid, wd, cd, kvd, td, pool.data_ptr(), 1, geom, topk, scale)
+
+    def attend() -> torch.Tensor:  # over the reference's selection: its error is the attention's own
+        return dsa_sparse_attention_triton(qd, cd, seld, td, pool.data_ptr(), 0, geom, 64, 0.05)
+
+    got = select().cpu()
+    differ = sum(sorted(a.tolist()) != sorted(b.tolist()) for a, b in zip(got, want, strict=True))
+    ascending = all(r[r >= 0].tolist() == sorted(r[r >= 0].tolist()) for r in got)
+    attn_err = (attend().cpu().float() - ref.float()).abs().max().item()
+    tol = 1e-3 if geom.dtype == torch.float32 else 3e-2
+    timing = {"topk_ms": timed(select) * 1e3, "sparse_attention_ms": timed(attend) * 1e3} if dev == "cuda" else {}
+    return {"kind": "dsa", "dtype": str(geom.dtype), "rows": rows, "topk": topk, "topk_rows_differing": differ,
+            "ascending": ascending, "attn_max_err": attn_err, "ok": differ == 0 and ascending and attn_err <= tol,
+            **timing}  # fmt: skip
+
+
 def _case(geom: KVPoolGeometry, counts: list[int], starts: list[int], group: int, seed: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     dev = "cuda"
@@ -132,6 +171,10 @@ def main() -> int:
         mla = KVPoolGeometry(2, 2048, 16, 1, 64 + 512, code, kv_kind=1)
         cases.append(_mla_case(mla, [1] * 64, [200 + 7 * i for i in range(64)], 16, 64, seed=20 + code))
         cases.append(_mla_case(mla, [256, 0, 100], [0, 5, 17], 16, 64, seed=30 + code))
+    for code in (0, 2):
+        dsa = KVPoolGeometry(2, 2048, 64, 1, 64 + 512, code, kv_kind=1)  # plane 0 latents, plane 1 indexer keys
+        cases.append(_dsa_case(dsa, [1] * 16, [700 + 37 * i for i in range(16)], 16, 512, seed=40 + code))  # decode
+        cases.append(_dsa_case(dsa, [96, 0, 40], [0, 5, 600], 16, 512, seed=50 + code))  # a prefill below topk, a chunk
     report = {"device": torch.cuda.get_device_name(), "cases": cases, "ok": all(c["ok"] for c in cases)}
     print(json.dumps(report, indent=1))
     return 0 if report["ok"] else 1

@@ -31,9 +31,9 @@ DSA_INDEX_TOPK = "DsaIndexTopk"
 DSA_SPARSE_ATTENTION = "DsaSparseAttention"
 DSA_NODES = (DSA_INDEX_TOPK, DSA_SPARSE_ATTENTION)
 PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, MOE_EXPERTS, *MLA_NODES, GDN_STEP, SWA_PAGED_ATTENTION, *DSA_NODES)
-# MoeExperts has no TensorRT plugin yet (its ep_size > 1 form needs NCCL), nor SwaPagedAttention (no Triton kernel),
-# nor the DSA nodes (no TensorRT plugin written: docs/MODELS.md).
-TRT_PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES, GDN_STEP)
+# MoeExperts has no TensorRT plugin yet (its ep_size > 1 form needs NCCL). GdnStep, SwaPagedAttention and the DSA
+# nodes have plugins that are type-checked only (no TensorRT nor GPU here: docs/MODELS.md).
+TRT_PLUGIN_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES, GDN_STEP, SWA_PAGED_ATTENTION, *DSA_NODES)
 # Nodes that index the KV pool and therefore carry its geometry as attributes (latent-pool ones call head_dim
 # latent_dim).
 POOL_NODES = (KV_WRITE, PAGED_ATTENTION, *MLA_NODES, SWA_PAGED_ATTENTION, *DSA_NODES)

@@ -158,7 +158,7 @@ register(OpSpec(
      Tensor("sinks", FP32, "[Hq] per-head sink logits")),
     (_PLANE, *_GQA_POOL, Attr("scale", float, "softmax scale applied to q.k"),
      _int("window", "keys seen per query, the query included (transformers' sliding_window); 0 = all")),
-    (Tensor("out", FLOAT, "[T, Hq, D]"),), _like_first, tensorrt=False,  # no Triton kernel yet (docs/MODELS.md)
+    (Tensor("out", FLOAT, "[T, Hq, D]"),), _like_first,  # TensorRT plugin type-checked only (docs/MODELS.md)
 ))  # fmt: skip
 register(OpSpec(
     "moe_experts", MOE_EXPERTS,
@@ -207,8 +207,7 @@ register(OpSpec(
      _int("dtype", "pool element type: 0 fp32, 1 fp16, 2 bf16"), _int("topk", "positions kept per row"),
      Attr("scale", float, "index score scale (index_head_dim ** -0.5)")),
     (Tensor("selected", INT64, "[T, topk] positions, -1 = unused"),),
-    lambda q, *_, topk, **__: q.new_empty(q.shape[0], topk, dtype=torch.int64),
-    tensorrt=False,  # no TensorRT plugin written (docs/MODELS.md "DSA")
+    lambda q, *_, topk, **__: q.new_empty(q.shape[0], topk, dtype=torch.int64),  # TensorRT: type-checked only
 ))  # fmt: skip
 register(OpSpec(
     "dsa_sparse_attention", DSA_SPARSE_ATTENTION,
@@ -220,7 +219,7 @@ register(OpSpec(
      Attr("scale", float, "softmax scale applied to q.latent")),
     (Tensor("out", FLOAT, "[T, H, latent_dim - rope_dim]"),),
     lambda q, *_, latent_dim, rope_dim, **__: q.new_empty(q.shape[0], q.shape[1], latent_dim - rope_dim),
-    tensorrt=False,  # no TensorRT plugin written (docs/MODELS.md "DSA")
+    # TensorRT plugin type-checked only: no GPU has run it (docs/MODELS.md "DSA")
 ))  # fmt: skip
 
 register(OpSpec(

@@ -3,8 +3,8 @@
 Its schema and CPU kernel are C++ (plugins/csrc/swa_paged_attention.cpp over attention.h's loops, shared with
 `mtp::paged_attention`); this module checks that schema against the op spec (plugins/op_spec.py) and registers the
 fake, and adds the CUDA implementation: the Triton paged attention kernel in its window + sinks mode
-(plugins/triton_kernels.py, tested under TRITON_INTERPRET=1 only). No TensorRT plugin yet (docs/MODELS.md
-"MiMo-V2-Flash"). Semantics: plugins/reference_swa.py.
+(plugins/triton_kernels.py, tested under TRITON_INTERPRET=1 only), which the TensorRT plugin (plugins/_trt_impl.py,
+type-checked only: never built or run, docs/MODELS.md "MiMo-V2-Flash") launches too. Semantics: plugins/reference_swa.py.
 """
 
 from __future__ import annotations

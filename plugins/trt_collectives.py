@@ -27,7 +27,7 @@ import tensorrt as trt
 import torch
 import torch.distributed as dist
 
-from plugins._trt_impl import _TYPE_NAMES, _as_tensor, _fields, _read_fields
+from plugins._trt_base import _TYPE_NAMES, _as_tensor, _fields, _read_fields
 from plugins.names import ALL_GATHER, ALL_REDUCE, DOMAIN, PLUGIN_VERSION
 from plugins.op_spec import SPECS, accepts
 

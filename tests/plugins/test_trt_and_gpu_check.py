@@ -26,7 +26,8 @@ def test_register_plugins_without_tensorrt_raises_clearly() -> None:
 def test_register_plugins_with_tensorrt() -> None:
     import tensorrt as trt
 
-    assert trt_plugins.register_plugins() == ["KvWrite", "PagedAttention", "MlaKvWrite", "MlaPagedAttention"]
+    assert trt_plugins.register_plugins() == ["KvWrite", "PagedAttention", "MlaKvWrite", "MlaPagedAttention", "GdnStep",
+                                              "SwaPagedAttention", "DsaIndexTopk", "DsaSparseAttention"]  # fmt: skip
     for name in trt_plugins.PLUGIN_NAMES:
         assert trt.get_plugin_registry().get_creator(name, "1", "mtp") is not None
 
@@ -59,7 +60,8 @@ def test_every_trt_plugin_node_has_a_plugin_class_with_its_op_spec() -> None:
     listed = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "creators")
     called = [c.func.id for c in ast.walk(listed) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
     assert [plugins[creators[c]][0] for c in called] == ["KV_WRITE", "PAGED_ATTENTION", "MLA_KV_WRITE",
-                                                         "MLA_PAGED_ATTENTION", "GDN_STEP"]  # fmt: skip
+                                                         "MLA_PAGED_ATTENTION", "GDN_STEP", "SWA_PAGED_ATTENTION",
+                                                         "DSA_INDEX_TOPK", "DSA_SPARSE_ATTENTION"]  # fmt: skip
 
 
 def test_node_attributes_are_the_torch_ops_non_tensor_arguments() -> None:
