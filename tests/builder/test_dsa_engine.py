@@ -6,7 +6,7 @@ and both engines (ONNX Runtime, compiled) decode greedy token-identical to the t
 prefill chunks shorter than the prompts (contexts cross index_topk: the sparse path runs) and a prefix hit.
 
 The checkpoint is the FP8 release format (GLM-5-FP8 / DeepSeek-V3.2 ship FP8: models.testing.quantize_checkpoint_fp8,
-the indexer's wq_b and wk included), so the one `--compile aoti` build (~2.5 min here: the ONNX graphs, which hold
+the indexer's wq_b and wk included), so the one `--compile aoti` build (~3 min here: the ONNX graphs, which hold
 the dequantized weights, and the AOTInductor packages) also shows the packages keeping its FP8 linears FP8
 (builder/quantized_weights.py) at about the checkpoint's bytes, against the torch executor on the same checkpoint,
 which dequantizes at load. DeepSeek-V3.2 was checked by hand (docs/MODELS.md "DSA engines")."""
