@@ -195,9 +195,13 @@ def _mtp_tensors(model, hf_cfg, model_type: str, layer: int, g: torch.Generator)
 
 def is_fp8_quantized(name: str, shape: tuple[int, ...]) -> bool:
     """The tensors DeepSeek-V3 / GLM-4.5-FP8 (and Qwen3-Next-FP8) ship in FP8: the 2-D projection weights (not
-    embeddings, the LM head, norms or the router); MLA's kv_a_proj_with_mqa and the GDN in_proj_* included."""
-    return len(shape) == 2 and (name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight")
-                                or ".linear_attn.in_proj_" in name)  # Qwen3-Next / 3.5 GDN: in_proj_qkvz, _ba, ...
+    embeddings, the LM head, norms or the router); MLA's kv_a_proj_with_mqa and the GDN in_proj_* included. The DSA
+    releases (DeepSeek-V3.2, GLM-5-FP8) ship the lightning indexer's wq_b and wk in FP8 too, its weights_proj float
+    (DeepSeek-V3.2's inference code builds that one in the default dtype)."""
+    if len(shape) != 2 or name.endswith(".indexer.weights_proj.weight"):
+        return False
+    return (name.endswith(("_proj.weight", "_proj_with_mqa.weight", ".indexer.wq_b.weight", ".indexer.wk.weight"))
+            or ".linear_attn.in_proj_" in name)  # fmt: skip  (Qwen3-Next / 3.5 GDN: in_proj_qkvz, _ba, ...)
 
 
 def quantize_checkpoint_fp8(src: str | Path, dst: str | Path) -> None:

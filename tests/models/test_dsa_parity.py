@@ -231,7 +231,7 @@ def test_fp8_release_imports_dequantized_indexer_included(dsa, tmp_path):
     src = dsa("glm5")[0]
     fp8, deq = {}, {}
     for name, t in load_file(str(src / "model.safetensors")).items():
-        if is_fp8_quantized(name, tuple(t.shape)) or name.endswith(("indexer.wq_b.weight", "indexer.wk.weight")):
+        if is_fp8_quantized(name, tuple(t.shape)):  # the indexer's wq_b and wk included, its weights_proj not
             fp8[name], fp8[name + SCALE_SUFFIX] = quantize(t)
             deq[name] = reference_dequant(fp8[name], fp8[name + SCALE_SUFFIX])
         else:
@@ -245,6 +245,7 @@ def test_fp8_release_imports_dequantized_indexer_included(dsa, tmp_path):
         (tmp_path / d / "config.json").write_text(json.dumps({**hf, **q}))
         shutil.copyfile(src / "generation_config.json", tmp_path / d / "generation_config.json")
     assert fp8["model.layers.0.self_attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
+    assert fp8["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
     got, want = load_model(tmp_path / "fp8")[0].state_dict(), load_model(tmp_path / "deq")[0].state_dict()
     orig = load_model(src)[0].state_dict()
     for name in got:

@@ -166,6 +166,9 @@ def test_quantized_set_is_the_projections():
     assert is_fp8_quantized(Q, (160, 160)) and is_fp8_quantized("model.layers.2.eh_proj.weight", (8, 16))
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight", "model.norm.weight"):
         assert not is_fp8_quantized(name, (96, 160))
+    indexer = "model.layers.3.self_attn.indexer."  # DSA (GLM-5-FP8, DeepSeek-V3.2): wq_b and wk FP8, weights_proj not
+    assert is_fp8_quantized(indexer + "wq_b.weight", (96, 24)) and is_fp8_quantized(indexer + "wk.weight", (12, 32))
+    assert not is_fp8_quantized(indexer + "weights_proj.weight", (8, 32))
 
 
 def test_fp8_mla_checkpoint_imports_dequantized(tmp_path):
