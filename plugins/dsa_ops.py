@@ -1,12 +1,13 @@
 """DeepSeek Sparse Attention over the paged latent pool: the indexer's top-k selection and the sparse attention.
 
-Off CPU, implementations in vectorised PyTorch, one request at a time (the semantics, position by position, are
-plugins/dsa_reference.py; tests/plugins/test_dsa_ops.py holds these to them), reading the pool through a view
-at its address (plugins/kv_pool.py `view_pool`). On CPU the C++ kernels run (plugins/csrc/dsa_*.cpp): the plugin ops
-`mtp::dsa_index_topk` / `mtp::dsa_sparse_attention`, specified in plugins/op_spec.py, hence ONNX nodes
-(DsaIndexTopk, DsaSparseAttention), ONNX Runtime ops and opaque calls in the compiled packages. On CUDA the torch ops
-run the Triton kernels (plugins/dsa_triton.py, which the TensorRT plugins of plugins/_trt_impl.py launch too); both
-are tested under TRITON_INTERPRET=1 only: no GPU has run them (docs/MODELS.md, DSA limits).
+On CPU the C++ kernels run (plugins/csrc/dsa_*.cpp): the plugin ops `mtp::dsa_index_topk` /
+`mtp::dsa_sparse_attention`, specified in plugins/op_spec.py, hence ONNX nodes (DsaIndexTopk, DsaSparseAttention),
+ONNX Runtime ops and opaque calls in the compiled packages. On CUDA the same torch ops (and so the model's wrappers
+below) run the Triton kernels (plugins/dsa_triton.py, which the TensorRT plugins of plugins/_trt_impl.py launch too);
+both are tested under TRITON_INTERPRET=1 only: no GPU has run them (docs/MODELS.md, DSA limits). On any other
+device, implementations in vectorised PyTorch, one request at a time (the semantics, position by position, are
+plugins/dsa_reference.py; tests/plugins/test_dsa_ops.py holds these to them), reading the pool through a view at its
+address (plugins/kv_pool.py `view_pool`).
 
 Per request r with n_kv cached positions and n_q query rows (the last n_q positions), row j sees positions
 0..n_kv-n_q+j. The gather of a request's rows goes through its block table once per call.
@@ -46,11 +47,15 @@ def _(q, q_counts, selected, block_tables, pool_ptr, plane, num_planes, num_bloc
                                        scale)  # fmt: skip
 
 
+# Where the plugin ops have kernels (CPU: C++, CUDA: Triton); elsewhere the vectorised PyTorch below runs.
+_PLUGIN_DEVICES = ("cpu", "cuda")
+
+
 def sparse_attention(pool_ptr: torch.Tensor, geom: KVPoolGeometry, q, q_counts, block_tables, selected, plane: int,
                      rope_dim: int, scale: float) -> torch.Tensor:  # fmt: skip
     """[T, H, latent_dim - rope_dim]: absorbed MLA attention of each row of q [T, H, latent_dim] over its `selected`
     positions (int64 [T, topk], -1 = unused) of latent plane `plane` (`dsa_sparse_attention_ref`)."""
-    if q.device.type == "cpu":
+    if q.device.type in _PLUGIN_DEVICES:
         return torch.ops.mtp.dsa_sparse_attention(q, q_counts, selected, block_tables, pool_ptr, plane, geom.num_planes,
                                                   geom.num_blocks, geom.block_size, geom.head_dim, geom.dtype_code,
                                                   rope_dim, scale)  # fmt: skip
@@ -62,7 +67,7 @@ def index_topk(pool_ptr: torch.Tensor, geom: KVPoolGeometry, q, weights, q_count
                topk: int, scale: float) -> torch.Tensor:  # fmt: skip
     """int64 [T, topk] selected positions per row (-1 = unused): the indexer-key plane `plane` of the pool at
     `pool_ptr` scored by queries q [T, heads, dim] with per-head weights [T, heads] (`dsa_index_topk_ref`)."""
-    if q.device.type == "cpu":
+    if q.device.type in _PLUGIN_DEVICES:
         return torch.ops.mtp.dsa_index_topk(q.float(), weights.float(), q_counts, kv_lens, block_tables, pool_ptr,
                                             plane, geom.num_planes, geom.num_blocks, geom.block_size, geom.head_dim,
                                             geom.dtype_code, topk, scale)  # fmt: skip
