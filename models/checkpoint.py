@@ -58,6 +58,11 @@ class Rule:
     expert_part: str = ""  # "gate" | "up" | "down": a per-expert tensor stacked into the fused layout
 
 
+# A load's leftovers (reference cycles of the readers) go back to the allocator now, before the executor allocates its
+# pools, when they can hold real memory; a full collection costs ~0.2 s in a large process (a test worker, a server
+# with its frontends), so small models leave theirs to the next automatic one.
+COLLECT_AFTER_BYTES = 256 << 20
+
 # GLM-4.5 / DeepSeek-V3 layout: MTP module j stored as model.layers.{L+j}.* (docs/ARCHITECTURE.md §3).
 # Rules are tried in order; the first match wins. MTP rules come first (they also match layers.N).
 _BLOCK = r"(input_layernorm|post_attention_layernorm|self_attn\.[a-z_]+|mlp\.(?:gate|shared_experts\.[a-z_]+|[a-z]+_proj))"
@@ -380,9 +385,11 @@ def load_model(
             )
         loaded[name] = w
     del done
+    loaded_bytes = sum(w.nbytes for w in loaded.values())
     model.load_state_dict(loaded, assign=True, strict=True)
     del loaded
-    gc.collect()
+    if loaded_bytes >= COLLECT_AFTER_BYTES:
+        gc.collect()
     for note in plan.notes:
         log.warning(note)
     return model.eval(), idx

@@ -3,6 +3,7 @@ tiers: the one place that marks every test that launches mpirun, a server, an AO
 build (`make test-quick` deselects them; README "Tests")."""
 
 import functools
+import gc
 import inspect
 import os
 import re
@@ -218,6 +219,14 @@ def pytest_collection_modifyitems(config, items):
     for item, group in groups.items():
         item.add_marker(pytest.mark.xdist_group(group))
     items[:] = costliest_groups_first(items, groups)
+
+
+def pytest_collection_finish(session):
+    """Collection imported every test module (torch, transformers, onnx...): hundreds of thousands of long-lived
+    objects that every full collection of the run would scan again. Freezing them leaves each gen-2 collection only
+    what the tests themselves create (gc.freeze is for exactly this: a large, stable heap made before the work)."""
+    gc.collect()
+    gc.freeze()
 
 
 # A test's rough cost by tier, in seconds on the 2-core machine: the scale of the measured means (an mpirun test
