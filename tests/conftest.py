@@ -146,6 +146,12 @@ TIERS = {
     # mtp-build's required flag (with --checkpoint), the Python builder, the test helpers that call it
     "build": re.compile(r'"--output", str\(|build_engine\(|\bbuild\(tiny_opts|build_main\(|"builder\.cli"'),
 }
+# Files whose tests cost seconds of CPU each without launching anything the tiers above find, marked `slow` here so
+# `make test-quick` stays the inner loop (per-test CPU, `make test-quick` on 2026-12-04: 279 CPU-s in all, these
+# 131): the MLA and MiMo-V2 lossless grids (torch executor, several model families x K x chunk), the mtp-run CLI in
+# a subprocess (each pays torch's import), and the bench's smoke run. make test still runs them.
+SLOW_FILES = ("tests/runtime/test_mla_lossless.py", "tests/runtime/test_mimo_v2_lossless.py",
+              "tests/runtime/test_run_reliability.py", "tests/runtime/test_bench.py")  # fmt: skip
 MARKERS = {
     "slow": "long-running tests (still run by make test)",
     "scale": "needs a GiB-size workload to show what it checks (make test-scale and CI, not make test)",
@@ -202,6 +208,8 @@ def tiers_of(item) -> set[str]:
         text += [_reached_source(d.func) for d in defs if d.baseid is not None]
     source = "\n".join(text)
     tiers = {tier for tier, pattern in TIERS.items() if pattern.search(source)}
+    if item.nodeid.split("::")[0] in SLOW_FILES:
+        tiers.add("slow")
     params = getattr(item, "callspec", None)  # a kernel test's "triton" case runs under TRITON_INTERPRET (CPU: slow)
     if params is not None and any(isinstance(v, str) and v == "triton" for v in params.params.values()):
         tiers.add("triton")
