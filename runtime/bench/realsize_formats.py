@@ -142,11 +142,13 @@ def phase(args: argparse.Namespace, threads: int, formats: list[plan.Format], gg
         print(f"[{threads} thread(s)] round {rnd + 1}/{args.rounds}: " + ", ".join(
             f"{n} {next(iter(v[-1].values())):.1f}" for n, v in rounds.items()), flush=True)  # fmt: skip
     rss = {n: w.stop() for n, w in workers.items()}
+    print(f"[{threads} thread(s)] engine processes' memory: {rss}", flush=True)
     return {"threads": threads, "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "load_s": {n: w.load_s for n, w in workers.items()}, "rounds": rounds,
             "median_ms": {n: plan.medians(v) for n, v in rounds.items() if n != "bandwidth"},
             "bandwidth_gb_s_best": round(max(r["gb_s"] for r in rounds["bandwidth"]), 3),
-            "peak_rss_bytes": {**{f"ours {n}": v for n, v in rss.items()},
+            "engine_rss_bytes": rss,
+            "peak_rss_bytes": {**{f"ours {n}": v["peak_rss_bytes"] for n, v in rss.items()},
                                **{f"llama.cpp {q}": v for q, v in llama_rss.items()}}}  # fmt: skip
 
 
@@ -166,6 +168,8 @@ def summarize(res: dict[str, Any], c: ModelConfig, formats: list[plan.Format], a
                    "llama_bound_ms": round(gbytes / bw * 1e3, 3) if gbytes else None,
                    "over_llama": round(ms["decode"] / llama, 3) if llama and "decode" in ms else None,
                    "engine_bytes": res["engines"][f.name]["bytes"],
+                   "engine_aoti_bytes": res["engines"][f.name]["aoti_bytes"],
+                   "rss_after_load_bytes": ph["engine_rss_bytes"].get(f.name, {}).get("rss_after_load_bytes"),
                    "gguf_bytes": res["gguf"].get(f.llama_quant, {}).get("bytes"),
                    "peak_rss_bytes": ph["peak_rss_bytes"].get(f"ours {f.name}"),
                    "llama_peak_rss_bytes": ph["peak_rss_bytes"].get(f"llama.cpp {f.llama_quant}"),
@@ -201,6 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "iters": args.iters, "llama_tokens": args.llama_tokens, "ks": args.ks,
                      "clock": "wall (perf_counter); llama.cpp: its own eval timer; medians over rounds"},
         "engines": {f.name: {"path": str(args.build_dir / f.engine), "bytes": plan.dir_bytes(args.build_dir / f.engine),
+                             "aoti_bytes": plan.dir_bytes(args.build_dir / f.engine, "*.aoti.pt2"),
                              "bytes_per_weight": f.bytes_per_weight, "build_flags": list(f.build_flags)}
                     for f in formats},
         "gguf": {q: {"path": str(p), "bytes": p.stat().st_size,

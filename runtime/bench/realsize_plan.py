@@ -156,8 +156,9 @@ def gguf_bytes_per_token(tensors: list[tuple[str, int, int]], main_layers: int, 
     return total
 
 
-def dir_bytes(path: Path) -> int:
-    """Bytes on disk of a file or of every file under a directory (an engine's size)."""
+def dir_bytes(path: Path, pattern: str = "*") -> int:
+    """Bytes on disk of a file, or of the files under a directory whose names match `pattern` (an engine's size;
+    "*.aoti.pt2": its compiled packages, all that the compiled executor loads, without the ONNX graphs beside them)."""
     if path.is_file():
         return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return sum(p.stat().st_size for p in path.rglob(pattern) if p.is_file())

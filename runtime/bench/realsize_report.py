@@ -33,14 +33,16 @@ def _gb(v: int | float | None) -> str:
 def decode_table(ph: dict[str, Any]) -> str:
     """K=0 time per token per format: ours and llama.cpp, each against its bound, sizes and peak RSS."""
     lines = ["| format (ours) | ms/token | bound ms | / bound | llama.cpp quant | ms/token | its bound ms | / bound "
-             "| ours / llama.cpp | engine on disk | GGUF on disk | peak RSS ours | peak RSS llama.cpp |",
+             "| ours / llama.cpp | engine on disk: packages (whole dir) | GGUF on disk | peak RSS ours (after load) "
+             "| peak RSS llama.cpp |",
              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name, r in ph["formats"].items():
         lb = r["llama_bound_ms"]
         lines.append(f"| {name}: {r['label']} | {_ms(r['decode_ms'])} | {_ms(r['bound_ms'])} | {_x(r['over_bound'])} "
                      f"| {r['llama_quant']} | {_ms(r['llama_ms'])} | {_ms(lb)} "
                      f"| {_x(r['llama_ms'] / lb if r['llama_ms'] and lb else None)} | {_x(r['over_llama'])} "
-                     f"| {_gb(r['engine_bytes'])} | {_gb(r['gguf_bytes'])} | {_gb(r['peak_rss_bytes'])} "
+                     f"| {_gb(r['engine_aoti_bytes'])} ({_gb(r['engine_bytes'])}) | {_gb(r['gguf_bytes'])} "
+                     f"| {_gb(r['peak_rss_bytes'])} ({_gb(r['rss_after_load_bytes'])}) "
                      f"| {_gb(r['llama_peak_rss_bytes'])} |")  # fmt: skip
     shown = {r["llama_quant"] for r in ph["formats"].values()}
     extra = [f"{q} {_ms(ms)} ms" for q, ms in ph.get("llama_only", {}).items() if q not in shown]

@@ -18,6 +18,14 @@ from pathlib import Path
 WORKER_TIMEOUT_S = 1800  # one reply (load, or a round of every call); generous: the machine is shared and loaded
 
 
+def _current_rss() -> int:
+    """Resident bytes now (VmRSS): beside the peak, which includes what loading needed only while it ran."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def _serve(conn: Connection, engine: str, checkpoint: str, threads: int, context: int, ks: list[int]) -> None:
     import json
 
@@ -32,11 +40,12 @@ def _serve(conn: Connection, engine: str, checkpoint: str, threads: int, context
     ex = CompiledExecutor(Path(engine))
     c = ModelConfig.from_hf_dict(json.loads((Path(checkpoint) / "config.json").read_text()))
     fns = step_fns(ex, c, context, ks, ex.config.kv.block_size, ex.config.kv.table_width)
-    conn.send({"load_s": round(time.perf_counter() - t0, 2)})
+    conn.send({"load_s": round(time.perf_counter() - t0, 2), "rss_after_load_bytes": _current_rss()})
     while True:
         msg = conn.recv()
         if msg == "stop":
-            conn.send({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+            conn.send({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                       "rss_at_end_bytes": _current_rss()})  # fmt: skip
             return
         conn.send({name: time_call(fn, msg) for name, fn in fns.items()})
 
@@ -60,7 +69,8 @@ class EngineWorker:
                 del os.environ["OMP_NUM_THREADS"]
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
-        self.load_s = self._reply(f"load {engine}")["load_s"]
+        loaded = self._reply(f"load {engine}")
+        self.load_s, self.rss_after_load = loaded["load_s"], int(loaded["rss_after_load_bytes"])
 
     def _reply(self, what: str) -> dict:
         if not self.conn.poll(WORKER_TIMEOUT_S):
@@ -76,8 +86,9 @@ class EngineWorker:
         self.conn.send(iters)
         return self._reply("time")
 
-    def stop(self) -> int:
+    def stop(self) -> dict[str, int]:
+        """{"peak_rss_bytes", "rss_at_end_bytes", "rss_after_load_bytes"} of the engine process, which then exits."""
         self.conn.send("stop")
-        rss = int(self._reply("stop")["peak_rss_bytes"])
+        rss = self._reply("stop")
         self.proc.join(60)
-        return rss
+        return {**rss, "rss_after_load_bytes": self.rss_after_load}

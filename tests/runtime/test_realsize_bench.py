@@ -17,6 +17,7 @@ from runtime.bench.realsize_plan import (
     FORMATS,
     WEIGHT_KINDS,
     at_depth,
+    dir_bytes,
     format_by_name,
     gguf_bytes_per_token,
     main_bytes,
@@ -127,7 +128,8 @@ def _result(tmp_path):
     accept = {1: 1.9, 2: 2.4}
     ms = {"decode": 60.0, "verify_2": 64.0, "verify_3": 70.0, "draft": 30.0, "commit_2": 5.0, "commit_3": 6.0}
     row = {"label": "bf16 weights", "decode_ms": 60.0, "bound_ms": 55.0, "over_bound": 1.091, "llama_quant": "BF16",
-           "llama_ms": 80.0, "llama_bound_ms": 56.0, "over_llama": 0.75, "engine_bytes": 1.7e9, "gguf_bytes": 1.6e9,
+           "llama_ms": 80.0, "llama_bound_ms": 56.0, "over_llama": 0.75, "engine_bytes": 5.3e9, "engine_aoti_bytes": 1.7e9,
+           "gguf_bytes": 1.6e9, "rss_after_load_bytes": 1.9e9,
            "peak_rss_bytes": 2.1e9, "llama_peak_rss_bytes": 1.7e9, "steps_ms": ms,
            "mtp_x_k0_bench_depth": mtp_at_bench_depth(ms, accept),
            "mtp_projection_depth_46": project_depth(ms, c, format_by_name("bf16"), accept)}  # fmt: skip
@@ -145,6 +147,7 @@ def test_report_table_rows_and_projection_label(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| bf16: bf16 weights"))
     cells = [x.strip() for x in row.split("|")[1:-1]]
     assert cells[1:5] == ["60.0", "55.0", "1.09x", "BF16"] and cells[8] == "0.75x" and cells[7] == "1.43x"
+    assert cells[9:12] == ["1.70 GB (5.30 GB)", "1.60 GB", "2.10 GB (1.90 GB)"]
     assert "Q4_K_M 31.5 ms" in text and "PROJECTION x" in text and "loaded, shared machine" in text
     steps = next(line for line in text.splitlines() if line.startswith("| bf16 | 60.0"))
     deep = res["phases"][0]["formats"]["bf16"]["mtp_projection_depth_46"]
@@ -161,3 +164,12 @@ def test_report_splices_between_markers_and_plots(tmp_path):
     docs.write_text("no markers\n")
     with pytest.raises(ValueError, match="no <!-- realsize-table:begin"):
         write_outputs(_result(tmp_path), docs, tmp_path / "realsize.png")
+
+
+def test_dir_bytes_counts_the_compiled_packages_apart(tmp_path):
+    (tmp_path / "rank0").mkdir()
+    (tmp_path / "rank0" / "main.aoti.pt2").write_bytes(b"x" * 7)
+    (tmp_path / "rank0" / "main.onnx.data").write_bytes(b"x" * 11)
+    (tmp_path / "config.json").write_bytes(b"x" * 2)
+    assert dir_bytes(tmp_path) == 20 and dir_bytes(tmp_path, "*.aoti.pt2") == 7
+    assert dir_bytes(tmp_path / "config.json") == 2
