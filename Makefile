@@ -128,8 +128,12 @@ $(REALSIZE)/engine-int%/config.json: $(REALSIZE_CKPT)/config.json
 	nice -n 10 $(PY) -m builder.cli --checkpoint $(REALSIZE_CKPT) --output $(REALSIZE)/engine-int$* --quantize int$* \
 		$(REALSIZE_AOTI)
 
+# llama-quantize writes the Q8_0 / Q4_0 / Q4_K_M GGUFs (a build dir from before it joined LLAMA_BINS lacks it)
+$(LLAMA_BUILD)/bin/llama-quantize: $(LLAMA_BUILD)/bin/llama-speculative-simple
+	nice -n 19 cmake --build $(LLAMA_BUILD) -j2 --target llama-quantize >> $(PEERS)/build.log 2>&1
+
 REALSIZE_ENGINES := $(foreach e,engine engine-fp8 engine-int8 engine-int4,$(REALSIZE)/$(e)/config.json)
-bench-realsize: $(STAMP) $(OPS_LIB) $(REALSIZE_ENGINES) $(LLAMA_BUILD)/bin/llama-speculative-simple
+bench-realsize: $(STAMP) $(OPS_LIB) $(REALSIZE_ENGINES) $(LLAMA_BUILD)/bin/llama-quantize
 	$(PY) -m runtime.bench.realsize_formats --build-dir $(REALSIZE) --threads 1 2 --rounds 5 \
 		--llama-cpp $(LLAMA_BUILD)/bin --llama-src $(LLAMA_SRC)
 
