@@ -101,7 +101,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
         ax.bar([x + 0.2 for x in xs], [r["llama_ms"] or 0 for r in rows], 0.4, label="llama.cpp (same weights)")
         ax.scatter([x - 0.2 for x in xs], [r["bound_ms"] for r in rows], marker="_", s=400, color="k", zorder=3,
                    label="bandwidth bound")  # fmt: skip
-        ax.scatter([x + 0.2 for x in xs], [r["llama_bound_ms"] or 0 for r in rows], marker="_", s=400, color="k",
+        ax.scatter([x + 0.2 for x in xs], [r["llama_bound_ms"] or float("nan") for r in rows], marker="_", s=400, color="k",
                    zorder=3)  # fmt: skip
         ax.set_xticks(list(xs), [f"{n}\nvs {r['llama_quant']}" for n, r in zip(names, rows, strict=True)])
         ax.set_ylabel("ms per decode token (K=0, batch 1)")
