@@ -134,7 +134,7 @@ $(LLAMA_BUILD)/bin/llama-quantize: $(LLAMA_BUILD)/bin/llama-speculative-simple
 
 REALSIZE_ENGINES := $(foreach e,engine engine-fp8 engine-int8 engine-int4,$(REALSIZE)/$(e)/config.json)
 bench-realsize: $(STAMP) $(OPS_LIB) $(REALSIZE_ENGINES) $(LLAMA_BUILD)/bin/llama-quantize
-	$(PY) -m runtime.bench.realsize_formats --build-dir $(REALSIZE) --threads 1 2 --rounds 5 \
+	$(PY) -m runtime.bench.realsize_formats --build-dir $(REALSIZE) --threads 1 2 --rounds 9 \
 		--llama-cpp $(LLAMA_BUILD)/bin --llama-src $(LLAMA_SRC)
 
 # Share of step time in collectives at 1/2/4 ranks (TP2, DP2xTP2/EP4, EP4) + mpi4py vs gloo (docs/PERFORMANCE.md).

@@ -178,8 +178,11 @@ def summarize(res: dict[str, Any], c: ModelConfig, formats: list[plan.Format], a
                    "mtp_projection_depth_46": plan.project_depth(ms, c, f, accept) if "decode" in ms else {}}  # fmt: skip
             rows[f.name] = row
         ph["formats"] = rows
-        ph["llama_only"] = {q: v.get("decode") for q, v in ((n.split(" ", 1)[1], v) for n, v in
-                            ph["median_ms"].items() if n.startswith("llama.cpp "))}  # fmt: skip
+        ph["llama_only"] = {}
+        for q, g in res["gguf"].items():
+            llama_ms = ph["median_ms"].get(f"llama.cpp {q}", {}).get("decode")
+            read = g.get("read_bytes_per_token")
+            ph["llama_only"][q] = {"ms": llama_ms, "bound_ms": round(read / bw * 1e3, 3) if read else None}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -203,6 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "vocab 2048 (runtime/bench/realsize_ckpt.py)"},
         "settings": {"threads": args.threads, "batch": 1, "context": args.context, "rounds": args.rounds,
                      "iters": args.iters, "llama_tokens": args.llama_tokens, "ks": args.ks,
+                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                      "clock": "wall (perf_counter); llama.cpp: its own eval timer; medians over rounds"},
         "engines": {f.name: {"path": str(args.build_dir / f.engine), "bytes": plan.dir_bytes(args.build_dir / f.engine),
                              "aoti_bytes": plan.dir_bytes(args.build_dir / f.engine, "*.aoti.pt2"),

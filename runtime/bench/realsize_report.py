@@ -45,7 +45,11 @@ def decode_table(ph: dict[str, Any]) -> str:
                      f"| {_gb(r['peak_rss_bytes'])} ({_gb(r['rss_after_load_bytes'])}) "
                      f"| {_gb(r['llama_peak_rss_bytes'])} |")  # fmt: skip
     shown = {r["llama_quant"] for r in ph["formats"].values()}
-    extra = [f"{q} {_ms(ms)} ms" for q, ms in ph.get("llama_only", {}).items() if q not in shown]
+    extra = [
+        f"{q} {_ms(v['ms'])} ms (its bound {_ms(v['bound_ms'])} ms)"
+        for q, v in ph.get("llama_only", {}).items()
+        if q not in shown
+    ]
     return "\n".join(lines) + (f"\n\nllama.cpp quants without a format of ours: {', '.join(extra)}." if extra else "")
 
 

@@ -134,7 +134,7 @@ def _result(tmp_path):
            "mtp_x_k0_bench_depth": mtp_at_bench_depth(ms, accept),
            "mtp_projection_depth_46": project_depth(ms, c, format_by_name("bf16"), accept)}  # fmt: skip
     phase = {"threads": 1, "bandwidth_gb_s_best": 16.0, "load_average_after": [3.0], "formats": {"bf16": row},
-             "llama_only": {"BF16": 80.0, "Q4_K_M": 31.5}}  # fmt: skip
+             "llama_only": {"BF16": {"ms": 80.0, "bound_ms": 56.0}, "Q4_K_M": {"ms": 31.5, "bound_ms": 12.25}}}  # fmt: skip
     return {"timestamp": "T", "command": "python -m runtime.bench.realsize_formats", "projection_label": "PROJECTION x",
             "machine": {"cpu": "cpu", "cores": 2, "load_average_start": [2.5, 2, 2]},
             "settings": {"context": 32, "rounds": 5, "iters": 3, "llama_tokens": 16, "ks": [1, 2]},
@@ -148,7 +148,7 @@ def test_report_table_rows_and_projection_label(tmp_path):
     cells = [x.strip() for x in row.split("|")[1:-1]]
     assert cells[1:5] == ["60.0", "55.0", "1.09x", "BF16"] and cells[8] == "0.75x" and cells[7] == "1.43x"
     assert cells[9:12] == ["1.70 GB (5.30 GB)", "1.60 GB", "2.10 GB (1.90 GB)"]
-    assert "Q4_K_M 31.5 ms" in text and "PROJECTION x" in text and "loaded, shared machine" in text
+    assert "Q4_K_M 31.5 ms (its bound 12.2 ms)" in text and "PROJECTION x" in text and "loaded, shared machine" in text
     steps = next(line for line in text.splitlines() if line.startswith("| bf16 | 60.0"))
     deep = res["phases"][0]["formats"]["bf16"]["mtp_projection_depth_46"]
     assert steps.rstrip(" |").endswith(f"{deep['2']['x_k0']:.2f}x")
