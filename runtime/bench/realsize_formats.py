@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise BenchSetupError(f"{args.build_dir / f.engine} missing: `make bench-realsize` builds it "
                                   f"(mtp-build {' '.join(f.build_flags)} --compile aoti)")  # fmt: skip
     c = ModelConfig.from_hf_dict(json.loads((ckpt / "config.json").read_text()))
-    quants = list(dict.fromkeys([*plan.LLAMA_QUANTS]))
+    quants = list(plan.LLAMA_QUANTS)
     ggufs = ensure_ggufs(args.build_dir, args.llama_cpp, args.llama_src, quants) if args.llama_cpp else {}
     accept = deep_acceptance(args.acceptance_from, args.ks) if args.acceptance_from.is_file() else {}
     res: dict[str, Any] = {
