@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for f in formats:
         if not (args.build_dir / f.engine / "config.json").is_file():
             raise BenchSetupError(f"{args.build_dir / f.engine} missing: `make bench-realsize` builds it "
-                                  f"(mtp-build {' '.join(f.build_flags)} --compile aoti)")  # fmt: skip
+                                  f"(mtp-build {' '.join([*f.build_flags, '--compile', 'aoti'])})")  # fmt: skip
     c = ModelConfig.from_hf_dict(json.loads((ckpt / "config.json").read_text()))
     quants = list(plan.LLAMA_QUANTS)
     ggufs = ensure_ggufs(args.build_dir, args.llama_cpp, args.llama_src, quants) if args.llama_cpp else {}
