@@ -85,7 +85,7 @@ PEERS         := build/peers
 LLAMA_PY_VER  := 0.3.36
 LLAMA_SRC     := $(PEERS)/llama_cpp_python-$(LLAMA_PY_VER)/vendor/llama.cpp
 LLAMA_BUILD   := $(PEERS)/llama-build
-LLAMA_BINS    := llama-speculative-simple llama-completion llama-tokenize
+LLAMA_BINS    := llama-speculative-simple llama-completion llama-tokenize llama-quantize
 
 # Ours (torch eager, ONNX Runtime, the compiled engine: the bench builds $(BENCH_ENGINE) with --compile aoti),
 # HF and llama.cpp in one interleaved run -> bench_results/ (bench.json, README.md, plots) + the top README's table.
@@ -103,20 +103,39 @@ bench-auto: $(STAMP)
 	$(PY) -m runtime.bench.auto_guard --checkpoint $(TINY) --engine engines/bench-tiny --pairs 40 --max-k 2 \
 		--readme README.md
 
-# Realistic size (docs/PERFORMANCE.md, "Realistic size"): a 1.6 GB GLM-4.5-Air-shaped random checkpoint in build/realsize/,
-# its bf16 GGUF and a compiled engine; decode per forward for ours (compiled, eager), llama.cpp and the bandwidth bound.
-REALSIZE_CKPT   := build/realsize/air2
-REALSIZE_ENGINE := build/realsize/engine
+# Realistic size (docs/PERFORMANCE.md, "Realistic size"; docs/BENCHMARKS.md): a 1.6 GB GLM-4.5-Air-shaped random
+# checkpoint in build/realsize/, its FP8 re-save, four compiled engines (bf16, fp8, int8, int4) and llama.cpp's GGUFs
+# of the same weights (BF16, Q8_0, Q4_0, Q4_K_M: written by the bench); K=0 per token against each format's bound and
+# llama.cpp at 1 and 2 threads, sizes, peak RSS, MTP step costs, the depth-46 projection -> bench_results/realsize.json,
+# docs/BENCHMARKS.md's table, bench_results/realsize.png. Engine builds run niced (minutes each); the timed run is not.
+REALSIZE        := build/realsize
+REALSIZE_CKPT   := $(REALSIZE)/air2
+REALSIZE_ENGINE := $(REALSIZE)/engine
+REALSIZE_AOTI   := --compile aoti --max-batch 1 --max-num-tokens 64 --max-seq-len 256 --num-draft-tokens 3 --force
 $(REALSIZE_CKPT)/config.json: | $(STAMP)
 	$(PY) -m runtime.bench.realsize_ckpt --output $(REALSIZE_CKPT)
 
-$(REALSIZE_ENGINE)/config.json: $(REALSIZE_CKPT)/config.json
-	$(PY) -m builder.cli --checkpoint $(REALSIZE_CKPT) --output $(REALSIZE_ENGINE) --compile aoti --max-batch 1 \
-		--max-num-tokens 64 --max-seq-len 256 --num-draft-tokens 3 --force
+$(REALSIZE)/air2-fp8/config.json: $(REALSIZE_CKPT)/config.json
+	$(PY) -c "from models.testing import quantize_checkpoint_fp8 as q; q('$(REALSIZE_CKPT)', '$(REALSIZE)/air2-fp8')"
 
-bench-realsize: $(STAMP) $(OPS_LIB) $(REALSIZE_ENGINE)/config.json $(LLAMA_BUILD)/bin/llama-speculative-simple
-	OMP_NUM_THREADS=1 $(PY) -m runtime.bench.realsize --checkpoint $(REALSIZE_CKPT) --engine $(REALSIZE_ENGINE) \
-		--llama-cpp $(LLAMA_BUILD)/bin --llama-src $(LLAMA_SRC) --rounds 7
+$(REALSIZE_ENGINE)/config.json: $(REALSIZE_CKPT)/config.json
+	nice -n 10 $(PY) -m builder.cli --checkpoint $(REALSIZE_CKPT) --output $(REALSIZE_ENGINE) $(REALSIZE_AOTI)
+
+$(REALSIZE)/engine-fp8/config.json: $(REALSIZE)/air2-fp8/config.json
+	nice -n 10 $(PY) -m builder.cli --checkpoint $(REALSIZE)/air2-fp8 --output $(REALSIZE)/engine-fp8 $(REALSIZE_AOTI)
+
+$(REALSIZE)/engine-int%/config.json: $(REALSIZE_CKPT)/config.json
+	nice -n 10 $(PY) -m builder.cli --checkpoint $(REALSIZE_CKPT) --output $(REALSIZE)/engine-int$* --quantize int$* \
+		$(REALSIZE_AOTI)
+
+# llama-quantize writes the Q8_0 / Q4_0 / Q4_K_M GGUFs (a build dir from before it joined LLAMA_BINS lacks it)
+$(LLAMA_BUILD)/bin/llama-quantize: $(LLAMA_BUILD)/bin/llama-speculative-simple
+	nice -n 19 cmake --build $(LLAMA_BUILD) -j2 --target llama-quantize >> $(PEERS)/build.log 2>&1
+
+REALSIZE_ENGINES := $(foreach e,engine engine-fp8 engine-int8 engine-int4,$(REALSIZE)/$(e)/config.json)
+bench-realsize: $(STAMP) $(OPS_LIB) $(REALSIZE_ENGINES) $(LLAMA_BUILD)/bin/llama-quantize
+	$(PY) -m runtime.bench.realsize_formats --build-dir $(REALSIZE) --threads 1 2 --rounds 9 \
+		--llama-cpp $(LLAMA_BUILD)/bin --llama-src $(LLAMA_SRC)
 
 # Share of step time in collectives at 1/2/4 ranks (TP2, DP2xTP2/EP4, EP4) + mpi4py vs gloo (docs/PERFORMANCE.md).
 bench-collectives: $(STAMP)

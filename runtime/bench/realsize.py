@@ -1,7 +1,7 @@
 """The realistic-size bench: decode on a ~1.6 GB GLM-4.5-Air-shaped checkpoint, where weights do not fit in L3.
 
     python -m runtime.bench.realsize --llama-cpp <llama.cpp bin dir> --llama-src <llama.cpp source dir>
-    (make bench-realsize)
+    (the bf16 detail: eager profile, weight-read split; `make bench-realsize` runs realsize_formats.py)
 
 One interleaved run, 1 thread, batch 1, a short prompt (`--context` tokens already in the KV cache), medians of
 `--rounds` rounds (each round rotates the order; one timing per round is the median of `--iters` calls, wall clock):
@@ -15,7 +15,8 @@ Derived: the bandwidth bound = weight bytes one decode token reads (runtime/benc
 the engine reads) / bandwidth; ours / bound; ours / llama.cpp. MTP tokens/s are a PROJECTION: measured step costs
 combined with the acceptance the deep model measured (bench_results/bench.json; random weights accept nothing real).
 `profile_split` says where the time of one eager forward goes (torch profiler, self CPU time per op class).
-Writes bench_results/realsize.json. The checkpoint and GGUF go to build/realsize/ (runtime/bench/realsize_ckpt.py).
+Writes bench_results/realsize_bf16_detail.json (bench_results/realsize.json is the format bench's:
+runtime/bench/realsize_formats.py, `make bench-realsize`). The checkpoint and GGUF go to build/realsize/.
 """
 
 from __future__ import annotations
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--llama-tokens", type=int, default=16)
     p.add_argument("--acceptance-from", type=Path, default=Path("bench_results/bench.json"))
-    p.add_argument("--output", type=Path, default=Path("bench_results/realsize.json"))
+    p.add_argument("--output", type=Path, default=Path("bench_results/realsize_bf16_detail.json"))
     args = p.parse_args(argv)
     res = run(args)
     args.output.write_text(json.dumps(res, indent=2) + "\n")
