@@ -36,6 +36,21 @@ namespace mtp {
 #define MTP_AVX2_TARGET __attribute__((target("avx2,fma,f16c,bmi2")))
 #define MTP_INLINE inline __attribute__((always_inline))
 
+// ---- packed int4 weights (linear_int4; the traits' load_i4 below, tiles.h Int4Weights): two signed 4-bit values per
+// byte, column 2i in the low nibble of byte i, column 2i + 1 in the high one (plugins/reference.py pack_int4). The
+// unpack gives the nibbles as unsigned bytes 0..15 in column order: the caller maps them to the two's-complement
+// values -8..7 (a 16-entry table).
+// 8 packed bytes (16 columns) -> 16 bytes, column order
+MTP_AVX2_TARGET inline __m128i int4x16_nibbles(__m128i packed8) {
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(packed8, low4), hi = _mm_and_si128(_mm_srli_epi16(packed8, 4), low4);
+  return _mm_unpacklo_epi8(lo, hi);  // lo0 hi0 lo1 hi1 ...
+}
+// The two's-complement value of each nibble byte (0..15 -> 0..7, -8..-1) as signed bytes (pshufb table lookup)
+MTP_AVX2_TARGET inline __m128i int4x16_signed(__m128i nibbles) {
+  return _mm_shuffle_epi8(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1), nibbles);
+}
+
 namespace simd {
 
 constexpr int64_t kTilePrefetch = 2048;  // software prefetch distance along each weight row (bytes), 2 KB ahead
@@ -148,6 +163,16 @@ struct Avx512 {
   static MTP_AVX512_TARGET inline F load_i8_n(const int8_t* p, int64_t n) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail(n), p)));
   }
+  // W packed int4 columns (W / 2 bytes, common layout: column 2i in the low nibble of byte i) -> fp32 q in -8..7;
+  // `_n`: the first n (even, < W) columns, zeros after them
+  static MTP_AVX512_TARGET inline F load_i4(const uint8_t* p) {
+    const __m128i q = int4x16_signed(int4x16_nibbles(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+  }
+  static MTP_AVX512_TARGET inline F load_i4_n(const uint8_t* p, int64_t n) {
+    const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (n / 2)) - 1u), p);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(int4x16_signed(int4x16_nibbles(b))));
+  }
   // Whether any of n e4m3 bytes is a NaN (0x7f / 0xff): the largest of 2 * byte (mod 256) is 0xfe exactly then.
   static MTP_AVX512_TARGET inline bool e4m3_has_nan(const uint8_t* p, int64_t n) {
     __m512i most = _mm512_setzero_si512();
@@ -255,6 +280,12 @@ struct Avx2 {
   }
   static MTP_AVX2_TARGET inline F load_i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // W (8) packed int4 columns from 4 bytes -> fp32 q (the tiles add a group's last < 8 columns as a scalar tail)
+  static MTP_AVX2_TARGET inline F load_i4(const uint8_t* p) {
+    int32_t four;
+    std::memcpy(&four, p, 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(int4x16_signed(int4x16_nibbles(_mm_cvtsi32_si128(four)))));
   }
   static MTP_AVX2_TARGET inline bool e4m3_has_nan(const uint8_t* p, int64_t n) {
     __m256i most = _mm256_setzero_si256();
