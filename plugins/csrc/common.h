@@ -312,7 +312,7 @@ MTP_INLINE float e4m3_times(uint8_t q, float s) { return kE4m3.v[q] * s; }
 // int8 -> fp32, 8 lanes (linear_int4's AVX2 tile, whose nibbles become int8 first)
 MTP_AVX2_TARGET inline __m256 int8x8_avx2(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
 
-// ---- packed int4 weights: simd.h (int4x16_nibbles, int4x16_signed; the traits' load_i4 reads them too)
+// ---- packed int4 weights: simd.h (int4x16_nibbles, int4x16_signed; the traits' int4 loads use them too)
 
 // A per-thread scratch buffer of at least n floats (kernels run often with small sizes: no allocation).
 // thread_local, so each OpenMP thread of an at::parallel_for has its own (keyed by the OS thread, which is what an

@@ -78,15 +78,21 @@ struct Int8Weights {
 // Group-wise int4 (`mtp-build --quantize int4`, plugins/reference.py quantize_int4): a row of k columns is k / 2 bytes
 // (column 2i in the low nibble of byte i, two's complement) with one fp32 scale per `group` columns (k / group per
 // row). The group is a run-time size, so int4 has tiles of its own (int4_rows below, Vector::tile_int4) over these
-// loads: load<S> gives W columns' fp32 q from W / 2 bytes (the scale is applied per group by the tile).
+// loads: table<S>(s) once per group and row, then scaled<S> gives W columns' fp32(q) * s from W / 2 bytes (scaled_n:
+// the first n, 0 after them; AVX-512 only, whose tiles take a group's tail as one masked step).
 struct Int4Weights {
   using Elem = uint8_t;
   static MTP_INLINE float value(const Elem* row, int64_t i) {  // fp32 q of column i of a packed row
     const int b = row[i >> 1], v = (i & 1) ? (b >> 4) : (b & 15);
     return static_cast<float>(v >= 8 ? v - 16 : v);
   }
-  template <class S> static MTP_INLINE typename S::F load(const Elem* p) { return S::load_i4(p); }
-  template <class S> static MTP_INLINE typename S::F load_n(const Elem* p, int64_t n) { return S::load_i4_n(p, n); }
+  template <class S> static MTP_INLINE typename S::F table(float s) { return S::i4_table(s); }
+  template <class S> static MTP_INLINE typename S::F scaled(const Elem* p, const typename S::F& t) {
+    return S::load_i4_scaled(p, t);
+  }
+  template <class S> static MTP_INLINE typename S::F scaled_n(const Elem* p, int64_t n, const typename S::F& t) {
+    return S::load_i4_scaled_n(p, n, t);
+  }
 };
 
 // ---- the tiles -----------------------------------------------------------------------------------------------------
