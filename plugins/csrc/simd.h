@@ -71,6 +71,7 @@ struct Avx512 {
   static constexpr bool kMaskedTail = true;   // a partial chunk is one masked vector step
   static constexpr bool kRowsDotTiles = false;
   static constexpr bool kPairedE4m3 = false;  // see Avx2
+  static constexpr bool kPairedI4 = false;    // see Avx2
 
   static MTP_AVX512_TARGET inline __mmask16 tail(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
   static MTP_AVX512_TARGET inline F zero() { return _mm512_setzero_ps(); }
@@ -206,6 +207,9 @@ struct Avx2 {
   // FP8 tiles step 2W columns at a time: one 16-byte e4m3 conversion gives both 8-lane halves (load_e4m3_x2), ~10%
   // faster than two 8-byte ones; the accumulators see the same operations in the same order either way
   static constexpr bool kPairedE4m3 = true;
+  // int4 tiles step 2W columns too: one 8-byte unpack gives both halves (load_i4_scaled_x2); 4 bytes per W columns
+  // left the AVX2 experts at 1.03-1.08x int8's time
+  static constexpr bool kPairedI4 = true;
 
   static MTP_AVX2_TARGET inline F zero() { return _mm256_setzero_ps(); }
   static MTP_AVX2_TARGET inline F set1(float v) { return _mm256_set1_ps(v); }
@@ -298,6 +302,11 @@ struct Avx2 {
   // indexes only 8 lanes, fewer than the 16 nibble values)
   static MTP_AVX2_TARGET inline F i4_table(float s) { return _mm256_set1_ps(s); }
   static MTP_AVX2_TARGET inline F load_i4_scaled(const uint8_t* p, F scale) { return _mm256_mul_ps(load_i4(p), scale); }
+  static MTP_AVX2_TARGET inline void load_i4_scaled_x2(const uint8_t* p, F scale, F& lo, F& hi) {  // 2W columns
+    const __m128i q = int4x16_signed(int4x16_nibbles(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale);
+    hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), scale);
+  }
   static MTP_AVX2_TARGET inline bool e4m3_has_nan(const uint8_t* p, int64_t n) {
     __m256i most = _mm256_setzero_si256();
     int64_t i = 0;

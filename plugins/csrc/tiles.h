@@ -93,6 +93,11 @@ struct Int4Weights {
   template <class S> static MTP_INLINE typename S::F scaled_n(const Elem* p, int64_t n, const typename S::F& t) {
     return S::load_i4_scaled_n(p, n, t);
   }
+  template <class S> static constexpr bool kPaired = S::kPairedI4;  // scaled2: 2W columns in one unpack
+  template <class S>
+  static MTP_INLINE void scaled2(const Elem* p, const typename S::F& t, typename S::F& lo, typename S::F& hi) {
+    S::load_i4_scaled_x2(p, t, lo, hi);
+  }
 };
 
 // ---- the tiles -----------------------------------------------------------------------------------------------------
