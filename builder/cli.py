@@ -91,8 +91,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", default="none", choices=QUANTIZES,
                    help="int8: the compiled engine stores its dense linears (attention, dense MLPs, shared experts; "
                    "not the embeddings, LM head or router) and its routed experts as weight-only int8 with "
-                   "per-channel scales (lossy, half the bytes of bf16); int4: the dense linears whose input width is a multiple of "
-                   "32 as group-wise int4 (0.625 bytes per weight), the rest as int8; single rank, float checkpoints only")  # fmt: skip
+                   "per-channel scales (lossy, half the bytes of bf16); int4: the dense linears and routed experts "
+                   "whose input widths are multiples of the group as group-wise int4 (0.5625 bytes per weight at 64), "
+                   "the rest as int8; single rank, float checkpoints only")  # fmt: skip
     p.add_argument("--quantize-mtp", default="same", choices=QUANTIZE_MTPS,
                    help="same (default): the MTP module's graphs are quantized as --quantize quantizes the trunk; "
                    "none: they keep the checkpoint's precision (for when the quantized head drafts worse)")  # fmt: skip

@@ -15,7 +15,8 @@ weights it would still upcast per step (uses no bf16-reading op serves) overflow
 (docs/PERFORMANCE.md "Compiled engine" and "Realistic size": an upcast from DRAM is ruinous).
 
 FP8 checkpoints keep their FP8 dense weights (read by `mtp::linear_fp8` / `mtp::moe_experts_fp8`) and `--quantize int8`
-stores the dense linears and the routed experts int8 (`mtp::linear_int8` / `mtp::moe_experts_int8`):
+stores the dense linears and the routed experts int8 (`mtp::linear_int8` / `mtp::moe_experts_int8`), `--quantize int4`
+those whose input widths the group divides int4 (`mtp::linear_int4` / `mtp::moe_experts_int4`):
 builder/quantized_weights.py.
 """
 
@@ -207,7 +208,8 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
     """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json).
     fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them.
     quantize "int8": the dense linears' and routed experts' weights stored int8 (`int8_weights`); "int4": the dense
-    linears whose input width the group divides stored int4 (`int4_weights`), the rest of int8's weights int8;
+    linears and single-rank routed experts whose input widths the group divides stored int4 (`int4_weights`), the
+    rest of int8's weights int8;
     lm_head: the LM head too, int8 (with either). int4_group: int4's group size (input features per scale).
     state: a hybrid model's GDN state pool, with the slot count the package bakes in (`compiled_state`)."""
 
@@ -287,5 +289,7 @@ def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, 
         record["quantized_graphs"] = [name for name in info if quantize(name) != "none"]
     int4_names = sorted({w for g in info.values() for w in g.pop("int4_names", [])})
     if int4_names:
-        record["int4"] = {**INT4_FORMAT, "group_size": int4_group, "ops": ["linear_int4"], "weights": int4_names}
+        ops = [op for op, n in (("linear_int4", "int4_linears"), ("moe_experts_int4", "int4_experts"))
+               if any(g.get(n) for g in info.values())]  # fmt: skip
+        record["int4"] = {**INT4_FORMAT, "group_size": int4_group, "ops": ops, "weights": int4_names}
     return record

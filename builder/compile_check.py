@@ -151,7 +151,8 @@ def as_built(cfg: EngineConfig, model):
     """The torch model the packages implement: with `--quantize int8` (build.compiled.int8), each weight it names
     replaced, in place, by its int8 dequantization (the values mtp::linear_int8 and mtp::moe_experts_int8 multiply
     by; quantize_int8 scales an expert's rows on their own, as the build did); with `--quantize int4`, those named in
-    build.compiled.int4 by their int4 dequantization (mtp::linear_int4's values) and the rest as with int8."""
+    build.compiled.int4 by their int4 dequantization (mtp::linear_int4's and mtp::moe_experts_int4's values;
+    quantize_int4 groups each row of an expert stack on its own, as the build did) and the rest as with int8."""
     info = compiled_info(cfg) or {}
     int8, int4 = info.get("int8"), info.get("int4")
     params = dict(model.named_parameters())

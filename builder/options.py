@@ -24,8 +24,9 @@ BACKENDS = ("onnxruntime", "tensorrt")
 COMPILES = ("auto", "none", "aoti")
 # --quantize: "int8" stores the compiled engine's dense linears and routed experts as weight-only int8
 # (builder/quantized_weights.py int8_weights, mtp::linear_int8, mtp::moe_experts_int8); "none" keeps the checkpoint's
-# weights. "int4" stores the dense linears whose input width is a multiple of the group (32) as group-wise int4
-# (int4_weights, mtp::linear_int4) and the rest int8 takes as int8 (the routed experts: no int4 experts kernel yet).
+# weights. "int4" stores the dense linears and single-rank routed experts whose input widths are multiples of the group
+# (--int4-group-size) as group-wise int4 (int4_weights, mtp::linear_int4, mtp::moe_experts_int4) and the rest int8
+# takes as int8.
 QUANTIZES = ("none", "int8", "int4")
 # --quantize-mtp: "same" (default) quantizes the MTP module's graphs (mtp_draft, mtp_commit) as --quantize does the
 # trunk's; "none" keeps them in the checkpoint's precision (peers lose acceptance by quantizing the MTP head).

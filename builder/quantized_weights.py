@@ -14,8 +14,9 @@ lossy (the engine decodes its own quantized model, which `mtp-build --check` pro
 `--quantize int4` (`int4_weights`, then `int8_weights` for the rest): the dense linears whose input width K is a
 multiple of the group G (`--int4-group-size`, 64 by default) are stored as group-wise int4 (plugins/reference.py
 quantize_int4: one fp32 scale per G input features of a row, two values per byte, 0.5 + 4 / G bytes per weight) and
-read by `mtp::linear_int4`; the other weights `--quantize int8` takes (the routed experts, which have no int4 kernel yet, and linears whose K the
-group does not divide) are stored int8 as there.
+read by `mtp::linear_int4`, and so are the single-rank routed experts whose input widths (H for w_gate_up, I for
+w_down) G divides, read by `mtp::moe_experts_int4`; the other weights `--quantize int8` takes (linears and experts whose
+widths the group does not divide) are stored int8 as there.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def _rewrite(program: torch.export.ExportedProgram, scales: Mapping[torch.fx.Nod
              experts_op: Any = None, linear_extra: tuple[Any, ...] = ()) -> tuple[int, int]:  # fmt: skip
     """Point the uses of the weights just stored quantized (`scales`: weight -> its scale constant) at the ops that
     read them: each aten.linear over one becomes linear_op(x, w, scale, *linear_extra, bias), each single-rank
-    `mtp::moe_experts` over a stored pair experts_op(x, ids, weights, gu, gu_scale, down, down_scale, 0). Returns
-    (linears, experts nodes) rewritten."""
+    `mtp::moe_experts` over a stored pair experts_op(x, ids, weights, gu, gu_scale, down, down_scale, *linear_extra,
+    0) (int4's group size, both ops). Returns (linears, experts nodes) rewritten."""
     graph = program.graph_module.graph
     linears = experts = 0
     for node in list(graph.nodes):
@@ -87,7 +88,7 @@ def _rewrite(program: torch.export.ExportedProgram, scales: Mapping[torch.fx.Nod
         elif experts_op is not None and node.target is _EXPERTS and node.args[3] in scales:
             x, ids, tw, gu, dn = node.args[:5]
             assert isinstance(gu, torch.fx.Node) and isinstance(dn, torch.fx.Node)
-            args, op = (x, ids, tw, gu, scales[gu], dn, scales[dn], 0), experts_op
+            args, op = (x, ids, tw, gu, scales[gu], dn, scales[dn], *linear_extra, 0), experts_op
             experts += 1
         else:
             continue
@@ -181,24 +182,35 @@ def int8_weights(program: torch.export.ExportedProgram, prefix: str = "model.",
 
 def int4_weights(program: torch.export.ExportedProgram, group: int, prefix: str = "model.") -> dict[str, Any]:
     """`mtp-build --quantize int4`: store as group-wise int4 (plugins/reference.py quantize_int4, `group` input
-    features per fp32 scale, `--int4-group-size`; the constant `<weight>_int4_scale`) every fp32 weight [N, K]
-    int8_weights would take for a linear whose K the group divides, and rewrite its uses into `mtp::linear_int4`. Run
-    it before `int8_weights`, which then takes the fp32 weights left (the routed experts, the linears of other K). Returns {"int4_weights":
-    count, "int4_linears": linears rewritten, "int4_names": the quantized weights' names less `prefix`}."""
+    features per fp32 scale, `--int4-group-size`; the constant `<weight>_int4_scale`) every fp32 weight int8_weights
+    would take whose input width (last dimension) the group divides: linears' [N, K], rewritten into
+    `mtp::linear_int4`, and routed-experts pairs of a single-rank `mtp::moe_experts` (w_gate_up [E, 2I, H] and w_down
+    [E, H, I], both or neither; scales [E, 2I, H/G], [E, H, I/G]), rewritten into `mtp::moe_experts_int4`. Run it
+    before `int8_weights`, which then takes the fp32 weights left (the linears and experts of other widths). Returns
+    {"int4_weights": count, "int4_linears": linears rewritten, "int4_experts": experts nodes rewritten,
+    "int4_names": the quantized weights' names less `prefix`}."""
     sig, graph = program.graph_signature, program.graph_module.graph
     chosen: dict[torch.fx.Node, tuple[str, torch.Tensor]] = {}
     for node in [n for n in graph.nodes if n.op == "placeholder"]:
         key = sig.inputs_to_parameters.get(node.name)
         value = program.state_dict.get(key) if key else None
-        if value is None or value.dtype != torch.float32 or value.dim() != 2 or key.endswith(INT8_KEPT_FLOAT):
+        if value is None or value.dtype != torch.float32 or value.dim() not in (2, 3) or key.endswith(INT8_KEPT_FLOAT):
             continue
-        if value.shape[1] % group == 0 and _uses(node) and all(_fp32_linear(u, node) for u in _uses(node)):
+        if value.shape[-1] % group == 0 and _uses(node):
             chosen[node] = (key, value.detach())
+
+    def readable(use: torch.fx.Node, node: torch.fx.Node) -> bool:  # what the int4 ops compute
+        return _fp32_linear(use, node) if chosen[node][1].dim() == 2 else _experts_of(use, node, chosen)
+
+    while drop := [n for n in chosen if not all(readable(u, n) for u in _uses(n))]:
+        for n in drop:  # an experts node whose other weight's width the group does not divide: int8, both
+            del chosen[n]
     scales = _store_quantized(program, {node: (key, *quantize_int4(value, group), "_int4_scale")
                                         for node, (key, value) in chosen.items()})  # fmt: skip
-    linears, _ = _rewrite(program, scales, torch.ops.mtp.linear_int4.default, linear_extra=(group,))
+    linears, experts = _rewrite(program, scales, torch.ops.mtp.linear_int4.default,
+                                torch.ops.mtp.moe_experts_int4.default, linear_extra=(group,))  # fmt: skip
     names = sorted(key.removeprefix(prefix) for key, _ in chosen.values())
-    return {"int4_weights": len(chosen), "int4_linears": linears, "int4_names": names}
+    return {"int4_weights": len(chosen), "int4_linears": linears, "int4_experts": experts, "int4_names": names}
 
 
 def _fp32_linear(node: torch.fx.Node, weight: torch.fx.Node) -> bool:
@@ -214,8 +226,8 @@ def _fp32_linear(node: torch.fx.Node, weight: torch.fx.Node) -> bool:
 
 def _experts_of(node: torch.fx.Node, weight: torch.fx.Node, chosen: Mapping[torch.fx.Node, Any]) -> bool:
     """node is a single-rank mtp::moe_experts over fp32 x whose w_gate_up and w_down (weight among them) are both
-    `chosen` (to be stored quantized): what mtp::moe_experts_fp8 / mtp::moe_experts_int8 compute (the EP / TP
-    exchange reads float weights)."""
+    `chosen` (to be stored quantized): what mtp::moe_experts_fp8 / _int8 / _int4 compute (the EP / TP exchange reads
+    float weights)."""
     if node.target is not _EXPERTS or len(node.args) < 7 or node.kwargs:
         return False
     x, _, _, gu, dn, _, ep_size, *tp = node.args

@@ -82,6 +82,12 @@ def _(x, topk_ids, topk_weights, w_gate_up, w_gate_up_scale, w_down, w_down_scal
     return torch.empty_like(x, dtype=torch.float32)
 
 
+@torch.library.register_fake("mtp::moe_experts_int4")
+def _(x, topk_ids, topk_weights, w_gate_up, w_gate_up_scale, w_down, w_down_scale, group_size, expert_offset):
+    """fp32 [T, H] (plugins/reference.py moe_experts_int4_ref); like linear_fp8 only the compiled packages call it."""
+    return torch.empty_like(x, dtype=torch.float32)
+
+
 @torch.library.register_fake("mtp::moe_experts_local")
 def _(x, topk_ids, topk_weights, w_gate_up, w_down, expert_offset):
     return torch.empty_like(x)

@@ -291,10 +291,9 @@ def moe_experts_fp8_ref(
     return moe_experts_ref(x, topk_ids, topk_weights, gate_up, down, expert_offset)
 
 
-# Weight-only int8 (`mtp-build --quantize int8`, mtp::linear_int8, mtp::moe_experts_int8): symmetric, one fp32 scale
-# per output channel (per row of each expert's matrices for the routed experts).
-# The quantizer lives here, beside its dequantization, as the one definition of the format: the builder
-# (builder/quantized_weights.py) imports quantize_int8 from here, and the tests and benches quantize with it too.
+# Weight-only int8 (`mtp-build --quantize int8`, mtp::linear_int8, mtp::moe_experts_int8): symmetric, one fp32 scale per
+# output channel (per row of each expert matrix). The quantizers live here, beside their dequantization, as the one
+# definition of each format: the builder (builder/quantized_weights.py), the tests and the benches all use them.
 INT8_MAX = 127  # symmetric: -128 is never produced, so q and -q are both representable
 
 
@@ -325,8 +324,8 @@ def linear_int8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y if bias is None else y + bias.float()
 
 
-# Group-wise weight-only int4 (mtp::linear_int4): symmetric, one fp32 scale per group of `group_size` consecutive
-# input features of a row (llama.cpp's Q4_0 idea: a scale per 32 weights follows local magnitude, where one per row at
+# Group-wise weight-only int4 (mtp::linear_int4, mtp::moe_experts_int4): symmetric, one fp32 scale per group of
+# `group_size` consecutive input features of a row (llama.cpp's Q4_0 idea: a scale per 32 weights follows local magnitude, where one per row at
 # 4 bits would lose the small weights of a row with one large one). Values in [-7, 7] (INT4_MAX), as int8 leaves out
 # -128: q and -q are both representable, so a group's largest magnitude maps to +-7 exactly whatever its sign, at the
 # cost of one of the 16 codes (-8, which the kernel still reads). Packed two per byte, column 2i in the low nibble of
@@ -381,18 +380,21 @@ def linear_int4_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     return y if bias is None else y + bias.float()
 
 
-def moe_experts_int8_ref(
-    x: torch.Tensor,  # [T, H] float32
-    topk_ids: torch.Tensor,  # [T, K] global expert ids
-    topk_weights: torch.Tensor,  # [T, K]
-    w_gate_up: torch.Tensor,  # [E, 2*I, H] int8: gate rows, then up rows
-    w_gate_up_scale: torch.Tensor,  # [E, 2*I] float32, one per row
-    w_down: torch.Tensor,  # [E, H, I] int8
-    w_down_scale: torch.Tensor,  # [E, H] float32, one per row
-    expert_offset: int = 0,
-) -> torch.Tensor:
-    """moe_experts_ref over the dequantized experts (mtp::moe_experts_int8's semantics; quantize_int8 makes the
-    weights and scales from float experts)."""
-    gate_up = dequantize_int8_ref(w_gate_up, w_gate_up_scale)
-    down = dequantize_int8_ref(w_down, w_down_scale)
+def moe_experts_int4_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                         w_gate_up_scale: torch.Tensor, w_down: torch.Tensor, w_down_scale: torch.Tensor,
+                         group_size: int, expert_offset: int = 0) -> torch.Tensor:  # fmt: skip
+    """moe_experts_ref over the dequantized experts (mtp::moe_experts_int4's semantics): quantize_int4 of float experts
+    [E, 2I, H] / [E, H, I] gives uint8 [E, 2I, H/2] / [E, H, I/2] and fp32 scales [E, 2I, H/G] / [E, H, I/G]."""
+    gate_up = dequantize_int4_ref(w_gate_up, w_gate_up_scale, group_size)
+    down = dequantize_int4_ref(w_down, w_down_scale, group_size)
+    return moe_experts_ref(x, topk_ids, topk_weights, gate_up, down, expert_offset)
+
+
+def moe_experts_int8_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                         w_gate_up_scale: torch.Tensor, w_down: torch.Tensor, w_down_scale: torch.Tensor,
+                         expert_offset: int = 0) -> torch.Tensor:  # fmt: skip
+    """moe_experts_ref over the dequantized experts (mtp::moe_experts_int8's semantics): quantize_int8 of float experts
+    [E, 2I, H] / [E, H, I] (gate rows, then up rows) gives int8 of those shapes and one fp32 scale per row, [E, 2I] /
+    [E, H]."""
+    gate_up, down = dequantize_int8_ref(w_gate_up, w_gate_up_scale), dequantize_int8_ref(w_down, w_down_scale)
     return moe_experts_ref(x, topk_ids, topk_weights, gate_up, down, expert_offset)

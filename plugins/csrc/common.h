@@ -312,19 +312,7 @@ MTP_INLINE float e4m3_times(uint8_t q, float s) { return kE4m3.v[q] * s; }
 // int8 -> fp32, 8 lanes (linear_int4's AVX2 tile, whose nibbles become int8 first)
 MTP_AVX2_TARGET inline __m256 int8x8_avx2(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
 
-// ---- packed int4 weights (linear_int4): two signed 4-bit values per byte, column 2i in the low nibble of byte i,
-// column 2i + 1 in the high one (plugins/reference.py pack_int4). The unpack gives the nibbles as unsigned bytes
-// 0..15 in column order: the caller maps them to the two's-complement values -8..7 (a 16-entry table).
-// 8 packed bytes (16 columns) -> 16 bytes, column order
-MTP_AVX2_TARGET inline __m128i int4x16_nibbles(__m128i packed8) {
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  const __m128i lo = _mm_and_si128(packed8, low4), hi = _mm_and_si128(_mm_srli_epi16(packed8, 4), low4);
-  return _mm_unpacklo_epi8(lo, hi);  // lo0 hi0 lo1 hi1 ...
-}
-// The two's-complement value of each nibble byte (0..15 -> 0..7, -8..-1) as signed bytes (pshufb table lookup)
-MTP_AVX2_TARGET inline __m128i int4x16_signed(__m128i nibbles) {
-  return _mm_shuffle_epi8(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1), nibbles);
-}
+// ---- packed int4 weights: simd.h (int4x16_nibbles, int4x16_signed; the traits' int4 loads use them too)
 
 // A per-thread scratch buffer of at least n floats (kernels run often with small sizes: no allocation).
 // thread_local, so each OpenMP thread of an at::parallel_for has its own (keyed by the OS thread, which is what an

@@ -18,6 +18,12 @@
 // row of each expert (plugins/reference.py quantize_int8 per expert matrix), read by common.h's int8 tiles, the ones
 // mtp::linear_int8 reads its weights with (1 byte per weight, each weight rounded once as the reference rounds it,
 // fp32 math: exact up to summation order against moe_experts_int8_ref).
+//
+// mtp::moe_experts_int4 is the same over `mtp-build --quantize int4`'s experts: group-wise int4 (plugins/reference.py
+// quantize_int4 per expert matrix: two values per byte, one fp32 scale per group_size input features of a row, the
+// layout mtp::linear_int4 reads), read by tiles.h's int4 tiles (Int4Weights, int4_rows: each weight fp32(q) * its
+// group's scale, rounded once, fp32 math: exact up to summation order against moe_experts_int4_ref). 0.5 + 4 / G
+// bytes per weight: the routed experts are most of an MoE model's bytes, and decode reads each chosen one once.
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
@@ -39,26 +45,32 @@ struct MoeArgs {
   float* out;             // [T, H] fp32
   int64_t tokens, top_k, hidden, inter, num_local;
   // FP8: [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)];
-  // int8: [E, 2I] and [E, H]
+  // int8: [E, 2I] and [E, H]; int4: [E, 2I, H/G] and [E, H, I/G]
   const float* s_gate_up = nullptr;
   const float* s_down = nullptr;
+  int64_t group = 0;  // int4: input features per scale (G)
 };
 
 struct Fp8 {};   // the weight type of moe_experts_fp8: e4m3 bytes + block scales
 struct Int8 {};  // the weight type of moe_experts_int8: int8 + one scale per output row
+struct Int4 {};  // the weight type of moe_experts_int4: packed int4 + one scale per group of a row
 
 // A weight type's stored element and its tiles.h format (the quantized types; a float type is its own element and is
 // read by rows_dot)
 template <class W> struct Quant { static constexpr bool kQuantized = false; using Elem = W; };
 template <> struct Quant<Fp8> { static constexpr bool kQuantized = true; using Fmt = Fp8Weights; using Elem = uint8_t; };
 template <> struct Quant<Int8> { static constexpr bool kQuantized = true; using Fmt = Int8Weights; using Elem = int8_t; };
+template <> struct Quant<Int4> { static constexpr bool kQuantized = true; using Fmt = Int4Weights; using Elem = uint8_t; };
+// stored elements per weight row of k columns (int4: two columns per byte)
+template <class W> constexpr int64_t row_elems(int64_t k) { return std::is_same_v<W, Int4> ? k / 2 : k; }
 
 MTP_INLINE int64_t blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 
 // The scales of one expert matrix of `parts` parts of part_rows x cols each: FP8, each part's 128 x 128 blocks;
-// int8, one per row.
+// int8, one per row; int4, cols / group per row.
 template <class W>
-MTP_INLINE int64_t expert_scales(int64_t parts, int64_t part_rows, int64_t cols) {
+MTP_INLINE int64_t expert_scales(int64_t parts, int64_t part_rows, int64_t cols, int64_t group) {
+  if constexpr (std::is_same_v<W, Int4>) return parts * part_rows * (cols / group);
   return std::is_same_v<W, Int8> ? parts * part_rows : parts * blocks(part_rows) * blocks(cols);
 }
 
@@ -69,15 +81,17 @@ constexpr int64_t kRowBlock = kFp8Block;
 // out[i][o] = x[i] . w[o] for nx <= 4 tokens and rows o in block j of part p (gate 0, up 1; down has one part) of
 // one expert matrix [parts * part_rows, k] (s: that matrix's scales): out[i] points at the pair's row of the whole
 // matrix's outputs. FP8: the parts are blocked on their own (as the per-expert tensors ship): block j of part p uses
-// scale row s[p * blocks(part_rows) + j]; int8: row r its own s[r]. A value does not depend on nx or on which rows
+// scale row s[p * blocks(part_rows) + j]; int8: row r its own s[r]; int4: row r its k / group scales. A value does not depend on nx or on which rows
 // share its block (common.h: rows_dot and the quantized tiles compute every (token, weight row) dot alone).
 template <class V, class W>
 MTP_INLINE void expert_block(int nx, const float* const* x, const typename Quant<W>::Elem* w, const float* s,
-                             int64_t part_rows, int p, int64_t j, int64_t k, float* const* out) {
+                             int64_t part_rows, int p, int64_t j, int64_t k, int64_t group, float* const* out) {
   const int64_t r0 = p * part_rows + j * kRowBlock, n = std::min(kRowBlock, part_rows - j * kRowBlock);
   float* shifted[4];
   for (int i = 0; i < nx; ++i) shifted[i] = out[i] + r0;
-  if constexpr (Quant<W>::kQuantized) {
+  if constexpr (std::is_same_v<W, Int4>) {
+    int4_rows<V>(nx, x, w + r0 * (k / 2), s + r0 * (k / group), n, k, group, shifted);
+  } else if constexpr (Quant<W>::kQuantized) {
     using Fmt = typename Quant<W>::Fmt;  // the register tiles linear_fp8 / linear_int8 use for this ISA
     const float* srow = Fmt::kRowScales ? s + r0 : s + (p * blocks(part_rows) + j) * blocks(k);
     tiled_rows<V, Fmt>(nx, x, w + r0 * k, srow, n, k, shifted);
@@ -103,8 +117,8 @@ void gate_up_items(const MoeArgs& a, const MoePlan& pl, int64_t i0, int64_t i1) 
   const int64_t two_i = 2 * a.inter, per_part = blocks(a.inter);
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t e = pl.items[it] / (2 * per_part), b = pl.items[it] % (2 * per_part);
-    const Elem* w = static_cast<const Elem*>(a.w_gate_up) + e * two_i * a.hidden;
-    const float* s = a.s_gate_up ? a.s_gate_up + e * expert_scales<W>(2, a.inter, a.hidden) : nullptr;
+    const Elem* w = static_cast<const Elem*>(a.w_gate_up) + e * two_i * row_elems<W>(a.hidden);
+    const float* s = a.s_gate_up ? a.s_gate_up + e * expert_scales<W>(2, a.inter, a.hidden, a.group) : nullptr;
     for (int64_t c = pl.start[e]; c < pl.start[e + 1]; c += 4) {
       const int nx = static_cast<int>(std::min<int64_t>(4, pl.start[e + 1] - c));
       const float* xs[4];
@@ -113,7 +127,7 @@ void gate_up_items(const MoeArgs& a, const MoePlan& pl, int64_t i0, int64_t i1) 
         xs[i] = a.x + (pl.order[c + i] / a.top_k) * a.hidden;
         outs[i] = pl.gu + (c + i) * two_i;
       }
-      expert_block<V, W>(nx, xs, w, s, a.inter, static_cast<int>(b / per_part), b % per_part, a.hidden, outs);
+      expert_block<V, W>(nx, xs, w, s, a.inter, static_cast<int>(b / per_part), b % per_part, a.hidden, a.group, outs);
     }
   }
 }
@@ -132,8 +146,8 @@ void down_items(const MoeArgs& a, const MoePlan& pl, int64_t i0, int64_t i1) {
   const int64_t per = blocks(a.hidden);
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t e = pl.items[it] / per, j = pl.items[it] % per;
-    const Elem* w = static_cast<const Elem*>(a.w_down) + e * a.hidden * a.inter;
-    const float* s = a.s_down ? a.s_down + e * expert_scales<W>(1, a.hidden, a.inter) : nullptr;
+    const Elem* w = static_cast<const Elem*>(a.w_down) + e * a.hidden * row_elems<W>(a.inter);
+    const float* s = a.s_down ? a.s_down + e * expert_scales<W>(1, a.hidden, a.inter, a.group) : nullptr;
     for (int64_t c = pl.start[e]; c < pl.start[e + 1]; c += 4) {
       const int nx = static_cast<int>(std::min<int64_t>(4, pl.start[e + 1] - c));
       const float* hs[4];
@@ -142,7 +156,7 @@ void down_items(const MoeArgs& a, const MoePlan& pl, int64_t i0, int64_t i1) {
         hs[i] = pl.h + (c + i) * a.inter;
         ys[i] = pl.y + pl.order[c + i] * a.hidden;
       }
-      expert_block<V, W>(nx, hs, w, s, a.hidden, 0, j, a.inter, ys);
+      expert_block<V, W>(nx, hs, w, s, a.hidden, 0, j, a.inter, a.group, ys);
     }
   }
 }
@@ -274,14 +288,14 @@ at::Tensor moe_experts_local_cpu(const at::Tensor& x, const at::Tensor& topk_ids
   return out;
 }
 
-// What moe_experts_fp8 and moe_experts_int8 share: the checks of x, the routing and the two weights' shapes (their
-// dtype must pass `dtype_ok`, else `dtype_error`), then the call (fp32 out) over the weights' checked scales.
+// What moe_experts_fp8, _int8 and _int4 share: the checks of x, the routing and the two weights' shapes (their dtype
+// must pass `dtype_ok`, else `dtype_error`), then the call (fp32 out) over the weights' checked scales. group: int4's.
 template <class W>
 at::Tensor quantized_experts(const char* op, const at::Tensor& x, const at::Tensor& topk_ids,
                              const at::Tensor& topk_weights, const at::Tensor& w_gate_up,
                              const at::Tensor& w_gate_up_scale, const at::Tensor& w_down,
                              const at::Tensor& w_down_scale, int64_t expert_offset, bool dtype_ok,
-                             const char* dtype_error) {
+                             const char* dtype_error, int64_t group = 0) {
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == c10::ScalarType::Float && x.dim() == 2, op,
                     ": x must be an fp32 CPU tensor [T, H], got ", x.scalar_type(), " ", py_shape(x));
   check_float(topk_weights, op, "topk_weights");
@@ -291,25 +305,34 @@ at::Tensor quantized_experts(const char* op, const at::Tensor& x, const at::Tens
                     py_shape(topk_weights));
   TORCH_CHECK_VALUE(dtype_ok, op, ": w_gate_up and w_down must both be ", dtype_error, ", got ",
                     w_gate_up.scalar_type(), " and ", w_down.scalar_type());
-  TORCH_CHECK_VALUE(w_gate_up.dim() == 3 && w_gate_up.size(2) == hidden && w_gate_up.size(1) % 2 == 0 &&
+  // int4: a weight row of c columns is c / 2 bytes, with c / group scales
+  const bool fp8 = std::is_same_v<W, Fp8>, int4 = std::is_same_v<W, Int4>;
+  const int64_t pack = int4 ? 2 : 1;
+  TORCH_CHECK_VALUE(!int4 || (group > 0 && group % 2 == 0 && hidden % group == 0), op, ": group_size must be a positive "
+                    "even divisor of H = ", hidden, " (quantize_int4's group), got ", group);
+  TORCH_CHECK_VALUE(w_gate_up.dim() == 3 && w_gate_up.size(2) * pack == hidden && w_gate_up.size(1) % 2 == 0 &&
                         w_gate_up.is_contiguous(),
-                    op, ": w_gate_up must be contiguous [E, 2*I, ", hidden, "], got ", py_shape(w_gate_up));
+                    op, ": w_gate_up must be contiguous [E, 2*I, ", hidden / pack, "], got ", py_shape(w_gate_up));
   const int64_t num_local = w_gate_up.size(0), inter = w_gate_up.size(1) / 2, top_k = topk_ids.size(1);
+  TORCH_CHECK_VALUE(!int4 || inter % group == 0, op, ": I = ", inter, " (w_gate_up.size(1) / 2) is not a multiple of "
+                    "group_size ", group, " (quantize the experts with a group size that divides H and I)");
   TORCH_CHECK_VALUE(w_down.dim() == 3 && w_down.size(0) == num_local && w_down.size(1) == hidden &&
-                        w_down.size(2) == inter && w_down.is_contiguous(),
-                    op, ": w_down must be contiguous [", num_local, ", ", hidden, ", ", inter, "], got ",
+                        w_down.size(2) * pack == inter && w_down.is_contiguous(),
+                    op, ": w_down must be contiguous [", num_local, ", ", hidden, ", ", inter / pack, "], got ",
                     py_shape(w_down));
-  const bool fp8 = std::is_same_v<W, Fp8>;
-  const std::vector<int64_t> sgu = fp8 ? std::vector<int64_t>{num_local, 2 * blocks(inter), blocks(hidden)}
-                                       : std::vector<int64_t>{num_local, 2 * inter};
-  const std::vector<int64_t> sdn = fp8 ? std::vector<int64_t>{num_local, blocks(hidden), blocks(inter)}
-                                       : std::vector<int64_t>{num_local, hidden};
+  const std::vector<int64_t> sgu = fp8    ? std::vector<int64_t>{num_local, 2 * blocks(inter), blocks(hidden)}
+                                   : int4 ? std::vector<int64_t>{num_local, 2 * inter, hidden / std::max<int64_t>(group, 1)}
+                                          : std::vector<int64_t>{num_local, 2 * inter};
+  const std::vector<int64_t> sdn = fp8    ? std::vector<int64_t>{num_local, blocks(hidden), blocks(inter)}
+                                   : int4 ? std::vector<int64_t>{num_local, hidden, inter / std::max<int64_t>(group, 1)}
+                                          : std::vector<int64_t>{num_local, hidden};
+  const char* per = int4 ? " (one per group_size input features of each row of " : " (one per row of ";
   TORCH_CHECK_VALUE(w_gate_up_scale.scalar_type() == c10::ScalarType::Float && w_gate_up_scale.sizes() == sgu, op,
                     ": w_gate_up_scale must be fp32 ", at::IntArrayRef(sgu),
-                    fp8 ? " (gate's 128-row blocks, then up's, per expert)" : " (one per row of w_gate_up)", ", got ",
+                    fp8 ? " (gate's 128-row blocks, then up's, per expert)" : per, fp8 ? "" : "w_gate_up)", ", got ",
                     w_gate_up_scale.scalar_type(), " ", py_shape(w_gate_up_scale));
   TORCH_CHECK_VALUE(w_down_scale.scalar_type() == c10::ScalarType::Float && w_down_scale.sizes() == sdn, op,
-                    ": w_down_scale must be fp32 ", at::IntArrayRef(sdn), fp8 ? "" : " (one per row of w_down)", ", got ",
+                    ": w_down_scale must be fp32 ", at::IntArrayRef(sdn), fp8 ? "" : per, fp8 ? "" : "w_down)", ", got ",
                     w_down_scale.scalar_type(), " ", py_shape(w_down_scale));
   const Ints ids = ints(topk_ids, op, "topk_ids");
   const int64_t pairs = tokens * top_k;
@@ -327,7 +350,8 @@ at::Tensor quantized_experts(const char* op, const at::Tensor& x, const at::Tens
                out.data_ptr<float>(), tokens, top_k, hidden, inter, num_local};
   args.s_gate_up = sg.data_ptr<float>();
   args.s_down = sd.data_ptr<float>();
-  // FP8, a scale >= 2^120: the portable table path (see common.h); int8's tiles take any scale
+  args.group = group;
+  // FP8, a scale >= 2^120: the portable table path (see common.h); int8's and int4's tiles take any scale
   const bool portable = fp8 && !(fp8_scales_vector_safe(args.s_gate_up, sg.numel()) &&
                                  fp8_scales_vector_safe(args.s_down, sd.numel()));
   experts<W>(args, portable);
@@ -349,6 +373,16 @@ at::Tensor moe_experts_int8_cpu(const at::Tensor& x, const at::Tensor& topk_ids,
   const bool ok = w_gate_up.scalar_type() == c10::ScalarType::Char && w_down.scalar_type() == c10::ScalarType::Char;
   return quantized_experts<Int8>("mtp::moe_experts_int8", x, topk_ids, topk_weights, w_gate_up, w_gate_up_scale,
                                  w_down, w_down_scale, expert_offset, ok, "int8");
+}
+
+at::Tensor moe_experts_int4_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                                const at::Tensor& w_gate_up, const at::Tensor& w_gate_up_scale,
+                                const at::Tensor& w_down, const at::Tensor& w_down_scale, int64_t group_size,
+                                int64_t expert_offset) {
+  const bool ok = w_gate_up.scalar_type() == c10::ScalarType::Byte && w_down.scalar_type() == c10::ScalarType::Byte;
+  return quantized_experts<Int4>("mtp::moe_experts_int4", x, topk_ids, topk_weights, w_gate_up, w_gate_up_scale,
+                                 w_down, w_down_scale, expert_offset, ok, "uint8 (packed int4: quantize_int4)",
+                                 group_size);
 }
 
 at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
@@ -375,4 +409,5 @@ TORCH_LIBRARY_IMPL(mtp, CPU, m) {
   m.impl("moe_experts_local", &mtp::moe_experts_local_cpu);
   m.impl("moe_experts_fp8", &mtp::moe_experts_fp8_cpu);
   m.impl("moe_experts_int8", &mtp::moe_experts_int8_cpu);
+  m.impl("moe_experts_int4", &mtp::moe_experts_int4_cpu);
 }

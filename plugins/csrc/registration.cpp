@@ -68,6 +68,11 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
   // output row, [E, 2I] / [E, H] (plugins/reference.py quantize_int8 per expert); fp32 x, fp32 out (moe_experts.cpp)
   m.def("moe_experts_int8(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_gate_up_scale, "
         "Tensor w_down, Tensor w_down_scale, int expert_offset) -> Tensor");
+  // moe_experts_local over `mtp-build --quantize int4`'s experts: packed int4 [E, 2I, H/2] / [E, H, I/2] (uint8, as
+  // linear_int4's) with one fp32 scale per group_size input features of a row, [E, 2I, H/G] / [E, H, I/G]
+  // (plugins/reference.py quantize_int4 per expert stack); fp32 x, fp32 out (moe_experts.cpp)
+  m.def("moe_experts_int4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_gate_up_scale, "
+        "Tensor w_down, Tensor w_down_scale, int group_size, int expert_offset) -> Tensor");
   // ep_size > 1 or tp_size > 1: implemented in Python (plugins/moe_ep.py, mpi4py); moe_experts' CPU kernel
   // calls it through the dispatcher.
   m.def("moe_experts_exchange(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "

@@ -36,6 +36,21 @@ namespace mtp {
 #define MTP_AVX2_TARGET __attribute__((target("avx2,fma,f16c,bmi2")))
 #define MTP_INLINE inline __attribute__((always_inline))
 
+// ---- packed int4 weights (linear_int4, the traits' int4 loads, Int4Weights): two signed 4-bit values per
+// byte, column 2i in the low nibble of byte i, column 2i + 1 in the high one (plugins/reference.py pack_int4). The
+// unpack gives the nibbles as unsigned bytes 0..15 in column order: the caller maps them to the two's-complement
+// values -8..7 (a 16-entry table).
+// 8 packed bytes (16 columns) -> 16 bytes, column order
+MTP_AVX2_TARGET inline __m128i int4x16_nibbles(__m128i packed8) {
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(packed8, low4), hi = _mm_and_si128(_mm_srli_epi16(packed8, 4), low4);
+  return _mm_unpacklo_epi8(lo, hi);  // lo0 hi0 lo1 hi1 ...
+}
+// The two's-complement value of each nibble byte (0..15 -> 0..7, -8..-1) as signed bytes (pshufb table lookup)
+MTP_AVX2_TARGET inline __m128i int4x16_signed(__m128i nibbles) {
+  return _mm_shuffle_epi8(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1), nibbles);
+}
+
 namespace simd {
 
 constexpr int64_t kTilePrefetch = 2048;  // software prefetch distance along each weight row (bytes), 2 KB ahead
@@ -56,6 +71,7 @@ struct Avx512 {
   static constexpr bool kMaskedTail = true;   // a partial chunk is one masked vector step
   static constexpr bool kRowsDotTiles = false;
   static constexpr bool kPairedE4m3 = false;  // see Avx2
+  static constexpr bool kPairedI4 = false;    // see Avx2
 
   static MTP_AVX512_TARGET inline __mmask16 tail(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
   static MTP_AVX512_TARGET inline F zero() { return _mm512_setzero_ps(); }
@@ -148,6 +164,22 @@ struct Avx512 {
   static MTP_AVX512_TARGET inline F load_i8_n(const int8_t* p, int64_t n) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail(n), p)));
   }
+  // The int4 tiles' loads (W packed columns at p: W / 2 bytes, column 2i in the low nibble of byte i): i4_table(s)
+  // once per group and row, then load_i4_scaled(p, table) = fp32(q) * s for W columns. AVX-512: the table holds the
+  // 16 products fp32(-8..7) * s (each rounded once, as the reference) and the nibbles index it with one permute
+  // (linear_int4's idea), instead of sign-extend + convert + multiply.
+  static MTP_AVX512_TARGET inline F i4_table(float s) {
+    return _mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1), _mm512_set1_ps(s));
+  }
+  static MTP_AVX512_TARGET inline F load_i4_scaled(const uint8_t* p, F table) {
+    const __m128i nib = int4x16_nibbles(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib), table);
+  }
+  // the first n (even, < W) columns, 0 after them (not 0 * s)
+  static MTP_AVX512_TARGET inline F load_i4_scaled_n(const uint8_t* p, int64_t n, F table) {
+    const __m128i nib = int4x16_nibbles(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (n / 2)) - 1u), p));
+    return _mm512_maskz_permutexvar_ps(tail(n), _mm512_cvtepu8_epi32(nib), table);
+  }
   // Whether any of n e4m3 bytes is a NaN (0x7f / 0xff): the largest of 2 * byte (mod 256) is 0xfe exactly then.
   static MTP_AVX512_TARGET inline bool e4m3_has_nan(const uint8_t* p, int64_t n) {
     __m512i most = _mm512_setzero_si512();
@@ -175,6 +207,9 @@ struct Avx2 {
   // FP8 tiles step 2W columns at a time: one 16-byte e4m3 conversion gives both 8-lane halves (load_e4m3_x2), ~10%
   // faster than two 8-byte ones; the accumulators see the same operations in the same order either way
   static constexpr bool kPairedE4m3 = true;
+  // int4 tiles step 2W columns too: one 8-byte unpack gives both halves (load_i4_scaled_x2); 4 bytes per W columns
+  // left the AVX2 experts at 1.03-1.08x int8's time
+  static constexpr bool kPairedI4 = true;
 
   static MTP_AVX2_TARGET inline F zero() { return _mm256_setzero_ps(); }
   static MTP_AVX2_TARGET inline F set1(float v) { return _mm256_set1_ps(v); }
@@ -255,6 +290,22 @@ struct Avx2 {
   }
   static MTP_AVX2_TARGET inline F load_i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // W (8) packed int4 columns from 4 bytes -> fp32 q (sign-extended through a pshufb table, converted; the tiles add
+  // a group's last < 8 columns as a scalar tail)
+  static MTP_AVX2_TARGET inline F load_i4(const uint8_t* p) {
+    int32_t four;
+    std::memcpy(&four, p, 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(int4x16_signed(int4x16_nibbles(_mm_cvtsi32_si128(four)))));
+  }
+  // The int4 tiles' scaled loads (see Avx512): here the "table" is the scale itself, times the converted q (vpermps
+  // indexes only 8 lanes, fewer than the 16 nibble values)
+  static MTP_AVX2_TARGET inline F i4_table(float s) { return _mm256_set1_ps(s); }
+  static MTP_AVX2_TARGET inline F load_i4_scaled(const uint8_t* p, F scale) { return _mm256_mul_ps(load_i4(p), scale); }
+  static MTP_AVX2_TARGET inline void load_i4_scaled_x2(const uint8_t* p, F scale, F& lo, F& hi) {  // 2W columns
+    const __m128i q = int4x16_signed(int4x16_nibbles(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale);
+    hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), scale);
   }
   static MTP_AVX2_TARGET inline bool e4m3_has_nan(const uint8_t* p, int64_t n) {
     __m256i most = _mm256_setzero_si256();

@@ -1,5 +1,6 @@
 // Weight-row tiles: dot products of weight rows stored in some format with fp32 activation rows, the few-row path of
-// every weight-only linear (linear_bf16, linear_fp8, linear_int8) and of the quantized MoE experts (moe_experts).
+// every weight-only linear (linear_bf16, linear_fp8, linear_int8) and of the quantized MoE experts (moe_experts; int4:
+// Int4Weights and int4_rows, with a run-time group size).
 // One body per purpose, written once over the vector traits of simd.h (S) and a weight format (Fmt, below): the vector
 // tile (simd_body.inc `Vector::tile`, compiled per ISA), the portable tile and the dequantizing conversion for the
 // at::mm path (here). A new format is a struct of a few loads and gets all of them on every ISA.
@@ -74,6 +75,31 @@ struct Int8Weights {
   template <class S> static MTP_INLINE bool has_nan(const Elem*, int64_t) { return false; }
 };
 
+// Group-wise int4 (`mtp-build --quantize int4`, plugins/reference.py quantize_int4): a row of k columns is k / 2 bytes
+// (column 2i in the low nibble of byte i, two's complement) with one fp32 scale per `group` columns (k / group per
+// row). The group is a run-time size, so int4 has tiles of its own (int4_rows below, Vector::tile_int4) over these
+// loads: table<S>(s) once per group and row, then scaled<S> gives W columns' fp32(q) * s from W / 2 bytes (scaled_n:
+// the first n, 0 after them; AVX-512 only, whose tiles take a group's tail as one masked step).
+struct Int4Weights {
+  using Elem = uint8_t;
+  static MTP_INLINE float value(const Elem* row, int64_t i) {  // fp32 q of column i of a packed row
+    const int b = row[i >> 1], v = (i & 1) ? (b >> 4) : (b & 15);
+    return static_cast<float>(v >= 8 ? v - 16 : v);
+  }
+  template <class S> static MTP_INLINE typename S::F table(float s) { return S::i4_table(s); }
+  template <class S> static MTP_INLINE typename S::F scaled(const Elem* p, const typename S::F& t) {
+    return S::load_i4_scaled(p, t);
+  }
+  template <class S> static MTP_INLINE typename S::F scaled_n(const Elem* p, int64_t n, const typename S::F& t) {
+    return S::load_i4_scaled_n(p, n, t);
+  }
+  template <class S> static constexpr bool kPaired = S::kPairedI4;  // scaled2: 2W columns in one unpack
+  template <class S>
+  static MTP_INLINE void scaled2(const Elem* p, const typename S::F& t, typename S::F& lo, typename S::F& hi) {
+    S::load_i4_scaled_x2(p, t, lo, hi);
+  }
+};
+
 // ---- the tiles -----------------------------------------------------------------------------------------------------
 
 // The portable tile: 8 partial sums per dot, then the tail
@@ -142,6 +168,65 @@ MTP_INLINE void tiled_rows(int64_t m, const float* const* x, const typename Fmt:
   else if constexpr (V::kRegisters >= 32) quant_rows<V, Fmt, 4, 4>(m, x, w, s, rows, k, out);
   else if (m <= 2) quant_rows<V, Fmt, 2, 4>(m, x, w, s, rows, k, out);
   else quant_rows<V, Fmt, 4, 2>(m, x, w, s, rows, k, out);
+}
+
+// ---- int4 tiles: out[r][o] = x[r] . dequant(w[o]) for r < m activation rows and o < rows packed int4 rows (k / 2
+// bytes apart; s: their scales, k / group apart). The portable tile: accumulator l sums the columns i with i % 8 == l
+// in column order, then ((0+1)+(2+3)) + ((4+5)+(6+7)). A (row, output) value never depends on MR, NR or m.
+template <int MR, int NR>
+inline void int4_portable_tile(const float* const* x, const uint8_t* w, const float* s, int64_t k, int64_t group,
+                               float* out) {
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* wj = w + j * (k / 2);
+      const float* sj = s + j * (k / group);
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t i = 0; i < k; ++i) acc[i & 7] += x[r][i] * (Int4Weights::value(wj, i) * sj[i / group]);
+      out[r * NR + j] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+}
+
+template <class V, int MR, int NR>
+MTP_INLINE void run_int4_tile(const float* const* x, const uint8_t* w, const float* s, int64_t k, int64_t group,
+                              float* out) {
+  if constexpr (std::is_same_v<V, Generic>) int4_portable_tile<MR, NR>(x, w, s, k, group, out);
+  else V::template tile_int4<Int4Weights, MR, NR>(x, w, s, k, group, out);
+}
+
+template <class V, int MR, int NR>
+MTP_INLINE void int4_block(int64_t m, const float* const* x, const uint8_t* w, const float* s, int64_t k, int64_t group,
+                           float* const* out, int64_t o) {
+  float res[MR * NR];
+  for (int64_t m0 = 0; m0 < m; m0 += MR) {
+    const int mr = static_cast<int>(std::min<int64_t>(MR, m - m0));
+    const float* const* xs = x + m0;
+    switch (mr) {
+      case 4: if constexpr (MR >= 4) run_int4_tile<V, 4, NR>(xs, w, s, k, group, res); break;
+      case 3: if constexpr (MR >= 3) run_int4_tile<V, 3, NR>(xs, w, s, k, group, res); break;
+      case 2: if constexpr (MR >= 2) run_int4_tile<V, 2, NR>(xs, w, s, k, group, res); break;
+      default: run_int4_tile<V, 1, NR>(xs, w, s, k, group, res); break;
+    }
+    for (int r = 0; r < mr; ++r)
+      for (int j = 0; j < NR; ++j) out[m0 + r][o + j] = res[r * NR + j];
+  }
+}
+
+template <class V, int MR, int NR>
+MTP_INLINE void int4_rows_as(int64_t m, const float* const* x, const uint8_t* w, const float* s, int64_t rows, int64_t k,
+                             int64_t group, float* const* out) {
+  int64_t o = 0;
+  for (; o + NR <= rows; o += NR) int4_block<V, MR, NR>(m, x, w + o * (k / 2), s + o * (k / group), k, group, out, o);
+  for (; o < rows; ++o) int4_block<V, MR, 1>(m, x, w + o * (k / 2), s + o * (k / group), k, group, out, o);
+}
+
+// int4_rows_as with tiled_rows' shapes (the registers of V)
+template <class V>
+MTP_INLINE void int4_rows(int64_t m, const float* const* x, const uint8_t* w, const float* s, int64_t rows, int64_t k,
+                          int64_t group, float* const* out) {
+  if constexpr (std::is_same_v<V, Generic>) int4_rows_as<V, 4, 1>(m, x, w, s, rows, k, group, out);
+  else if constexpr (V::kRegisters >= 32) int4_rows_as<V, 4, 4>(m, x, w, s, rows, k, group, out);
+  else if (m <= 2) int4_rows_as<V, 2, 4>(m, x, w, s, rows, k, group, out);
+  else int4_rows_as<V, 4, 2>(m, x, w, s, rows, k, group, out);
 }
 
 // ---- dequantization: rows [0, rows) of w (k wide) into dst as fp32, the values the reference computes (NaN bytes

@@ -17,9 +17,10 @@ time per matrix (wall, or process CPU with --clock cpu) over `--iters` passes ov
 (GB/s of the bytes each candidate stores, scales included) and the ratios fp8 / fp32, fp8 / bf16, int8 / fp8, int8 / bf16, int4 / int8, int4 / bf16.
 
 `--moe` times the routed experts instead, GLM-4.5-Air-like by default (`--hidden` 4096, `--inter` 1408, `--experts`
-local experts, top-`--top-k` per token): mtp::moe_experts_int8 on int8 experts + row scales (`mtp-build --quantize
-int8`'s) and mtp::moe_experts_fp8 on e4m3 experts + block scales against mtp::moe_experts_local on bf16 and on fp32
-experts, `--layers` distinct expert sets in turn (cold), same routing for all, at each `--threads` count; GB/s of the
+local experts, top-`--top-k` per token): mtp::moe_experts_int4 on group-wise int4 experts (`mtp-build --quantize
+int4`'s, group `--int4-group`, 64 by default as mtp-build's), mtp::moe_experts_int8 on int8 experts + row scales
+(`mtp-build --quantize int8`'s) and mtp::moe_experts_fp8 on e4m3 experts + block scales against
+mtp::moe_experts_local on bf16 and on fp32 experts, `--layers` distinct expert sets in turn (cold), same routing for all, at each `--threads` count; GB/s of the
 bytes the routed experts store in each form, scales included. Only the routed experts get memory, so `--experts 64`
 costs what the routing touches:
 
@@ -116,10 +117,11 @@ def bench_ops(a: argparse.Namespace) -> None:
                       " | ".join(f"{med[a] / med[b]:.2f}" for a, b in ratios) + " |", flush=True)  # fmt: skip
 
 
-def _expert_set(e: int, h: int, inter: int, used: list[int]) -> dict[str, tuple[torch.Tensor, ...]]:
+def _expert_set(e: int, h: int, inter: int, used: list[int], group: int) -> dict[str, tuple[torch.Tensor, ...]]:
     """One layer's e experts in every stored form: fp8 (e4m3 bits + 128 x 128 block scales, gate and up each blocked on
-    their own, as the releases ship them), int8 (plugins/reference.py quantize_int8 of the fp8 experts' values: what
-    `mtp-build --quantize int8` would store), and bf16 / fp32 of the fp8 values. Only the `used` experts (the ones the
+    their own, as the releases ship them), int8 / int4 (plugins/reference.py quantize_int8 / quantize_int4 with
+    `group` of the fp8 experts' values: what `mtp-build --quantize int8` / `int4` would store), and bf16 / fp32 of the
+    fp8 values. Only the `used` experts (the ones the
     routing picks) get values: the kernels read no other expert, so the rest stay allocated but untouched (no memory)
     and e can be a real model's. Their scales are 1, so the fp8 kernel's scale scan passes as for a real layer."""
     b = lambda n: -(-n // 128)  # noqa: E731
@@ -128,6 +130,8 @@ def _expert_set(e: int, h: int, inter: int, used: list[int]) -> dict[str, tuple[
                 torch.empty(e, h, inter, dtype=torch.uint8), torch.ones(e, b(h), b(inter))),
         "int8": (torch.empty(e, 2 * inter, h, dtype=torch.int8), torch.ones(e, 2 * inter),
                  torch.empty(e, h, inter, dtype=torch.int8), torch.ones(e, h)),
+        "int4": (torch.empty(e, 2 * inter, h // 2, dtype=torch.uint8), torch.ones(e, 2 * inter, h // group),
+                 torch.empty(e, h, inter // 2, dtype=torch.uint8), torch.ones(e, h, inter // group)),
         "bf16": (torch.empty(e, 2 * inter, h, dtype=torch.bfloat16), torch.empty(e, h, inter, dtype=torch.bfloat16)),
         "fp32": (torch.empty(e, 2 * inter, h), torch.empty(e, h, inter)),
     }  # fmt: skip
@@ -138,6 +142,7 @@ def _expert_set(e: int, h: int, inter: int, used: list[int]) -> dict[str, tuple[
         full_dn = dequantize_fp8_ref(*parts[2])
         for form, values in (("fp8", (gu_q.view(torch.uint8), gu_s, parts[2][0].view(torch.uint8), parts[2][1])),
                              ("int8", (*quantize_int8(full_gu), *quantize_int8(full_dn))),
+                             ("int4", (*quantize_int4(full_gu, group), *quantize_int4(full_dn, group))),
                              ("bf16", (full_gu.bfloat16(), full_dn.bfloat16())), ("fp32", (full_gu, full_dn))):
             for dst, v in zip(out[form], values, strict=True):
                 dst[x] = v
@@ -152,9 +157,10 @@ def bench_moe(a: argparse.Namespace) -> None:
     routes = {t: (torch.randn(t, h), torch.stack([torch.randperm(e)[: a.top_k] for _ in range(t)]),
                   torch.rand(t, a.top_k)) for t in a.rows}  # fmt: skip
     used = sorted(set(torch.cat([ids.flatten() for _, ids, _ in routes.values()]).tolist()))
-    sets = [_expert_set(e, h, inter, used) for _ in range(a.layers)]
+    sets = [_expert_set(e, h, inter, used, a.int4_group) for _ in range(a.layers)]
     clock = time.perf_counter if a.clock == "wall" else time.process_time
     calls = {
+        "int4": lambda x, ids, tw, w: torch.ops.mtp.moe_experts_int4(x, ids, tw, *w, a.int4_group, 0),
         "int8": lambda x, ids, tw, w: torch.ops.mtp.moe_experts_int8(x, ids, tw, *w, 0),
         "fp8": lambda x, ids, tw, w: torch.ops.mtp.moe_experts_fp8(x, ids, tw, *w, 0),
         "bf16": lambda x, ids, tw, w: torch.ops.mtp.moe_experts_local(x, ids, tw, *w, 0),
@@ -162,10 +168,10 @@ def bench_moe(a: argparse.Namespace) -> None:
     }
     # bytes one expert stores in each form, scales included (what a call reads per expert it routes to)
     weights = 3 * h * inter
-    per_expert = {"int8": weights + 4 * (2 * inter + h), "fp8": weights + 4 * int(sets[0]["fp8"][1][0].numel() +
+    per_expert = {"int4": weights // 2 + 4 * weights // a.int4_group, "int8": weights + 4 * (2 * inter + h), "fp8": weights + 4 * int(sets[0]["fp8"][1][0].numel() +
                                                                                     sets[0]["fp8"][3][0].numel()),
                   "bf16": 2 * weights, "fp32": 4 * weights}  # fmt: skip
-    ratios = [("int8", "fp8"), ("int8", "bf16"), ("int8", "fp32"), ("fp8", "bf16")]
+    ratios = [("int4", "int8"), ("int4", "fp8"), ("int8", "fp8"), ("int8", "bf16"), ("int8", "fp32"), ("fp8", "bf16")]
     print("| threads | tokens | experts read | " + " | ".join(f"{c} us (GB/s)" for c in calls) + " | " +
           " | ".join(f"{x} / {y}" for x, y in ratios) + " |\n|" + "---:|" * (3 + len(calls) + len(ratios)))  # fmt: skip
     for threads in a.threads:
@@ -441,6 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--hidden", type=int, default=4096, help="--moe: hidden size (GLM-4.5-Air's by default)")
     p.add_argument("--inter", type=int, default=1408, help="--moe: expert width (GLM-4.5-Air's by default)")
+    p.add_argument("--int4-group", type=int, default=64, help="--moe: int4's group (mtp-build's default)")
     p.add_argument("--layers", type=int, default=2, help="--moe: distinct expert sets (2 x 8 experts: 277 MB fp8)")
     a = p.parse_args(argv)
     if a.conversions:

@@ -479,6 +479,17 @@ def test_moe_experts_int8_do_not_depend_on_the_thread_count(isa: str) -> None:
     assert _agrees(two, x, ids, tw, gu, sgu, dn, sdn, 2)
 
 
+@pytest.mark.parametrize("isa", ["generic", "best"], indirect=True)
+def test_moe_experts_int4_do_not_depend_on_the_thread_count(isa: str) -> None:
+    from tests.plugins.test_moe_experts_int4 import _agrees, _case
+
+    case = _case(4, 5, 6, 3, 512, 320, 64, offset=2)
+    call = lambda: torch.ops.mtp.moe_experts_int4(*case, 64, 2)  # noqa: E731
+    one, two = _with_threads(1, call), _with_threads(2, call)
+    assert torch.equal(one, two)
+    assert _agrees(two, *case, group=64, offset=2)
+
+
 @pytest.mark.parametrize("shared_slots", [False, True])
 def test_kv_writes_do_not_depend_on_the_thread_count(shared_slots: bool) -> None:
     """A 3-request prefill of 300 rows (8 KV heads x 128, roped; an MLA latent of 576) splits over rows: the pools
