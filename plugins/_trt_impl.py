@@ -211,24 +211,12 @@ class DsaIndexTopkPlugin(_PluginBase):
                                   scratch=scratch)  # fmt: skip
 
 
-class DsaSparseAttentionPlugin(_PluginBase):
-    """DsaSparseAttention: inputs q, q_counts, selected, block_tables, pool_ptr; output [T, H, latent - rope]."""
+class DsaSparseAttentionPlugin(MlaPagedAttentionPlugin):
+    """DsaSparseAttention: inputs q, q_counts, selected, block_tables, pool_ptr; output [T, H, latent - rope]. The
+    latent pool's geometry and output shape of MlaPagedAttention, over the selected positions only."""
 
     name = DSA_SPARSE_ATTENTION
     spec = SPECS["dsa_sparse_attention"]
-    pool_input = 4
-
-    def _geometry(self, v: dict[str, int]) -> KVPoolGeometry:
-        return mla_geometry(v["num_planes"], v["num_blocks"], v["block_size"], v["latent_dim"], v["dtype"])
-
-    def get_output_data_types(self, input_types: list[trt.DataType]) -> list[trt.DataType]:
-        return [input_types[0]]
-
-    def get_output_shapes(
-        self, inputs: list[trt.DimsExprs], shape_inputs: list[trt.DimsExprs], expr_builder: trt.IExprBuilder
-    ) -> list[trt.DimsExprs]:
-        value_dim = self.geom.head_dim - int(self.values["rope_dim"])  # the c_kv part of the latent
-        return [trt.DimsExprs([inputs[0][0], inputs[0][1], expr_builder.constant(value_dim)])]
 
     def enqueue(self, input_desc: list[trt.PluginTensorDesc], output_desc: list[trt.PluginTensorDesc],
                 inputs: list[int], outputs: list[int], workspace: int, stream: int) -> None:  # fmt: skip
