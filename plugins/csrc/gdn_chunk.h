@@ -28,15 +28,16 @@ namespace mtp {
 constexpr int64_t kGdnChunk = 32;
 constexpr int64_t kGdnMinChunkRun = 8;
 
-// One value head's chunk-form input: rows are `stride` floats apart (the packed conv output and the op's output).
+// One value head's chunk-form input: q, k, v compact (the conv output's head segments, gdn_step.cpp GdnActs), the
+// output rows out_stride floats apart (the op's output).
 struct GdnChunkRows {
-  const float* q;       // [n, Dk] row stride `stride` (already l2-normalised and scaled)
+  const float* q;       // [n, Dk] (already l2-normalised and scaled)
   const float* k;       // [n, Dk]
   const float* v;       // [n, Dv]
   const float* g;       // [n] log decays
   const float* beta;    // [n]
   float* out;           // [n, Dv] row stride out_stride, starts at zero
-  int64_t n, stride, out_stride, dk, dv;
+  int64_t n, out_stride, dk, dv;
 };
 
 // 16 floats as one value (GCC's vector extension): one zmm register where gemm_acc is compiled for AVX-512, two ymm
@@ -125,11 +126,11 @@ void gdn_chunk_body(const GdnChunkRows& x, float* s, float* buf) {
   // k_i . k_j and q_i . k_j for every pair as two products against K^T (one short dot per pair was the chunk's
   // hottest loop), then L and the decayed scores from them
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t i = 0; i < dk; ++i) kt[i * c + j] = x.k[j * x.stride + i];
+    for (int64_t i = 0; i < dk; ++i) kt[i * c + j] = x.k[j * dk + i];
   std::fill(l, l + n * c, 0.0f);
   std::fill(qk, qk + n * c, 0.0f);
-  gemm_acc<V>(n, n, dk, x.k, x.stride, kt, c, l, c);
-  gemm_acc<V>(n, n, dk, x.q, x.stride, kt, c, qk, c);
+  gemm_acc<V>(n, n, dk, x.k, dk, kt, c, l, c);
+  gemm_acc<V>(n, n, dk, x.q, dk, kt, c, qk, c);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < i; ++j) {
       const float decay = std::exp(gc[i] - gc[j]);
@@ -157,14 +158,14 @@ void gdn_chunk_body(const GdnChunkRows& x, float* s, float* buf) {
   // U = T diag(beta) V, W = T diag(beta exp(G)) K
   std::fill(vn, vn + n * dv, 0.0f);
   std::fill(w, w + n * dk, 0.0f);
-  gemm_acc<V>(n, dv, n, t, c, x.v, x.stride, vn, dv);
-  gemm_acc<V>(n, dk, n, tw, c, x.k, x.stride, w, dk);
+  gemm_acc<V>(n, dv, n, t, c, x.v, dv, vn, dv);
+  gemm_acc<V>(n, dk, n, tw, c, x.k, dk, w, dk);
   // Vn = U - W S
   std::fill(ws, ws + n * dv, 0.0f);
   gemm_acc<V>(n, dv, dk, w, dk, s, dv, ws, dv);
   for (int64_t i = 0; i < n * dv; ++i) vn[i] -= ws[i];
   // O = diag(exp(G)) Q S + qk Vn
-  gemm_acc<V>(n, dv, dk, x.q, x.stride, s, dv, x.out, x.out_stride);
+  gemm_acc<V>(n, dv, dk, x.q, dk, s, dv, x.out, x.out_stride);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t e = 0; e < dv; ++e) x.out[i * x.out_stride + e] *= eg[i];
   gemm_acc<V>(n, dv, n, qk, c, vn, dv, x.out, x.out_stride);
@@ -172,7 +173,7 @@ void gdn_chunk_body(const GdnChunkRows& x, float* s, float* buf) {
   const float last = gc[n - 1];
   for (int64_t j = 0; j < n; ++j) {
     const float dj = std::exp(last - gc[j]);
-    const float* kj = x.k + j * x.stride;
+    const float* kj = x.k + j * dk;
     for (int64_t i = 0; i < dk; ++i) kt[i * c + j] = kj[i] * dj;
   }
   const float el = eg[n - 1];
