@@ -48,13 +48,16 @@ typedef float GdnF16 __attribute__((vector_size(64), aligned(4), may_alias));
 #define st16(p, x) (*reinterpret_cast<GdnF16*>(p) = (x))
 
 // C[M x N] (row stride ldc) += A[M x K] (lda) @ B[K x N] (ldb): tiles of 4 rows x 32 columns kept in registers, the
-// K products added in order (each C value's sum order is fixed by its row and column alone).
+// K products added in order (each C value's sum order is fixed by its row and column alone). `lower`: A is lower
+// triangular (A[i][p] = 0 for p > i: the chunk's T and decayed scores), so a tile of rows i.. stops at p = i + 3 (the
+// chunk's n x n products at half the work; the zeros skipped would only have added +-0).
 template <class V>
 MTP_INLINE void gemm_acc(int64_t m, int64_t n, int64_t kk, const float* a, int64_t lda, const float* b, int64_t ldb,
-                         float* c, int64_t ldc) {
+                         float* c, int64_t ldc, bool lower = false) {
   constexpr int R = 4, NB = 32;  // 8 accumulators, named so they stay in registers (arrays of them were spilled)
   int64_t i = 0;
   for (; i + R <= m; i += R) {
+    const int64_t pk = lower ? std::min(kk, i + R) : kk;  // the products this tile's rows have
     const float* a0 = a + i * lda;
     const float* a1 = a0 + lda;
     const float* a2 = a1 + lda;
@@ -67,7 +70,7 @@ MTP_INLINE void gemm_acc(int64_t m, int64_t n, int64_t kk, const float* a, int64
     for (; e + NB <= n; e += NB) {
       GdnF16 x0 = ld16(c0 + e), y0 = ld16(c0 + e + 16), x1 = ld16(c1 + e), y1 = ld16(c1 + e + 16);
       GdnF16 x2 = ld16(c2 + e), y2 = ld16(c2 + e + 16), x3 = ld16(c3 + e), y3 = ld16(c3 + e + 16);
-      for (int64_t p = 0; p < kk; ++p) {
+      for (int64_t p = 0; p < pk; ++p) {
         const GdnF16 bx = ld16(b + p * ldb + e), by = ld16(b + p * ldb + e + 16);
         const float s0 = a0[p], s1 = a1[p], s2 = a2[p], s3 = a3[p];
         x0 += s0 * bx;
@@ -85,14 +88,14 @@ MTP_INLINE void gemm_acc(int64_t m, int64_t n, int64_t kk, const float* a, int64
     for (int r = 0; r < R; ++r)  // the column tail, same order of sums
       for (int64_t f = e; f < n; ++f) {
         float s = c[(i + r) * ldc + f];
-        for (int64_t p = 0; p < kk; ++p) s += a[(i + r) * lda + p] * b[p * ldb + f];
+        for (int64_t p = 0; p < pk; ++p) s += a[(i + r) * lda + p] * b[p * ldb + f];
         c[(i + r) * ldc + f] = s;
       }
   }
   for (; i < m; ++i)  // the row tail
     for (int64_t f = 0; f < n; ++f) {
       float s = c[i * ldc + f];
-      for (int64_t p = 0; p < kk; ++p) s += a[i * lda + p] * b[p * ldb + f];
+      for (int64_t p = 0; p < (lower ? std::min(kk, i + 1) : kk); ++p) s += a[i * lda + p] * b[p * ldb + f];
       c[i * ldc + f] = s;
     }
 }
@@ -158,8 +161,8 @@ void gdn_chunk_body(const GdnChunkRows& x, float* s, float* buf) {
   // U = T diag(beta) V, W = T diag(beta exp(G)) K
   std::fill(vn, vn + n * dv, 0.0f);
   std::fill(w, w + n * dk, 0.0f);
-  gemm_acc<V>(n, dv, n, t, c, x.v, dv, vn, dv);
-  gemm_acc<V>(n, dk, n, tw, c, x.k, dk, w, dk);
+  gemm_acc<V>(n, dv, n, t, c, x.v, dv, vn, dv, true);
+  gemm_acc<V>(n, dk, n, tw, c, x.k, dk, w, dk, true);
   // Vn = U - W S
   std::fill(ws, ws + n * dv, 0.0f);
   gemm_acc<V>(n, dv, dk, w, dk, s, dv, ws, dv);
@@ -168,7 +171,7 @@ void gdn_chunk_body(const GdnChunkRows& x, float* s, float* buf) {
   gemm_acc<V>(n, dv, dk, x.q, dk, s, dv, x.out, x.out_stride);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t e = 0; e < dv; ++e) x.out[i * x.out_stride + e] *= eg[i];
-  gemm_acc<V>(n, dv, n, qk, c, vn, dv, x.out, x.out_stride);
+  gemm_acc<V>(n, dv, n, qk, c, vn, dv, x.out, x.out_stride, true);
   // S <- exp(G_{n-1}) S + Kd^T Vn
   const float last = gc[n - 1];
   for (int64_t j = 0; j < n; ++j) {
