@@ -131,6 +131,28 @@ def test_one_and_two_threads_give_identical_bits():
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+def test_verify_and_decode_rows_keep_their_bits_when_prompt_runs_are_chunked():
+    """The chunked form (FMA on AVX-512) changes only the prompt runs' rows: in a batch with a prompt, a verify and a
+    decode request, the verify and decode rows, their stored states and every conv window are bit-identical with the
+    chunked form on and off, while the prompt's rows do differ (the check can fail)."""
+    counts, starts, reads = [100, 4, 1], [0, 50, 77], [0, 1, 3]
+    writes = [-1] * 99 + [0] + [4, 5, 6, 7] + [2]
+    mixed, b, a = rows(sum(counts), seed=13)
+    results = []
+    previous = gdn_chunk_min_run()
+    try:
+        for min_run in (previous, 1 << 30):
+            gdn_chunk_min_run(min_run)
+            conv, ssm = pools()
+            results.append((call(torch.ops.mtp.gdn_step, mixed, b, a, counts, starts, reads, writes, conv, ssm), conv,
+                            ssm))  # fmt: skip
+    finally:
+        gdn_chunk_min_run(previous)
+    (chunked, conv1, ssm1), (by_row, conv2, ssm2) = results
+    assert torch.equal(chunked[100:], by_row[100:]) and torch.equal(ssm1[2:], ssm2[2:]) and torch.equal(conv1, conv2)
+    assert not torch.equal(chunked[:100], by_row[:100])
+
+
 def test_one_chunk_with_its_decay_off_is_caught():
     """The comparison can fail: the reference with the decay logits of one chunk (the last, rows 128..149) off by 0.02
     differs from the op beyond the tolerance, in that chunk's outputs and in the stored state (the chunks before it
