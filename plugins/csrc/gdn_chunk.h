@@ -10,7 +10,7 @@
 //   O_i = exp(G_i) q_i S + sum_{j <= i} (q_i . k_j) exp(G_i - G_j) Vn_j
 //   S <- exp(G_{n-1}) S + sum_j exp(G_{n-1} - G_j) k_j Vn_j^T
 // The products with S (and the n x n ones) are register-tiled matrix products (gemm_acc), compiled per ISA by
-// MTP_ISA_KERNEL like the other kernels; fp32 throughout, the tiles' multiply-adds fused on AVX-512 (gdn_fma16).
+// MTP_ISA_KERNEL like the other kernels; fp32 throughout, the tiles' multiply-adds fused on AVX-512 and AVX2 (gdn_fma).
 // Equal to the row-by-row form up to fp32 rounding (its order of sums differs), tested against both references in
 // tests/plugins/test_gdn_chunk.py.
 #pragma once
@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "common.h"
 
@@ -41,30 +42,50 @@ struct GdnChunkRows {
   int64_t n, out_stride, dk, dv;
 };
 
-// 16 floats as one value (GCC's vector extension): one zmm register where gemm_acc is compiled for AVX-512, two ymm
-// for AVX2, four xmm for the baseline; the compiler keeps a tile of them in registers, which plain loops over a
-// float[4][16] did not get (measured: 3x slower).
-typedef float GdnF16 __attribute__((vector_size(64), aligned(4), may_alias));
-#define ld16(p) (*reinterpret_cast<const GdnF16*>(p))  // macros: a function returning it would warn (-Wpsabi)
-#define st16(p, x) (*reinterpret_cast<GdnF16*>(p) = (x))
-
-// Whether V's vector is one GdnF16 (AVX-512's zmm): then the tiles multiply-add with its explicit FMA (one rounding
-// per term instead of two; the chunked prefill ran 1.25x faster by CPU time at 2,000 tokens on Zen 4). The other ISAs
-// multiply then add (the library's -ffp-contract=off). Only this form: the row-by-row form keeps its bits.
+// One ISA's vector as a value (GCC's vector extension): 16 floats, one zmm, where gemm_acc is compiled for AVX-512;
+// 8, one ymm, for AVX2; 4, one xmm, for the baseline. The compiler keeps a tile of them in registers, which plain
+// loops over a float[4][16] did not get (measured: 3x slower). One vector per register matters: 16 floats as two ymm
+// (AVX2) or four xmm (baseline) made the tile's 8 accumulators overflow the 16 registers, and the chunked form ran at
+// a tenth of the row-by-row form's speed there.
+typedef float GdnF16 __attribute__((vector_size(64)));  // loaded and stored through memcpy: any alignment
+typedef float GdnF8 __attribute__((vector_size(32)));
+typedef float GdnF4 __attribute__((vector_size(16)));
 template <class V>
-constexpr bool gdn_fma16() {
-  if constexpr (requires { V::kRegisters; }) return V::kRegisters >= 32;
+constexpr int gdn_lanes() {
+  if constexpr (requires { V::kRegisters; }) return V::kRegisters >= 32 ? 16 : 8;
+  return 4;
+}
+template <class V>
+using GdnVec = std::conditional_t<gdn_lanes<V>() == 16, GdnF16, std::conditional_t<gdn_lanes<V>() == 8, GdnF8, GdnF4>>;
+
+// Whether V has an FMA for its vector (AVX-512, AVX2): then the tiles multiply-add with it (one rounding per term
+// instead of two; the chunked prefill ran 1.25x faster by CPU time at 2,000 tokens on Zen 4's AVX-512). The baseline
+// multiplies then adds (the library's -ffp-contract=off). Only this form: the row-by-row form keeps its bits.
+template <class V>
+constexpr bool gdn_fma() {
+  if constexpr (requires { V::kRegisters; }) return true;
   return false;
 }
 
-// C[M x N] (row stride ldc) += A[M x K] (lda) @ B[K x N] (ldb): tiles of 4 rows x 32 columns kept in registers, the
-// K products added in order (each C value's sum order is fixed by its row and column alone). `lower`: A is lower
-// triangular (A[i][p] = 0 for p > i: the chunk's T and decayed scores), so a tile of rows i.. stops at p = i + 3 (the
-// chunk's n x n products at half the work; the zeros skipped would only have added +-0).
+// C[M x N] (row stride ldc) += A[M x K] (lda) @ B[K x N] (ldb): tiles of 4 rows x 2 vectors of columns kept in
+// registers, the K products added in order (each C value's sum order is fixed by its row and column alone). `lower`: A
+// is lower triangular (A[i][p] = 0 for p > i: the chunk's T and decayed scores), so a tile of rows i.. stops at
+// p = i + 3 (the chunk's n x n products at half the work; the zeros skipped would only have added +-0).
 template <class V>
 MTP_INLINE void gemm_acc(int64_t m, int64_t n, int64_t kk, const float* a, int64_t lda, const float* b, int64_t ldb,
                          float* c, int64_t ldc, bool lower = false) {
-  constexpr int R = 4, NB = 32;  // 8 accumulators, named so they stay in registers (arrays of them were spilled)
+  using F = GdnVec<V>;
+  constexpr int R = 4, L = gdn_lanes<V>(), NB = 2 * L;  // 8 accumulators, named so they stay in registers
+  auto ld = [](const float* p) {
+    F v;
+    std::memcpy(&v, p, sizeof(F));
+    return v;
+  };
+  auto st = [](float* p, const F& v) { std::memcpy(p, &v, sizeof(F)); };
+  auto madd = [](float s, const F& x, const F& acc) -> F {
+    if constexpr (gdn_fma<V>()) return V::fma(V::set1(s), x, acc);
+    else return acc + s * x;
+  };
   int64_t i = 0;
   for (; i + R <= m; i += R) {
     const int64_t pk = lower ? std::min(kk, i + R) : kk;  // the products this tile's rows have
@@ -78,33 +99,22 @@ MTP_INLINE void gemm_acc(int64_t m, int64_t n, int64_t kk, const float* a, int64
     float* c3 = c2 + ldc;
     int64_t e = 0;
     for (; e + NB <= n; e += NB) {
-      GdnF16 x0 = ld16(c0 + e), y0 = ld16(c0 + e + 16), x1 = ld16(c1 + e), y1 = ld16(c1 + e + 16);
-      GdnF16 x2 = ld16(c2 + e), y2 = ld16(c2 + e + 16), x3 = ld16(c3 + e), y3 = ld16(c3 + e + 16);
+      F x0 = ld(c0 + e), y0 = ld(c0 + e + L), x1 = ld(c1 + e), y1 = ld(c1 + e + L);
+      F x2 = ld(c2 + e), y2 = ld(c2 + e + L), x3 = ld(c3 + e), y3 = ld(c3 + e + L);
       for (int64_t p = 0; p < pk; ++p) {
-        const GdnF16 bx = ld16(b + p * ldb + e), by = ld16(b + p * ldb + e + 16);
+        const F bx = ld(b + p * ldb + e), by = ld(b + p * ldb + e + L);
         const float s0 = a0[p], s1 = a1[p], s2 = a2[p], s3 = a3[p];
-        if constexpr (gdn_fma16<V>()) {
-          x0 = V::fma(V::set1(s0), bx, x0);
-          y0 = V::fma(V::set1(s0), by, y0);
-          x1 = V::fma(V::set1(s1), bx, x1);
-          y1 = V::fma(V::set1(s1), by, y1);
-          x2 = V::fma(V::set1(s2), bx, x2);
-          y2 = V::fma(V::set1(s2), by, y2);
-          x3 = V::fma(V::set1(s3), bx, x3);
-          y3 = V::fma(V::set1(s3), by, y3);
-        } else {
-          x0 += s0 * bx;
-          y0 += s0 * by;
-          x1 += s1 * bx;
-          y1 += s1 * by;
-          x2 += s2 * bx;
-          y2 += s2 * by;
-          x3 += s3 * bx;
-          y3 += s3 * by;
-        }
+        x0 = madd(s0, bx, x0);
+        y0 = madd(s0, by, y0);
+        x1 = madd(s1, bx, x1);
+        y1 = madd(s1, by, y1);
+        x2 = madd(s2, bx, x2);
+        y2 = madd(s2, by, y2);
+        x3 = madd(s3, bx, x3);
+        y3 = madd(s3, by, y3);
       }
-      st16(c0 + e, x0), st16(c0 + e + 16, y0), st16(c1 + e, x1), st16(c1 + e + 16, y1);
-      st16(c2 + e, x2), st16(c2 + e + 16, y2), st16(c3 + e, x3), st16(c3 + e + 16, y3);
+      st(c0 + e, x0), st(c0 + e + L, y0), st(c1 + e, x1), st(c1 + e + L, y1);
+      st(c2 + e, x2), st(c2 + e + L, y2), st(c3 + e, x3), st(c3 + e + L, y3);
     }
     for (int r = 0; r < R; ++r)  // the column tail, same order of sums
       for (int64_t f = e; f < n; ++f) {

@@ -14,6 +14,7 @@ import plugins.gdn_ops  # noqa: F401  (torch.ops.mtp.gdn_step)
 from plugins.cpp_ops import cpu_isa, gdn_chunk_min_run
 from plugins.gdn_pool import GDNPoolGeometry, address
 from plugins.reference import gdn_step_ref
+from tests.plugins.conftest import HAS_AVX2
 
 HK, DK, HV, DV, K = 2, 16, 4, 20, 4  # Dv 20: the 16-column tiles and a column tail
 C = 2 * HK * DK + HV * DV
@@ -98,7 +99,7 @@ def test_chunked_run_equals_row_by_row_continuing_from_a_slot(n):
     assert not torch.equal(out, rows_out)  # the two forms really ran (their sums round differently)
 
 
-@pytest.mark.parametrize("isa", ["generic", "best"])
+@pytest.mark.parametrize("isa", ["generic", "best"] + (["avx2"] if HAS_AVX2 else []))  # each ISA's own tiles
 def test_packed_batch_mixing_prefill_verify_and_decode_rows(isa):
     """Requests: a fresh 130-row prompt (stored at its last row), a padded one, a 4-row verify (every row stored), a
     70-row prompt continuing from slot 2 that stores at row 30 and at its last (two runs), a 1-row decode."""
