@@ -29,7 +29,7 @@ struct Gdn {
   const float* mixed;  // [T, C]
   const float* b;      // [T, Hv]
   const float* a;      // [T, Hv]
-  const float* w;      // [C, K]
+  const float* w;      // [K, C] the conv weights, transposed (channels contiguous: conv_rows's vectors)
   const float* a_log;  // [Hv]
   const float* dt_bias;
   char* conv;          // this layer's conv pool [S, C, K-1] (pool dtype)
@@ -40,48 +40,67 @@ struct Gdn {
 
 MTP_INLINE float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20
 
+// Every row's q | k | v after the conv, head by head: segment (q head i, k head i, v head h: channels off .. off +
+// len of the conv) holds the op's T rows one after the other, [T, len] at xs + T * off. A head's rows are len floats
+// apart, not C: the chunked form reads a chunk's Q, K and V as compact blocks (rows C floats apart are each on
+// another page; perf put an eighth of the chunk's time in its first loads of K), and so does the row-by-row form.
+struct GdnActs {
+  float* xs;
+  int64_t rows, dk, dv, kd;  // kd = Hk * Dk
+  float* q(int64_t t, int64_t kh) const { return xs + rows * kh * dk + t * dk; }
+  float* k(int64_t t, int64_t kh) const { return xs + rows * (kd + kh * dk) + t * dk; }
+  float* v(int64_t t, int64_t h) const { return xs + rows * (2 * kd + h * dv) + t * dv; }
+};
+
 // One request's rows (packed rows row0 .. row0 + n - 1): where they start from and whether it is fresh.
 struct GdnRequest {
   int64_t row0, n, read_slot;
   bool fresh;
 };
 
-// The causal conv of request q's rows, in order (the window slides row by row), with silu and the l2-normalised
-// q / k heads (q also scaled by Dk^-0.5): x[t] = the row's q | k | v. After row t the window goes to the conv pool
-// at write_slots[t]. Window in the calling thread's scratch slot 0, the silu exps in slot 5.
+// The causal conv of request q's rows, in order, with silu and the l2-normalised q / k heads (q also scaled by
+// Dk^-0.5), into the acts' segments. After row t the window (the last K-1 inputs) goes to the conv pool at
+// write_slots[t]. Vectorised over channels: the window and the weights are held transposed ([K-1, C], [K, C]), so
+// input j of row t is a whole row, the window's or one of `mixed`, and each channel's sum is
+// 0 + w_0 in_0 + ... + w_{K-1} in_{K-1} in that order, multiply then add (-ffp-contract=off): the same operations,
+// so the same bits, as the channel-by-channel loop it replaced (perf: that scalar loop bounded both forms' prompt
+// speed). The window in the calling thread's scratch slot 0, the silu exps in slot 5.
 template <class V, class P>
-void conv_rows_body(const Gdn& g, const GdnRequest& q, const Ints& writes, float* xs) {
-  const int64_t c = g.c, win = g.kk - 1, kd = g.hk * g.dk;
-  float* window = scratch(0, c * win);
-  float* neg = scratch(5, c);
+void conv_rows_body(const Gdn& g, const GdnRequest& q, const Ints& writes, GdnActs acts) {
+  const int64_t c = g.c, kk = g.kk, win = kk - 1, kd = g.hk * g.dk;
+  float* window = scratch(0, c * win);  // [win, c] the request's starting window, transposed
+  float* neg = scratch(5, std::max(g.dk, g.dv));
   if (q.fresh) {
     std::fill(window, window + c * win, 0.0f);
   } else {
     const P* src = reinterpret_cast<const P*>(g.conv) + q.read_slot * c * win;
-    for (int64_t i = 0; i < c * win; ++i) window[i] = f32(src[i]);
+    for (int64_t ch = 0; ch < c; ++ch)
+      for (int64_t j = 0; j < win; ++j) window[j * c + ch] = f32(src[ch * win + j]);
   }
+  // input i of the request's sequence [window, its rows]: row i of the window, then row i - win of its rows
+  auto input = [&](int64_t i) { return i < win ? window + i * c : g.mixed + (q.row0 + i - win) * c; };
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(g.dk));
-  for (int64_t t = q.row0; t < q.row0 + q.n; ++t) {
-    const float* in = g.mixed + t * c;
-    float* x = xs + t * c;
-    for (int64_t ch = 0; ch < c; ++ch) {  // conv over [window, input], then the window slides by one
-      float* wn = window + ch * win;
-      const float* wt = g.w + ch * g.kk;
-      float s = 0.0f;
-      for (int64_t j = 0; j < win; ++j) s += wn[j] * wt[j];
-      s += in[ch] * wt[win];
-      x[ch] = s;
-      for (int64_t j = 0; j + 1 < win; ++j) wn[j] = wn[j + 1];
-      wn[win - 1] = in[ch];
+  for (int64_t r = 0; r < q.n; ++r) {
+    const int64_t t = q.row0 + r;
+    for (int64_t seg = 0; seg < 2 * g.hk + g.hv; ++seg) {  // q heads, k heads, v heads
+      const bool is_v = seg >= 2 * g.hk;
+      const int64_t len = is_v ? g.dv : g.dk, off = is_v ? 2 * kd + (seg - 2 * g.hk) * g.dv : seg * g.dk;
+      float* __restrict__ x = acts.xs + acts.rows * off + t * len;
+      for (int64_t ch = 0; ch < len; ++ch) x[ch] = 0.0f;
+      for (int64_t j = 0; j < kk; ++j) {
+        const float* __restrict__ in = input(r + j) + off;
+        const float* __restrict__ wj = g.w + j * c + off;
+        for (int64_t ch = 0; ch < len; ++ch) x[ch] += in[ch] * wj[ch];
+      }
+      // silu(s) = s / (1 + exp(-s)), the exps of the segment at once (V's vector exp: a third of the prompt
+      // rows' time went to a scalar expf per channel)
+      for (int64_t ch = 0; ch < len; ++ch) neg[ch] = -x[ch];
+      V::exp_sub(neg, 0.0f, len);
+      for (int64_t ch = 0; ch < len; ++ch) x[ch] = x[ch] / (1.0f + neg[ch]);
     }
-    // silu(s) = s / (1 + exp(-s)), the exps of the whole row at once (V's vector exp: a third of the prompt
-    // rows' time went to a scalar expf per channel)
-    for (int64_t ch = 0; ch < c; ++ch) neg[ch] = -x[ch];
-    V::exp_sub(neg, 0.0f, c);
-    for (int64_t ch = 0; ch < c; ++ch) x[ch] = x[ch] / (1.0f + neg[ch]);
     for (int64_t h = 0; h < g.hk; ++h) {  // l2-normalise each q / k head (q also scaled by Dk^-0.5)
-      float* qh = x + h * g.dk;
-      float* kh = x + kd + h * g.dk;
+      float* qh = acts.q(t, h);
+      float* kh = acts.k(t, h);
       float sq = 0.0f, sk = 0.0f;
       for (int64_t i = 0; i < g.dk; ++i) {
         sq += qh[i] * qh[i];
@@ -94,9 +113,12 @@ void conv_rows_body(const Gdn& g, const GdnRequest& q, const Ints& writes, float
       }
     }
     const int64_t slot = writes[t];
-    if (slot >= 0) {
+    if (slot >= 0) {  // the window after row t: inputs r + 1 .. r + win, back to the pool's [C, K-1]
       P* dst = reinterpret_cast<P*>(g.conv) + slot * c * win;
-      for (int64_t i = 0; i < c * win; ++i) dst[i] = from_f32<P>(window[i]);
+      for (int64_t j = 0; j < win; ++j) {
+        const float* in = input(r + 1 + j);
+        for (int64_t ch = 0; ch < c; ++ch) dst[ch * win + j] = from_f32<P>(in[ch]);
+      }
     }
   }
 }
@@ -112,8 +134,8 @@ MTP_ISA_KERNEL(conv_rows, conv_rows_body)
 // A run of rows that store no state (write_slots -1, the run's last row may store) of at least g_min_chunk_run rows
 // goes through the chunked form (gdn_chunk.h: prompt rows touch S once per chunk); shorter runs and rows that each
 // store their state (verify rows) go row by row.
-void head_rows(const Gdn& g, const GdnRequest& q, int64_t h, const Ints& writes, const float* xs) {
-  const int64_t kd = g.hk * g.dk, rep = g.hv / g.hk, head_size = g.dk * g.dv, state_size = g.hv * head_size;
+void head_rows(const Gdn& g, const GdnRequest& q, int64_t h, const Ints& writes, GdnActs acts) {
+  const int64_t rep = g.hv / g.hk, head_size = g.dk * g.dv, state_size = g.hv * head_size;
   float* s = scratch(1, head_size);
   float* __restrict__ d = scratch(2, g.dv);
   if (q.fresh) std::fill(s, s + head_size, 0.0f);
@@ -126,10 +148,9 @@ void head_rows(const Gdn& g, const GdnRequest& q, int64_t h, const Ints& writes,
     if (slot >= 0) std::memcpy(g.ssm + slot * state_size + h * head_size, s, sizeof(float) * head_size);
   };
   auto row = [&](int64_t t) {
-    const float* x = xs + t * g.c;
-    const float* qh = x + (h / rep) * g.dk;
-    const float* k = x + kd + (h / rep) * g.dk;
-    const float* v = x + 2 * kd + h * g.dv;
+    const float* qh = acts.q(t, h / rep);
+    const float* k = acts.k(t, h / rep);
+    const float* v = acts.v(t, h);
     const float decay = std::exp(log_decay(t));
     const float beta = beta_of(t);
     // two passes over S (decay with S^T k, then the update with S^T q); each sum runs over Dk in order
@@ -170,9 +191,8 @@ void head_rows(const Gdn& g, const GdnRequest& q, int64_t h, const Ints& writes,
         lg[i] = log_decay(t + i);
         beta[i] = beta_of(t + i);
       }
-      const float* x = xs + t * g.c;
-      gdn_chunk(GdnChunkRows{x + (h / rep) * g.dk, x + kd + (h / rep) * g.dk, x + 2 * kd + h * g.dv, lg, beta,
-                             g.out + (t * g.hv + h) * g.dv, n, g.c, g.hv * g.dv, g.dk, g.dv},
+      gdn_chunk(GdnChunkRows{acts.q(t, h / rep), acts.k(t, h / rep), acts.v(t, h), lg, beta,
+                             g.out + (t * g.hv + h) * g.dv, n, g.hv * g.dv, g.dk, g.dv},
                 s, buf);
     }
     store(last);
@@ -187,7 +207,7 @@ void head_rows(const Gdn& g, const GdnRequest& q, int64_t h, const Ints& writes,
 // engine, which gives each request its own slots) they run one after the other, in order, as the reference does.
 template <class P>
 void run_requests(const Gdn& g, const std::vector<GdnRequest>& reqs, const Ints& writes, int64_t num_slots,
-                  float* xs) {
+                  GdnActs xs) {
   const int64_t nr = static_cast<int64_t>(reqs.size()), head_work = 4 * g.dk * g.dv;
   int64_t rows = 0;
   for (const auto& q : reqs) rows += q.n;
@@ -277,7 +297,7 @@ at::Tensor gdn_step_cpu(const at::Tensor& mixed, const at::Tensor& b, const at::
   at::Tensor out = at::zeros({rows, num_v_heads, head_v_dim}, mixed.options().dtype(at::kFloat));
   if (rows == 0 || total == 0) return out;
   const at::Tensor xm = f32_contiguous(mixed, "mixed"), xb = f32_contiguous(b, "b"), xa = f32_contiguous(a, "a");
-  const at::Tensor w = f32_contiguous(conv_weight, "conv_weight"), al = f32_contiguous(a_log, "a_log");
+  const at::Tensor w = f32_contiguous(conv_weight, "conv_weight").t().contiguous(), al = f32_contiguous(a_log, "a_log");
   const at::Tensor dt = f32_contiguous(dt_bias, "dt_bias");
   const int64_t win = conv_kernel - 1, state_size = num_v_heads * head_k_dim * head_v_dim;
   auto run = [&](auto p) {
@@ -295,7 +315,8 @@ at::Tensor gdn_step_cpu(const at::Tensor& mixed, const at::Tensor& b, const at::
       row0 += counts[r];
     }
     // every row's q | k | v after the conv, shared by the head items: a caller's scratch slot no body takes
-    run_requests<P>(g, work, writes, num_slots, scratch(3, total * conv_dim));
+    const GdnActs acts{scratch(3, total * conv_dim), total, head_k_dim, head_v_dim, num_k_heads * head_k_dim};
+    run_requests<P>(g, work, writes, num_slots, acts);
   };
   switch (dtype) {
     case 0: run(float{}); break;

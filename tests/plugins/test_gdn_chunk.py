@@ -14,6 +14,7 @@ import plugins.gdn_ops  # noqa: F401  (torch.ops.mtp.gdn_step)
 from plugins.cpp_ops import cpu_isa, gdn_chunk_min_run
 from plugins.gdn_pool import GDNPoolGeometry, address
 from plugins.reference import gdn_step_ref
+from tests.plugins.conftest import HAS_AVX2
 
 HK, DK, HV, DV, K = 2, 16, 4, 20, 4  # Dv 20: the 16-column tiles and a column tail
 C = 2 * HK * DK + HV * DV
@@ -98,7 +99,7 @@ def test_chunked_run_equals_row_by_row_continuing_from_a_slot(n):
     assert not torch.equal(out, rows_out)  # the two forms really ran (their sums round differently)
 
 
-@pytest.mark.parametrize("isa", ["generic", "best"])
+@pytest.mark.parametrize("isa", ["generic", "best"] + (["avx2"] if HAS_AVX2 else []))  # each ISA's own tiles
 def test_packed_batch_mixing_prefill_verify_and_decode_rows(isa):
     """Requests: a fresh 130-row prompt (stored at its last row), a padded one, a 4-row verify (every row stored), a
     70-row prompt continuing from slot 2 that stores at row 30 and at its last (two runs), a 1-row decode."""
@@ -129,6 +130,28 @@ def test_one_and_two_threads_give_identical_bits():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_verify_and_decode_rows_keep_their_bits_when_prompt_runs_are_chunked():
+    """The chunked form (FMA on AVX-512) changes only the prompt runs' rows: in a batch with a prompt, a verify and a
+    decode request, the verify and decode rows, their stored states and every conv window are bit-identical with the
+    chunked form on and off, while the prompt's rows do differ (the check can fail)."""
+    counts, starts, reads = [100, 4, 1], [0, 50, 77], [0, 1, 3]
+    writes = [-1] * 99 + [0] + [4, 5, 6, 7] + [2]
+    mixed, b, a = rows(sum(counts), seed=13)
+    results = []
+    previous = gdn_chunk_min_run()
+    try:
+        for min_run in (previous, 1 << 30):
+            gdn_chunk_min_run(min_run)
+            conv, ssm = pools()
+            results.append((call(torch.ops.mtp.gdn_step, mixed, b, a, counts, starts, reads, writes, conv, ssm), conv,
+                            ssm))  # fmt: skip
+    finally:
+        gdn_chunk_min_run(previous)
+    (chunked, conv1, ssm1), (by_row, conv2, ssm2) = results
+    assert torch.equal(chunked[100:], by_row[100:]) and torch.equal(ssm1[2:], ssm2[2:]) and torch.equal(conv1, conv2)
+    assert not torch.equal(chunked[:100], by_row[:100])
 
 
 def test_one_chunk_with_its_decay_off_is_caught():
