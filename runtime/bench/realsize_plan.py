@@ -53,8 +53,8 @@ FORMATS = (
     Format("int8", "air2", "engine-int8", ("--quantize", "int8"), "Q8_0",
            "--quantize int8 (per-channel, weight-only; experts int8)", _bpw(*[1.0 + INT8_ROW_SCALE] * 3)),
     Format("int4", "air2", "engine-int4", ("--quantize", "int4"), "Q4_0",
-           "--quantize int4 (dense linears int4 group 64; routed experts int8)",
-           _bpw(INT4_GROUP, INT4_GROUP, 1.0 + INT8_ROW_SCALE)),
+           "--quantize int4 (group 64: dense linears and routed experts, mtp::linear_int4 / moe_experts_int4)",
+           _bpw(INT4_GROUP, INT4_GROUP, INT4_GROUP)),
 )  # fmt: skip
 LLAMA_QUANTS = ("BF16", "Q8_0", "Q4_0", "Q4_K_M")
 COMMON_BUILD_FLAGS = ("--compile", "aoti", "--max-batch", "1", "--max-num-tokens", "64", "--max-seq-len", "256",

@@ -74,8 +74,8 @@ def markdown(res: dict[str, Any]) -> str:
     acc = ", ".join(f"K={k}: {v}" for k, v in res["mtp_acceptance_from_deep_model"]["length"].items())
     parts = [
         f"\n{res['timestamp']}, {m['cpu']}, {m['cores']} cores, load average {m['load_average_start'][0]:.1f} at "
-        f"the start (**a loaded, shared machine**: absolute times are inflated; the ratios of one interleaved "
-        f"run are the point). `{res['command']}`; batch 1, {s['context']} tokens of context, medians of "
+        f"the start and after each phase below (the bench keeps 1-2 cores busy itself; other work inflates the "
+        f"absolute times, not the ratios of one interleaved run). `{res['command']}`; batch 1, {s['context']} tokens of context, medians of "
         f"{s['rounds']} rotated rounds (ours: median of {s['iters']} wall-clock calls per round; llama.cpp: "
         f"its own eval timer over {s['llama_tokens']} tokens). Bound = weight bytes one decode token reads in "
         f"that format / the phase's best measured read bandwidth (llama.cpp's from its GGUF's tensor bytes)."
