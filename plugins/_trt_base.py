@@ -68,10 +68,11 @@ def _read_fields(spec: OpSpec, fc: trt.PluginFieldCollection_) -> dict[str, floa
     return values
 
 
-class _PluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
+class _CorePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
+    """What every plugin of the namespace states alike: identity, fields from its OpSpec, no tactics, no workspace."""
+
     name = ""
     spec: OpSpec
-    pool_input = 0
 
     def __init__(self, values: dict[str, float]) -> None:
         trt.IPluginV3.__init__(self)
@@ -86,15 +87,6 @@ class _PluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, tr
         self.metadata_string = ""
         self.format_combination_limit = trt.IPluginV3OneBuild.DEFAULT_FORMAT_COMBINATION_LIMIT
         self.values = dict(values)
-        self._pool_cache: dict[int, int] = {}  # address of a *_ptr buffer -> the pool address stored there
-        floats = {a.name for a in self.spec.attrs if a.kind is float}
-        v = {k: int(x) for k, x in values.items() if k not in floats}
-        self.plane = v.get("plane", v.get("layer", 0))  # GdnStep: the layer of the state pool
-        self.geom = self._geometry(v)
-
-    def _geometry(self, v: dict[str, int]) -> Any:
-        return KVPoolGeometry(v["num_planes"], v["num_blocks"], v["block_size"], v["num_kv_heads"], v["head_dim"],
-                              v["dtype"])  # fmt: skip
 
     def get_capability_interface(self, type: trt.PluginCapabilityType) -> Any:
         return self
@@ -122,6 +114,24 @@ class _PluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, tr
 
     def attach_to_context(self, resource_context: Any) -> trt.IPluginV3:
         return self.clone()
+
+
+class _PluginBase(_CorePlugin):
+    """A pool plugin: the pool's geometry from its attributes and its address read through the *_ptr input."""
+
+    pool_input = 0
+
+    def __init__(self, values: dict[str, float]) -> None:
+        super().__init__(values)
+        self._pool_cache: dict[int, int] = {}  # address of a *_ptr buffer -> the pool address stored there
+        floats = {a.name for a in self.spec.attrs if a.kind is float}
+        v = {k: int(x) for k, x in values.items() if k not in floats}
+        self.plane = v.get("plane", v.get("layer", 0))  # GdnStep: the layer of the state pool
+        self.geom = self._geometry(v)
+
+    def _geometry(self, v: dict[str, int]) -> Any:
+        return KVPoolGeometry(v["num_planes"], v["num_blocks"], v["block_size"], v["num_kv_heads"], v["head_dim"],
+                              v["dtype"])  # fmt: skip
 
     def _pool_address(self, buffer_ptr: int) -> int:
         """The pool address stored at device address `buffer_ptr` (read once per buffer; see module doc)."""

@@ -30,6 +30,18 @@ from plugins.triton_kernels import _check_index, _flag, _pool_view, _request_of_
 
 
 @triton.jit
+def _row_sight(q_counts_ptr, kv_lens_ptr, row, num_requests, BLOCK_R: tl.constexpr):
+    """(live, request, last): the request query row `row` belongs to (0 for a padding row, live False) and the last
+    position it sees (causal: 0..last; -1 for a padding row)."""
+    req, j = _request_of_row(q_counts_ptr, row, num_requests, BLOCK_R)
+    live = _flag(req < num_requests)
+    req_safe = tl.where(live, req, 0)
+    n_q = tl.load(q_counts_ptr + req_safe).to(tl.int64)
+    n_kv = tl.load(kv_lens_ptr + req_safe).to(tl.int64)
+    return live, req_safe, tl.where(live, n_kv - n_q + j, -1)
+
+
+@triton.jit
 def _index_scores_kernel(
     q_ptr, w_ptr, q_counts_ptr, kv_lens_ptr, tables_ptr, pool_ptr, scores_ptr,
     num_requests, max_blocks, plane, scale, num_heads, dim,
@@ -38,12 +50,7 @@ def _index_scores_kernel(
     BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    req, j = _request_of_row(q_counts_ptr, row, num_requests, BLOCK_R)
-    live = _flag(req < num_requests)
-    req_safe = tl.where(live, req, 0)
-    n_q = tl.load(q_counts_ptr + req_safe).to(tl.int64)
-    n_kv = tl.load(kv_lens_ptr + req_safe).to(tl.int64)
-    last = tl.where(live, n_kv - n_q + j, -1)  # causal: this row sees positions 0..last
+    live, req_safe, last = _row_sight(q_counts_ptr, kv_lens_ptr, row, num_requests, BLOCK_R)
 
     pos = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     seen = pos <= last
@@ -78,12 +85,8 @@ def _topk_select_kernel(
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    req, j = _request_of_row(q_counts_ptr, row, num_requests, BLOCK_R)
-    live = _flag(req < num_requests)
-    req_safe = tl.where(live, req, 0)
-    n_q = tl.load(q_counts_ptr + req_safe).to(tl.int64)
-    n_kv = tl.load(kv_lens_ptr + req_safe).to(tl.int64)
-    visible = tl.where(live, n_kv - n_q + j + 1, 0)
+    _, _, last = _row_sight(q_counts_ptr, kv_lens_ptr, row, num_requests, BLOCK_R)
+    visible = last + 1  # 0 for a padding row
     k = tl.minimum(visible, topk)
     n = tl.arange(0, BLOCK_N)
     src = scores_ptr + row * stride_scores

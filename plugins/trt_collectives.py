@@ -27,7 +27,7 @@ import tensorrt as trt
 import torch
 import torch.distributed as dist
 
-from plugins._trt_base import _TYPE_NAMES, _as_tensor, _fields, _read_fields
+from plugins._trt_base import _TYPE_NAMES, _as_tensor, _CorePlugin, _fields, _read_fields
 from plugins.names import ALL_GATHER, ALL_REDUCE, DOMAIN, PLUGIN_VERSION
 from plugins.op_spec import SPECS, accepts
 
@@ -62,50 +62,12 @@ def nccl_tp_group(tp_size: int) -> Any:
     return mine
 
 
-class _CollectivePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
-    name = ""
+class _CollectivePlugin(_CorePlugin):
+    spec = SPECS["all_reduce"]  # AllGather's attributes (tp_size) and tensor types are AllReduce's
 
     def __init__(self, values: dict[str, float]) -> None:
-        trt.IPluginV3.__init__(self)
-        trt.IPluginV3OneCore.__init__(self)
-        trt.IPluginV3OneBuild.__init__(self)
-        trt.IPluginV3OneRuntime.__init__(self)
-        self.plugin_name = self.name
-        self.plugin_version = PLUGIN_VERSION
-        self.plugin_namespace = DOMAIN
-        self.num_outputs = 1
-        self.timing_cache_id = f"{DOMAIN}::{self.name}::{PLUGIN_VERSION}"
-        self.metadata_string = ""
-        self.format_combination_limit = trt.IPluginV3OneBuild.DEFAULT_FORMAT_COMBINATION_LIMIT
-        self.values = dict(values)
+        super().__init__(values)
         self.tp_size = int(values["tp_size"])
-
-    def get_capability_interface(self, type: trt.PluginCapabilityType) -> Any:
-        return self
-
-    def clone(self) -> trt.IPluginV3:
-        return type(self)(self.values)
-
-    def get_fields_to_serialize(self) -> trt.PluginFieldCollection_:
-        return trt.PluginFieldCollection_(_fields(SPECS["all_reduce"], self.values))
-
-    def configure_plugin(self, inp: list[trt.DynamicPluginTensorDesc], out: list[trt.DynamicPluginTensorDesc]) -> None:
-        return None
-
-    def on_shape_change(self, inp: list[trt.PluginTensorDesc], out: list[trt.PluginTensorDesc]) -> None:
-        return None
-
-    def set_tactic(self, tactic: int) -> None:
-        return None
-
-    def get_valid_tactics(self) -> list[int]:
-        return []
-
-    def get_workspace_size(self, inp: list[trt.DynamicPluginTensorDesc], out: list[trt.DynamicPluginTensorDesc]) -> int:
-        return 0
-
-    def attach_to_context(self, resource_context: Any) -> trt.IPluginV3:
-        return self.clone()
 
     def get_output_data_types(self, input_types: list[trt.DataType]) -> list[trt.DataType]:
         return [input_types[0]]
@@ -114,7 +76,7 @@ class _CollectivePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBui
         if in_out[pos].desc.format != trt.TensorFormat.LINEAR:
             return False
         types = [_TYPE_NAMES.get(d.desc.type, "other") for d in in_out[: pos + 1]]
-        return accepts(SPECS["all_reduce"], pos, types)  # AllGather's tensors are typed alike
+        return accepts(self.spec, pos, types)
 
 
 class AllReducePlugin(_CollectivePlugin):
