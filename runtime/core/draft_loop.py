@@ -4,6 +4,12 @@ Depth d writes the MTP plane at base-1+d for the requests with k_i > d (a fixed 
 --num-draft-tokens per-request: the packed rows shrink per depth, runtime/core/verify_lengths.py). A depth with no
 request left here (a lockstep rank whose requests stopped earlier than another rank's) is one padded row, so
 every rank issues the same number of collective-bearing draft forwards (invariant 9).
+
+Host work per depth is one argmax over the depth's logits for the rows that draft by argmax with no grammar (greedy
+requests, and sampled ones whose exact-match acceptance still drafts the argmax: sampling.draft_token), and the
+per-row path (grammar mask, sampled draft and its probs) only for the others. The depths stay one executor call
+each: a K-depth graph would save little and cost a package per build (docs/PERFORMANCE.md "The draft loop in one
+call?").
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ def run(run_draft: Callable[[DraftInput], DraftOutput], idle_draft: Callable[[],
     tokens = [r.token_ids[-1] for r in reqs]
     probs: list[list[np.ndarray]] = [[] for _ in reqs]
     rows = list(range(len(reqs)))  # the requests whose rows `hidden` holds, in order
+    plain = [_drafts_argmax(r) for r in reqs]  # fixed for the loop: a request's policy does not change mid-step
     for depth in range(k):
         if any(k_i[j] <= depth for j in rows):  # their drafts are done: drop their rows (a prefix of depths each)
             hidden = hidden[[n for n, j in enumerate(rows) if k_i[j] > depth]]
@@ -43,8 +50,13 @@ def run(run_draft: Callable[[DraftInput], DraftOutput], idle_draft: Callable[[],
             idle_draft()
             continue
         out = run_draft(plan_draft(hidden, [tokens[j] for j in rows], [bases[j] for j in rows], depth, tables[rows]))
+        top = out.logits.argmax(axis=1).tolist() if any(plain[j] for j in rows) else None
         for n, j in enumerate(rows):
             r = reqs[j]
+            if plain[j]:  # == draft_token on unmasked logits, without the per-row call
+                tokens[j] = top[n]  # type: ignore[index]
+                r.spec.drafts.append(tokens[j])
+                continue
             try:
                 tokens[j] = draft_token(r.params, r.rng, grammar.mask_draft(r, out.logits[n : n + 1]), probs[j])
                 grammar.push_draft(r, tokens[j])
@@ -57,3 +69,9 @@ def run(run_draft: Callable[[DraftInput], DraftOutput], idle_draft: Callable[[],
             r.spec.draft_probs = np.stack(probs[j])
         grammar.end_drafts(r)  # matcher back at the last emitted token; drafts it rejected are cut
     return failed
+
+
+def _drafts_argmax(r: Request) -> bool:
+    """Whether draft_token would return the argmax of r's unmasked logits (so one batched argmax serves it)."""
+    p = r.params
+    return p.grammar is None and not (p.acceptance == "rejection" and not p.is_greedy)
