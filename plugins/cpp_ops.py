@@ -41,6 +41,13 @@ def cpu_isa(choose: str = "") -> str:
     return torch.ops.mtp.cpu_isa(choose)
 
 
+def amx_min_rows(set_to: int = -1) -> int:
+    """The row count from which mtp::linear_bf16 takes the exact AMX path (plugins/csrc/amx_bf16.h) on the AVX-512
+    ISA; set_to >= 1 sets it (1: always, 1 << 30: never; tests and benches). 0: this CPU or OS cannot run AMX."""
+    load()
+    return int(torch.ops.mtp.amx_min_rows(set_to))
+
+
 def gdn_chunk_min_run(set_to: int = -1) -> int:
     """The shortest run of prompt rows (rows storing no state) that `mtp::gdn_step` runs in the chunked form
     (plugins/csrc/gdn_chunk.h); set_to >= 1 sets it (1 << 30: row by row everywhere; tests and the prefill bench)."""

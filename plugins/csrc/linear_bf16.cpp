@@ -12,6 +12,9 @@
 // (a packed [K, N] panel layout was not measured; docs/PERFORMANCE.md "Compiled engine" has what was).
 // Many rows (prefill chunks): compute-bound; a block of weight rows is converted into a reused fp32 tile and
 // multiplied by at::mm / at::addmm (MKL), so the cost is MKL's plus one conversion of each weight per call.
+// With AMX-BF16 (amx_bf16.h: checked at run time, on the AVX-512 ISA) from amx_min_rows() rows on (16, measured:
+// batch 8's verify, prefill), the exact three-part AMX multiply instead of MKL: fp32 math up to accumulation order
+// there too.
 //
 // Paths: tiles.h's bodies over bf16 rows (Bf16Weights), instantiated for AVX-512 (16 lanes), AVX2 + FMA (8 lanes;
 // AMD Zen 2/3 has no AVX-512) and portable C++ by MTP_ISA_KERNEL, chosen at run time by active_isa(). No vdpbf16ps:
@@ -21,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
+#include "amx_bf16.h"
 #include "common.h"
 #include "dequant_mm.h"
 #include "tiles.h"
@@ -72,6 +76,11 @@ at::Tensor linear_bf16_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   const int64_t n = weight.size(0), k = weight.size(1);
   const c10::BFloat16* w = weight.data_ptr<c10::BFloat16>();
   return weight_only_linear(op, x, weight, n, k, bias, [&](const at::Tensor& xc, const at::Tensor& bc, at::Tensor& y2) {
+    if (amx_rows(xc.size(0))) {
+      amx_linear(xc.data_ptr<float>(), xc.size(0), k, w, n, bc.defined() ? bc.data_ptr<float>() : nullptr,
+                 y2.data_ptr<float>(), n);
+      return;
+    }
     if (xc.size(0) >= kTiledRows) {
       dequant_tile_mm(xc, bc.defined() ? c10::optional<at::Tensor>(bc) : c10::nullopt, y2, n, k,
                       [&](int64_t n0, int64_t n1, float* dst) { widen(w + n0 * k, dst, (n1 - n0) * k); });

@@ -8,6 +8,7 @@
 // takes as `after` so every graph orders the read after the write.
 #include <torch/library.h>
 
+#include "amx_bf16.h"
 #include "common.h"
 
 namespace mtp {
@@ -23,6 +24,9 @@ static std::string cpu_isa(c10::string_view set) {
 }
 
 int64_t gdn_chunk_min_run(int64_t set);  // gdn_step.cpp
+
+// AMX's row threshold (amx_bf16.h): -1 reads it, n >= 1 sets it; 0 if this CPU / OS cannot run AMX
+static int64_t amx_rows_from(int64_t set) { return amx_usable() ? amx_min_rows(set) : 0; }
 
 }  // namespace mtp
 
@@ -97,4 +101,6 @@ TORCH_LIBRARY_FRAGMENT(mtp, m) {
   m.def("cpu_isa(str set='') -> str", &mtp::cpu_isa);
   // gdn_step's shortest run of prompt rows that takes the chunked form: -1 reads it, n >= 1 sets it (tests, bench)
   m.def("gdn_chunk_min_run(int set=-1) -> int", &mtp::gdn_chunk_min_run);
+  // the exact AMX multiply's row threshold (linear_bf16): -1 reads it, n >= 1 sets it; 0 where AMX is not usable
+  m.def("amx_min_rows(int set=-1) -> int", &mtp::amx_rows_from);
 }

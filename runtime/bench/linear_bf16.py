@@ -4,7 +4,9 @@
 
 Each candidate multiplies x [M, K] by `--count` distinct weights of [N, K] in turn (together far larger than the
 last-level cache, so every weight comes from DRAM, as in a decode step of a large model):
-  bf16-op     torch.ops.mtp.linear_bf16 on the bf16 weights (what the compiled engine calls)
+  bf16-op     torch.ops.mtp.linear_bf16 on the bf16 weights (what the compiled engine calls; on a CPU with AMX-BF16
+              its exact AMX path from plugins.cpp_ops.amx_min_rows() rows, or from `--amx-min-rows`)
+  bf16-op-noamx  (a CPU with AMX) the same op with its AMX path off: the register tiles, MKL from 16 rows
   fp32        F.linear on fp32 weights stored [N, K]
   fp32-in-out F.linear on fp32 weights stored [K, N] (models/feed_forward.py store_in_out: the eager layout)
   upcast+mm   F.linear(x, w.float()) on the bf16 weights (what the compiled engine generated before the op)
@@ -46,8 +48,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--int4-groups", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--isa", default="best", choices=["best", "avx512", "avx2", "generic"],
                    help="the kernels' body (an AVX-512 machine runs the AVX2 one too)")  # fmt: skip
+    p.add_argument("--amx-min-rows", type=int, default=-1, help="bf16-op's AMX row threshold (default: the library's)")
     a = p.parse_args(argv)
     plugins.cpp_ops.cpu_isa(a.isa)
+    amx_on = plugins.cpp_ops.amx_min_rows(a.amx_min_rows)
     torch.manual_seed(0)
     low = [torch.randn(a.n, a.k).bfloat16() for _ in range(a.count)]
     full = [w.float() for w in low]
@@ -58,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
         "fp32-in-out": (in_out, lambda x, w: F.linear(x, w)),
         "upcast+mm": (low, lambda x, w: F.linear(x, w.float())),
     }
+    if amx_on:
+        cands["bf16-op-noamx"] = cands["bf16-op"]
+    amx = {"bf16-op-noamx": 1 << 30}  # each candidate's AMX threshold, set for its whole pass
     if a.quantized:  # a weight is a tuple (stored tensors...); its bytes are theirs together
         cands["int8-op"] = ([quantize_int8(w) for w in full], lambda x, w: torch.ops.mtp.linear_int8(x, *w, None))
         for g in a.int4_groups:
@@ -72,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(a.rounds):
             for c in names[r % len(names) :] + names[: r % len(names)]:
                 weights, fn = cands[c]
+                if amx_on:
+                    plugins.cpp_ops.amx_min_rows(amx.get(c, amx_on))
                 per = []
                 for _ in range(a.iters):
                     t0 = time.process_time()
