@@ -4,7 +4,7 @@ measured on this machine when the engine is created (runtime/core/verify_lengths
 Measured, never assumed: how a verify row compares with a draft row depends on the executor, the model, the
 thread count and the kernels (multi-row verify kernels keep getting cheaper), so the engine times its own graphs.
 `profile` runs each graph at a few row counts on the null block (live rows whose KV writes land in the reserved
-block 0, like an idle rank's padding) and keeps the median of a few timings in integer microseconds. Under mpirun
+block 0, like an idle rank's padding) and keeps the fastest of a few timings in integer microseconds. Under mpirun
 `agree` takes every rank's figures and keeps the elementwise maximum: integers, so every rank prices every step
 identically and chooses the same k_i (never a float compared across ranks). Between sampled row counts the cost
 is interpolated linearly in integer arithmetic, and made non-decreasing (timing noise must not make a row free).
@@ -22,7 +22,9 @@ import numpy as np
 from runtime.core.block_pool import NULL_BLOCK_ID
 from runtime.executors.base import CommitInput, DraftInput, MainInput
 
-REPEATS = 3  # timings per point (median), after one warm-up call
+# Timings per point, after one warm-up call; the fastest counts: on shared cores the other jobs only ever add
+# time, and one slow sample at one row count would otherwise price a whole depth out for the engine's life
+REPEATS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +120,7 @@ def _time(fn: Callable[[], object], clock: Callable[[], float]) -> int:
         t0 = clock()
         fn()
         times.append(clock() - t0)
-    return max(1, round(sorted(times)[REPEATS // 2] * 1e6))
+    return max(1, round(min(times) * 1e6))
 
 
 def profile(executor, max_num_tokens: int, max_batch: int, k_max: int, width: int, clock: Callable[[], float],
