@@ -58,10 +58,11 @@ def test_ep2_ranks_agree_on_the_draft_loop(checkpoint, tmp_path, policy):  # noq
     result = json.loads(out.read_text())
     assert result["outputs"] == ref
     drafts, deepest = result["drafts"], result["deepest"]
-    assert drafts[0] == drafts[1] and sum(drafts[0]) > 0
+    assert drafts[0] == drafts[1]
     assert [max(a, b) for a, b in zip(*deepest, strict=True)] == drafts[0]  # the deepest k_i of either rank
-    if policy == "default":
+    if policy == "default":  # (on this small torch model a draft call costs about a verify: it may never draft)
         costs = result["costs"]
         assert costs[0] == costs[1] and min(costs[0]) > 0
     else:
+        assert sum(drafts[0]) > 0
         assert any(a != b for a, b in zip(*deepest, strict=True)), deepest  # they differed: a rank padded
