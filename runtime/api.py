@@ -96,7 +96,8 @@ class LLM:
                 when this machine can run them, else onnxruntime (tensorrt for a TensorRT engine); for a
                 checkpoint torch. A checkpoint runs on torch only.
             num_draft_tokens: K, the MTP draft depths per step; 0 = plain decoding, "auto" = picked per step up to
-                the built K, "per-request" = each request its own per step. None: the engine's recorded K (a checkpoint: 3).
+                the built K, "per-request" = each request its own per step. None: "per-request" up to the engine's
+                recorded K (a checkpoint: 3), runtime/core/config.py DEFAULT_DRAFT_TOKENS.
             max_batch, max_num_tokens, max_seq_len, num_blocks, max_prefill_chunk, enable_prefix_caching: the
                 runtime limits (runtime/core/config.py RuntimeConfig). None: the engine's build limits (a
                 checkpoint: RuntimeConfig's defaults); an engine refuses values above its build limits.

@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     r = p.add_argument_group("runtime")
     r.add_argument("--num-draft-tokens", type=_draft_tokens_flag, default=None,
-                   help="K draft depths; 0 disables MTP; auto picks 0..K per step; per-request: 0..K per request")
+                   help="K draft depths; 0 disables MTP; auto picks 0..K per step; per-request (default): 0..K per request")
     r.add_argument("--no-commit-pass", action="store_true", help="ablation: skip the MTP decode refresh")
     r.add_argument("--max-batch", type=int, default=None)
     r.add_argument("--threads", type=int, default=None, metavar="N",

@@ -16,7 +16,7 @@ from pathlib import Path
 from models.engine_format import EngineConfig, KVLayout, Limits, load_engine_config
 from models.engine_format.compiled import compiled_problem
 from plugins.mapping import MappingError, Parallel, check_model, rank_mapping
-from runtime.core.config import ConfigError, RuntimeConfig
+from runtime.core.config import DEFAULT_DRAFT_TOKENS, ConfigError, RuntimeConfig
 from runtime.core.draft_length import DraftLengthController
 from runtime.core.engine import LLMEngine
 from runtime.core.verify_lengths import VerifyLengthPolicy
@@ -105,13 +105,15 @@ def create_engine(
             weights measured up to 19% apart in speed from their memory placement alone, which swamped the
             differences between K. The engines must not run steps concurrently, and neither may cache prefixes.
         overrides: RuntimeConfig fields (max_batch, num_draft_tokens, num_blocks, ...); num_draft_tokens="auto"
-            picks the draft length per step, up to the engine's built K (runtime/core/draft_length.py).
+            picks the draft length per step, up to the engine's built K (runtime/core/draft_length.py);
+            "per-request" (the default, DEFAULT_DRAFT_TOKENS) each request's own per step (verify_lengths.py).
     """
     if executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     ecfg = load_engine_config(engine_dir) if engine_dir is not None else None
     executor = resolve_executor(executor, ecfg)
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    overrides.setdefault("num_draft_tokens", DEFAULT_DRAFT_TOKENS)  # the one place the default is applied
     if overrides.get("num_draft_tokens") == "auto":  # K_max = what the engine was built for (or the default)
         del overrides["num_draft_tokens"]
         overrides["auto_draft_tokens"] = True

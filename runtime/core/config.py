@@ -8,7 +8,11 @@ from models.config import ConfigError  # one error type for every bad configurat
 from models.engine_format.layout import SNAPSHOTS_PER_REQUEST, table_width
 from runtime.executors.base import MTP_MODULE_POLICIES
 
-__all__ = ["ConfigError", "RuntimeConfig"]
+__all__ = ["DEFAULT_DRAFT_TOKENS", "ConfigError", "RuntimeConfig"]
+
+# --num-draft-tokens when none is given (mtp-run, mtp-serve, the LLM API, the benches: all through create_engine):
+# each request its own k_i <= the engine's built K per step, priced by the profiled cost model (verify_lengths.py)
+DEFAULT_DRAFT_TOKENS = "per-request"
 
 
 @dataclass(frozen=True, slots=True)

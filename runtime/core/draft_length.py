@@ -52,16 +52,16 @@ AUTO = "auto"
 
 
 def parse_num_draft_tokens(text: str) -> int | str:
-    """argparse `type=` for --num-draft-tokens: a non-negative int or "auto" (ArgumentTypeError: argparse
-    prints the message as the one-line error)."""
-    if text == AUTO:
-        return AUTO
+    """argparse `type=` for --num-draft-tokens: a non-negative int, "auto" or "per-request" (ArgumentTypeError:
+    argparse prints the message as the one-line error)."""
+    if text in (AUTO, "per-request"):
+        return text
     try:
         k = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give an int >= 0 (0 disables MTP) or 'auto'") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: give an int >= 0 (0 disables MTP), 'auto' or 'per-request'") from None
     if k < 0:
-        raise argparse.ArgumentTypeError(f"{k}: must be >= 0 (0 disables MTP) or 'auto'")
+        raise argparse.ArgumentTypeError(f"{k}: must be >= 0 (0 disables MTP), 'auto' or 'per-request'")
     return k
 
 

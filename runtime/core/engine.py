@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from models.config import ModelConfig
-from runtime.core import accept, draft_loop, logprobs, mtp_plan
+from runtime.core import accept, cost_model, draft_loop, logprobs, mtp_plan
 from runtime.core.acceptance_guard import CollapseDetector
 from runtime.core.admission import RequestError, validate_params, validate_prompt, validate_request_id
 from runtime.core.config import ConfigError, RuntimeConfig
@@ -66,7 +66,7 @@ class LLMEngine:
             whose wall time on shared cores mostly measures the other jobs (create_engine picks).
         executor_name: which executor runs (compiled, onnxruntime, torch, tensorrt), for the summaries.
         acceptance_watch: the acceptance-collapse detector (default sizes: acceptance_guard.CollapseDetector).
-        verify_lengths: per-request k_i (default: AcceptancePolicy when cfg asks for per-request; verify_lengths.py)."""
+        verify_lengths: per-request k_i (default: AcceptancePolicy, its costs profiled here, when cfg asks for per-request)."""
         if cfg.num_draft_tokens > 0 and model_cfg.num_mtp_modules == 0:
             raise ConfigError("this model has no MTP module; run with --num-draft-tokens 0")
         cfg = hybrid_runtime_config(cfg, executor) if model_cfg.is_hybrid else cfg
@@ -89,8 +89,8 @@ class LLMEngine:
         if draft_length is None and cfg.auto_draft_tokens and self.k:
             draft_length = DraftLengthController(self.k)
         self.draft_length = draft_length
-        if verify_lengths is None and cfg.per_request_draft_tokens and self.k:
-            verify_lengths = AcceptancePolicy()
+        if verify_lengths is None and cfg.per_request_draft_tokens and self.k and not ranks.is_follower:
+            verify_lengths = AcceptancePolicy(self._profile_costs(draft_clock))  # a follower never chooses
         self.verify_lengths = verify_lengths
         # rows a request holds back while `auto` runs k = 0 (mtp_plan.plan_step): the request's whole commit segment
         # (carry + up to 2K verified rows + the tail) must fit one commit call of max_num_tokens rows
@@ -100,6 +100,16 @@ class LLMEngine:
         self._timer = StepTimer(draft_clock)  # the running step's (runtime/core/step_record.py)
         self.last_step: StepRecord | None = None  # the record of the last step (idle steps included)
         self.step_listeners: list[Callable[[StepRecord], None]] = []  # each gets every step's record
+        if isinstance(self.verify_lengths, AcceptancePolicy) and not ranks.lockstep:  # host costs, learnt online
+            self.step_listeners.append(self.verify_lengths.observe)
+
+    def _profile_costs(self, clock: Callable[[], float]) -> cost_model.CostModel:
+        """The per-request policy's step cost model, timed now on this executor's graphs (runtime/core/cost_model.py);
+        lockstep ranks each time the same calls (collectives inside) and agree on the figures."""
+        wrap = idle_input if self.state_slots is not None else (lambda inp: inp)
+        model = cost_model.profile(self.executor, self.cfg.max_num_tokens, self.cfg.max_batch, self.k, self.width,
+                                   clock, wrap)  # fmt: skip
+        return cost_model.agree(model, self.ranks.gather_draft_samples) if self.ranks.lockstep else model
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, req_id: str | None = None) -> str:
@@ -165,6 +175,7 @@ class LLMEngine:
         ks: int | list[int] = k  # per-request: k_i each, and k = the draft loop's depths (agreed across ranks)
         if self.verify_lengths is not None and may_draft:
             ks = self.verify_lengths.choose(mtp_plan.verify_candidates(scheduled, accepted, errors, self.cfg.max_seq_len), k)
+            freeze = getattr(self.verify_lengths, "gives_up_drafting", False)  # k_i = 0 settled (verify_lengths.py)
         t.lap("accept")
         plan = plan_step(scheduled, main_plan, main.hidden, accepted, next_tokens, errors=errors, mtp=may_draft,
                          draft_depths=ks, refresh_drafts=self.cfg.commit_pass, max_carry_rows=self._max_carry_rows,

@@ -311,11 +311,12 @@ def verify_candidates(scheduled: list[ScheduledRequest], accepted: list[int], er
     (remaining 0, hence k_i = 0, for a request that does not draft: a prefill chunk, an error, a frozen plane)."""
     out = []
     for s, a, err in zip(scheduled, accepted, errors, strict=True):
-        req, remaining = s.req, 0
+        req, remaining, verified = s.req, 0, None
         if err is None and s.reaches_end and req.spec.may_draft:
             if s.num_drafts:
                 req.verify_counts.observe(s.num_drafts, a)
+                verified = (s.num_drafts, a)
             left = min(req.params.max_tokens - req.num_output_tokens, max_seq_len - req.num_tokens)
             remaining = left - a - 1  # tokens it may emit after this step's a + 1
-        out.append(Candidate(req.verify_counts, remaining))
+        out.append(Candidate(req.verify_counts, remaining, verified))
     return out

@@ -1,16 +1,22 @@
-"""Per-request verify lengths (--num-draft-tokens per-request): each drafting request gets its own k_i in
-0..K_max per step, from its own running per-position acceptance, its remaining tokens and a step budget.
+"""Per-request verify lengths (the default; --num-draft-tokens per-request): each drafting request gets its own k_i
+in 0..K_max per step, from its running per-position acceptance, its remaining tokens and the step cost model.
 
-Pure and exact: the acceptance counts are integers decayed by integer arithmetic, and gains are compared as
-Fractions, so every rank that sees the same requests picks the same k_i (never a float compared across ranks);
-ties are broken by position (request order, then depth). The engine applies the choice (runtime/core/engine.py:
-depth d of the draft loop runs the requests with k_i > d; the next verify carries k_i drafts of request i).
+Pure and exact: the acceptance counts are integers decayed by integer arithmetic, the costs integer microseconds
+agreed across ranks (runtime/core/cost_model.py), and every comparison is between Fractions, so every rank that
+sees the same requests picks the same k_i (never a float compared across ranks); ties are broken by position
+(request order, then depth). The engine applies the choice (runtime/core/engine.py: depth d of the draft loop
+runs the requests with k_i > d; the next verify carries k_i drafts of request i).
 
-The rule: depth j of request i is worth its expected emitted tokens, P(d_0..d_j all accepted) = p_0 * .. * p_j
-(each p from the decayed counts with a prior), and costs one draft row plus one verify row. A depth is drafted
-when that gain reaches `min_gain` (the cost model's price of a row, in tokens) and it is among the `max_rows`
-best gains of the step; gains fall with depth, so each request's chosen depths are a prefix 0..k_i-1. A request
-never drafts more than it may still emit: k_i <= remaining_i - 1 (closed batches do not verify a half-empty tail).
+The rule: slot (i, j), request i's draft at depth j, is worth its expected emitted tokens,
+P(d_0..d_j all accepted) = p_0 * .. * p_j (each p from the request's decayed counts; a new request starts from
+the engine-wide running acceptance, not a fixed prior). It costs one verify row and one commit row, plus a draft
+row at depth j, or a whole draft call when no request drafts that deep yet. For each number of draft depths D
+the slots with j < D are admitted in order of gain while the step's expected tokens per predicted microsecond
+improves; the D with the best rate wins (ties: fewer depths). A rank alone also learns the host's share of a
+step and of a draft depth from its step records (`observe`), beyond the profiled graph calls. Gains fall with depth, so each request's slots
+are a prefix 0..k_i-1. A request never drafts more than it may still emit: k_i <= remaining_i - 1 (the tail of
+a closed batch does not verify a half-empty step). A step that would draft nothing explores one depth-0 draft
+every EXPLORE_EVERY choices, so a fallen acceptance is measured again.
 """
 
 from __future__ import annotations
@@ -19,9 +25,17 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Protocol
 
+from runtime.core.cost_model import CostModel
+from runtime.core.step_record import StepRecord
+
 # Integer exponential decay: each observation keeps 15/16 of the old counts (rounded down) and adds WEIGHT.
 WEIGHT = 16
-PRIOR_TRIALS, PRIOR_HITS = 2 * WEIGHT, WEIGHT  # a new request starts at p = 1/2 per depth, worth two observations
+PRIOR_TRIALS, PRIOR_HITS = 2 * WEIGHT, WEIGHT  # the prior is worth two observations (of rate 1/2 engine-wide)
+ONE = 1 << 32  # fixed point of gains: integer arithmetic, exact and identical on every rank, and fast
+# A step that drafts nothing drafts one depth-0 row every EXPLORE_EVERY choices anyway (requests in turn): else
+# acceptance that once fell would never be measured again, and drafting would never resume.
+EXPLORE_EVERY = 16
+GIVE_UP_AFTER = 8  # ... and after this many choices in a row of nothing, the requests stop keeping their MTP plane
 
 
 @dataclass(slots=True)
@@ -30,6 +44,7 @@ class AcceptanceCounts:
 
     trials: list[int] = field(default_factory=list)
     hits: list[int] = field(default_factory=list)
+    choices: int = 0  # steps the policy has chosen this request's k_i (its age in decisions)
 
     def observe(self, num_drafts: int, accepted: int) -> None:
         """A verify of num_drafts drafts of which the first `accepted` matched: depth j was reached when
@@ -42,28 +57,28 @@ class AcceptanceCounts:
             self.trials[j] += WEIGHT - self.trials[j] // 16
             self.hits[j] += (WEIGHT if j < accepted else 0) - self.hits[j] // 16
 
+    def _seen(self, depth: int) -> tuple[int, int]:
+        return (self.hits[depth], self.trials[depth]) if depth < len(self.trials) else (0, 0)
+
     def rate(self, depth: int) -> Fraction:
-        """Estimated P(draft at `depth` accepted | the ones before were), exact; never 0 or 1 (the prior)."""
-        t = self.trials[depth] if depth < len(self.trials) else 0
-        h = self.hits[depth] if depth < len(self.hits) else 0
+        """Estimated P(draft at `depth` accepted | the ones before were) under the 1/2 prior, exact; never 0 or 1."""
+        h, t = self._seen(depth)
         return Fraction(h + PRIOR_HITS, t + PRIOR_TRIALS)
+
+    def fixed_rate(self, depth: int, prior: int) -> int:
+        """The same estimate in fixed point (ONE = 1) with `prior` (fixed point) in place of 1/2."""
+        h, t = self._seen(depth)
+        return (h * ONE + prior * PRIOR_TRIALS) // (t + PRIOR_TRIALS)
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A request about to draft: its counts and how many tokens it may still emit after this step."""
+    """A request about to draft: its counts, how many tokens it may still emit after this step, and this step's
+    verify as (drafts verified, accepted) when it verified drafts (the engine-wide acceptance learns from it)."""
 
     counts: AcceptanceCounts
     remaining: int
-
-
-@dataclass(frozen=True, slots=True)
-class RowCost:
-    """The step cost model: a draft row (one draft forward row + one verify row) is worth drafting when its
-    expected emitted tokens reach min_gain; at most max_rows draft rows per step (None: no step limit)."""
-
-    min_gain: Fraction = Fraction(1, 3)
-    max_rows: int | None = None
+    verified: tuple[int, int] | None = None
 
 
 class VerifyLengthPolicy(Protocol):
@@ -75,29 +90,110 @@ def cap(k: int, remaining: int, k_max: int) -> int:
     return max(0, min(k, k_max, remaining - 1))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AcceptancePolicy:
-    """The default per-request policy (module docstring)."""
+    """The default per-request policy (module docstring). `pool` is the engine-wide running acceptance (every
+    request's verifies): the prior of a request that has few verifies of its own."""
 
-    cost: RowCost = RowCost()
+    cost: CostModel
+    pool: AcceptanceCounts = field(default_factory=AcceptanceCounts)
+    _verify_us: list[int] = field(default_factory=list)  # main + commit microseconds by rows (a cache of cost)
+    _draft_us: list[int] = field(default_factory=list)  # one draft call's microseconds by live rows
+    _steps: int = 0  # choices made (the exploration's clock)
+    _idle: int = 0  # choices in a row that could draft and drafted nothing
+    gives_up_drafting: bool = False  # this step's choice: stop keeping the MTP plane of requests at k = 0
+    # Refined online from the step records (a rank alone: `observe`): the host's share of a step and of a draft
+    # depth (planning, packing, Python), in microseconds beyond what the profile's graph calls predict
+    step_extra_us: int = 0  # a step that keeps the MTP plane (commits)
+    depth_extra_us: int = 0
+    plain_extra_us: int | None = None  # a step without MTP work (its requests gave up drafting), once seen
+
+    def observe(self, record: StepRecord) -> None:
+        """Learn the host costs from a finished step's record (runtime/core/step_record.py; times on the engine's
+        draft clock, the profile's). Integer running averages, each new step worth 1/8. A rank alone only: under
+        mpirun each rank's clock differs, and the ranks must price alike (the engine does not call this there)."""
+        if not record.num_scheduled or len(self._verify_us) <= record.main_rows:
+            return
+        draft_us = sum(self.cost.draft(max(r, 1)) for r in record.draft_rows)
+        executor_us = self.cost.main(record.main_rows) + sum(self.cost.commit(r) for r in record.commit_rows)
+        step = max(0, round((record.clock_seconds - record.clock_draft_seconds) * 1e6) - executor_us)
+        if record.commit_rows:
+            self.step_extra_us += (step - self.step_extra_us) // 8
+        else:
+            plain = step if self.plain_extra_us is None else self.plain_extra_us
+            self.plain_extra_us = plain + (step - plain) // 8
+        if record.draft_rows:
+            depth = (round(record.clock_draft_seconds * 1e6) - draft_us) // len(record.draft_rows)
+            self.depth_extra_us += (max(0, depth) - self.depth_extra_us) // 8
 
     def choose(self, candidates: list[Candidate], k_max: int) -> list[int]:
-        offers: list[tuple[Fraction, int, int]] = []  # (gain, request position, depth)
+        for c in candidates:
+            if c.verified is not None:
+                self.pool.observe(*c.verified)
+        prior = [self.pool.fixed_rate(j, ONE // 2) for j in range(k_max)]
+        offers: list[tuple[int, int, int]] = []  # (gain in fixed point, request position, depth)
         for i, c in enumerate(candidates):
-            gain = Fraction(1)
+            gain = ONE
             for j in range(cap(k_max, c.remaining, k_max)):
-                gain *= c.counts.rate(j)
-                if gain < self.cost.min_gain:
-                    break
+                gain = gain * c.counts.fixed_rate(j, prior[j]) // ONE
                 offers.append((gain, i, j))
         offers.sort(key=lambda o: (-o[0], o[1], o[2]))  # ties: earlier request, then shallower depth
-        if self.cost.max_rows is not None:
-            offers = offers[: self.cost.max_rows]
-        ks = [0] * len(candidates)
-        for _, i, j in sorted(offers, key=lambda o: (o[1], o[2])):
-            if j == ks[i]:  # depths are taken as a prefix (a gap would make later depths unreachable)
-                ks[i] = j + 1
-        return ks
+        base = max(1, len(candidates))  # every request verifies one row (its base token) and emits one token
+        self._tables(base + len(offers), len(candidates))
+        # drafting nothing is priced as giving up drafting (no commit, no MTP host work: what it becomes after
+        # GIVE_UP_AFTER such choices), once such a step has been measured
+        zero_us = self._verify_us[base] + self.step_extra_us
+        if self.plain_extra_us is not None:
+            zero_us = min(zero_us, self.cost.main(base) + self.plain_extra_us)
+        best_ks, best_tokens, best_us = [0] * len(candidates), base * ONE, zero_us
+        for depths in range(1, k_max + 1):
+            ks, tokens, us = self._admit(offers, depths, base, len(candidates))
+            if tokens * best_us > best_tokens * us:  # strictly better tokens per microsecond (exact integers)
+                best_ks, best_tokens, best_us = ks, tokens, us
+        self._steps += 1
+        if offers and not any(best_ks) and self._steps % EXPLORE_EVERY == 0:
+            best_ks[min(offers, key=lambda o: ((o[1] - self._steps) % len(candidates), o[2]))[1]] = 1
+        self._give_up(candidates, offers, best_ks)
+        return best_ks
+
+    def _give_up(self, candidates: list[Candidate], offers: list, ks: list[int]) -> None:
+        """gives_up_drafting: GIVE_UP_AFTER choices in a row drafted nothing where drafting was possible, and every
+        request that could draft has been priced that often. The engine then lets this step's requests stop keeping
+        their MTP plane (as `auto` does: docs/RUNTIME.md "Giving up drafting"): a request that keeps it at k = 0
+        pays a commit per token (~8% of a step on models/tiny with torch), which would make the default lose to
+        K=0 where drafting never pays. A new request starts keeping it again and is priced afresh."""
+        live = [c.counts for c in candidates if c.remaining > 0]
+        for counts in live:
+            counts.choices += 1
+        if offers:
+            self._idle = 0 if any(ks) else self._idle + 1
+        self.gives_up_drafting = self._idle >= GIVE_UP_AFTER and all(c.choices >= GIVE_UP_AFTER for c in live)
+
+    def _admit(self, offers: list[tuple[int, int, int]], depths: int, base: int, n: int) -> tuple[list[int], int, int]:
+        """Slots of depth < `depths` by gain while the rate improves, each of the `depths` calls paid up front
+        (an empty depth at one row's price). Returns k_i, expected tokens (fixed point) and the cost of the calls
+        that actually run (the deepest k_i)."""
+        ks, rows, verify, tokens = [0] * n, [0] * depths, base, base * ONE
+        call = self.depth_extra_us  # a depth's host cost beyond its graph call
+        us = self._verify_us[verify] + self.step_extra_us + depths * (self._draft_us[1] + call)
+        for gain, i, j in offers:
+            if j >= depths or j != ks[i]:
+                continue
+            more = (self._verify_us[verify + 1] - self._verify_us[verify]
+                    + self._draft_us[max(rows[j] + 1, 1)] - self._draft_us[max(rows[j], 1)])  # fmt: skip
+            if (tokens + gain) * us <= tokens * (us + more):
+                break  # gains only fall from here: this rate is the best for `depths`
+            ks[i], rows[j], verify, tokens, us = j + 1, rows[j] + 1, verify + 1, tokens + gain, us + more
+        ran = [r for r in rows if r]
+        return ks, tokens, self._verify_us[verify] + self.step_extra_us + sum(self._draft_us[r] + call for r in ran)
+
+    def _tables(self, verify_rows: int, draft_rows: int) -> None:
+        """Extend the cost caches to these row counts (a few list lookups per slot instead of interpolations)."""
+        while len(self._verify_us) <= verify_rows:
+            r = len(self._verify_us)
+            self._verify_us.append(self.cost.main(r) + self.cost.commit(r))
+        while len(self._draft_us) <= max(draft_rows, 1):
+            self._draft_us.append(self.cost.draft(len(self._draft_us)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=EXECUTORS, default=None,
                    help="default auto: an engine's compiled packages if built (else onnxruntime); torch for --checkpoint")
     p.add_argument("--num-draft-tokens", type=parse_num_draft_tokens, default=None,
-                   help="K draft depths; 0 disables MTP; auto picks 0..K per step")
+                   help="K draft depths; 0 disables MTP; auto picks 0..K per step; per-request (default): 0..K per request")
     p.add_argument("--max-batch", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--num-state-snapshots", type=int, default=None, metavar="N",

@@ -117,7 +117,7 @@ def run_one(source: Path, k: int | str, tp: int, ep: int, timeout: float, mode: 
 
 def main() -> None:
     sources, out_path, mode = [Path(s) for s in sys.argv[1].split(",")], sys.argv[2], sys.argv[3]
-    tp, ep, ks = int(sys.argv[4]), int(sys.argv[5]), [k if k == "auto" else int(k) for k in sys.argv[6].split(",")]
+    tp, ep, ks = int(sys.argv[4]), int(sys.argv[5]), [k if k in ("auto", "per-request") else int(k) for k in sys.argv[6].split(",")]
     timeout = float(os.environ.get("MTP_TEST_COLLECTIVE_TIMEOUT", "60"))
     os.environ["OUT"] = out_path
     comm, rank, _ = mpi_world()

@@ -40,7 +40,7 @@ def checkpoint(tmp_path_factory):
     return get
 
 
-def run(path, k: int, prompts=PROMPTS, params=PARAMS, poison: bool = False, verify_lengths=None, **rc):
+def run(path, k: int | str, prompts=PROMPTS, params=PARAMS, poison: bool = False, verify_lengths=None, **rc):
     opts = dict(num_draft_tokens=k, block_size=4, num_blocks=200, max_batch=4, max_num_tokens=64, max_seq_len=128)
     engine = create_engine(checkpoint=path, executor="torch", verify_lengths=verify_lengths, **{**opts, **rc})
     if poison:  # every state slot NaN: a slot is only ever read after this request wrote it
@@ -98,6 +98,9 @@ def test_ragged_per_request_lengths_are_lossless(checkpoint, reference):
     """Per-request k_i (forced ragged, runtime/core/verify_lengths.py): each request's state slot is chosen from
     its own accepted count; chunked prefill, a poisoned state pool."""
     got, _ = run(checkpoint("qwen3_next"), 3, max_prefill_chunk=6, poison=True, verify_lengths=FixedPattern((3, 0, 1, 2)))
+    assert got == reference("qwen3_next")
+    # the default policy: its cost model profiled on the hybrid executor (no state slot read or written)
+    got, _ = run(checkpoint("qwen3_next"), "per-request", max_prefill_chunk=6, poison=True)
     assert got == reference("qwen3_next")
 
 

@@ -156,8 +156,10 @@ def test_mtp_run_cli_on_an_expert_parallel_onnxruntime_engine(ep2_engine):
     acceptance summary; only rank 0 prints."""
     tiny = ROOT / "models" / "tiny"
     prompts = ["--prompt", "def main(", "--prompt", "import os", "--prompt", "class A:", "--max-tokens", "16", "--json"]
+    # a fixed K on both sides (the default chooses per request): their accepted_per_step must match
     ep = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", str(MTP_RUN), "--engine", str(ep2_engine),
-                         *prompts], env=ENV, capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
+                         "--num-draft-tokens", "2", *prompts], env=ENV, capture_output=True, text=True, timeout=240,
+                        cwd=ROOT)  # fmt: skip
     single = subprocess.run([str(MTP_RUN), "--checkpoint", str(tiny), "--num-draft-tokens", "2", *prompts], env=ENV,
                             capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
     assert ep.returncode == 0 and single.returncode == 0, ep.stderr[-2000:] + single.stderr[-2000:]

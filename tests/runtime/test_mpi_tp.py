@@ -92,7 +92,8 @@ def tiny_reference() -> dict[str, list[int]]:
     return single_rank_outputs(TINY)
 
 
-@pytest.mark.parametrize("np_,tp,ep,ks", [(2, 2, 2, "0,1,2,3"), (4, 2, 4, "0,1,2,3,auto"), (4, 2, 2, "0,1,2,3"),
+@pytest.mark.parametrize("np_,tp,ep,ks", [(2, 2, 2, "0,1,2,3,per-request"), (4, 2, 4, "0,1,2,3,auto,per-request"),
+                                         (4, 2, 2, "0,1,2,3"),
                                          (4, 1, 4, "0,1,2,3")],
                          ids=["TP2-EP2", "DP2xTP2-EP4", "DP2xTP2-EP2", "EP4"])  # fmt: skip
 def test_tp_outputs_equal_single_rank(checkpoint, reference, tmp_path, np_, tp, ep, ks):

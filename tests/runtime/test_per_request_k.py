@@ -8,8 +8,18 @@ from fractions import Fraction
 
 import pytest
 
+from runtime.core.cost_model import CostCurve, CostModel, agree, main_rows, monotone
 from runtime.core.sampling import SamplingParams
-from runtime.core.verify_lengths import AcceptanceCounts, AcceptancePolicy, Candidate, FixedPattern, RowCost
+from runtime.core.step_record import StepRecord
+from runtime.core.verify_lengths import (
+    EXPLORE_EVERY,
+    GIVE_UP_AFTER,
+    AcceptanceCounts,
+    AcceptancePolicy,
+    Candidate,
+    FixedPattern,
+)
+from runtime.factory import create_engine
 from tests.runtime.engine_utils import make_engine, random_prompts
 from tests.runtime.test_commit_coverage import run_and_check
 
@@ -77,19 +87,96 @@ def test_counts_are_integer_and_decay():
     assert c.trials[1] < c.trials[0]  # depth 1 was reached only while depth 0 was accepted
 
 
+def costs(main: dict[int, int], draft: int = 100, commit: int = 1) -> CostModel:
+    """A cost model by hand: main microseconds at the given rows, a flat draft call and commit."""
+    rows = tuple(sorted(main))
+    flat = (1, 64)
+    return CostModel(CostCurve(rows, tuple(main[r] for r in rows)), CostCurve(flat, (draft, draft)),
+                     CostCurve(flat, (commit, commit)))  # fmt: skip
+
+
+CHEAP = costs({1: 1000, 64: 4150})  # a verify row 1/20 of a verify, a draft call 1/10: a row pays from ~0.2 tokens
+
+
 def test_policy_follows_acceptance_and_remaining_tokens():
     good, bad = counts(*[(3, 3)] * 20), counts(*[(3, 0)] * 20)
-    policy = AcceptancePolicy()
+    policy = AcceptancePolicy(CHEAP)
     assert policy.choose([Candidate(good, 100), Candidate(bad, 100)], 3) == [3, 0]
     # the tail of a closed batch: at most remaining - 1 drafts (the verify emits k + 1 tokens at most)
     assert policy.choose([Candidate(good, 2), Candidate(good, 1), Candidate(good, 0)], 3) == [1, 0, 0]
 
 
-def test_policy_budget_ties_go_to_the_earlier_request():
+def test_policy_prices_rows_with_the_cost_model():
+    good = [Candidate(counts(*[(3, 3)] * 20), 100) for _ in range(4)]
+    assert AcceptancePolicy(CHEAP).choose(good, 3) == [3, 3, 3, 3]
+    # each verify row past 4 costs a whole verify: no draft is worth it
+    assert AcceptancePolicy(costs({1: 1000, 4: 1000, 5: 2000, 64: 61000})).choose(good, 3) == [0, 0, 0, 0]
+    # a draft call 0.85 of a verify: the first depth pays (3.7 tokens more), a second (3.4 more) does not
+    assert AcceptancePolicy(costs({1: 1000, 64: 1000}, draft=850)).choose(good, 3) == [1, 1, 1, 1]
+
+
+def test_policy_ties_go_to_the_earlier_request():
     same = [Candidate(counts(*[(3, 2)] * 10), 50) for _ in range(3)]
-    ks = AcceptancePolicy(RowCost(min_gain=Fraction(0), max_rows=4)).choose(same, 3)
-    assert ks == [2, 1, 1]  # 4 rows: every depth 0 by position, then request 0's depth 1 (equal gains)
-    assert AcceptancePolicy(RowCost(min_gain=Fraction(0), max_rows=4)).choose(same, 3) == ks  # deterministic
+    cost = costs({1: 1000, 5: 1000, 6: 100000, 64: 100000})  # 3 base rows + 2 draft rows fit, a 6th row never pays
+    ks = AcceptancePolicy(cost).choose(same, 3)
+    assert ks == [1, 1, 0]  # equal gains: depth 0 by position (request 2 loses), before any depth 1
+    assert AcceptancePolicy(cost).choose(same, 3) == ks  # deterministic
+
+
+def test_new_requests_start_from_the_engine_wide_acceptance():
+    cost = costs({1: 1000, 64: 1000}, draft=600)  # alone, a depth pays only when its gain is well over 1/2
+    fresh = Candidate(AcceptanceCounts(), 100)
+    assert AcceptancePolicy(cost).choose([fresh], 3) == [0]  # alone, p = 1/2: not worth a draft call
+    policy = AcceptancePolicy(cost)
+    policy.choose([Candidate(AcceptanceCounts(), 100, (3, 3)) for _ in range(40)], 3)  # the engine sees 3/3s
+    assert policy.choose([fresh], 3) == [3]
+
+
+def test_policy_gives_up_then_explores():
+    policy, fresh = AcceptancePolicy(costs({1: 1000, 64: 64000}, draft=5000)), AcceptanceCounts()  # never pays
+    seen = []
+    for _ in range(EXPLORE_EVERY):
+        seen.append((policy.choose([Candidate(fresh, 100)], 3), policy.gives_up_drafting))
+    assert seen[GIVE_UP_AFTER - 2] == ([0], False) and seen[GIVE_UP_AFTER - 1] == ([0], True)
+    assert seen[-1] == ([1], False)  # a depth-0 draft now and then: a fallen acceptance is measured again
+
+
+def test_policy_learns_host_costs_from_step_records():
+    policy = AcceptancePolicy(costs({1: 1000, 64: 1000}, draft=100))
+    policy.choose([Candidate(AcceptanceCounts(), 100)], 3)
+    mtp = StepRecord(num_scheduled=1, main_rows=2, commit_rows=[2], draft_rows=[1], clock_seconds=0.0021,
+                     clock_draft_seconds=0.0003)  # fmt: skip
+    plain = StepRecord(num_scheduled=1, main_rows=1, clock_seconds=0.0013)
+    for _ in range(40):
+        policy.observe(mtp)
+        policy.observe(plain)
+    # 1800 us outside the draft phase = 1000 main + 1 commit + 799 host; the draft phase 300 = 100 graph + 200 host
+    assert abs(policy.step_extra_us - 799) < 10 and abs(policy.depth_extra_us - 200) < 10
+    assert abs(policy.plain_extra_us - 300) < 10
+
+
+def test_cost_curve_interpolates_in_integers_and_never_falls():
+    curve = CostCurve((1, 4, 8), monotone([100, 90, 500]))  # a noisy dip at 4 rows is flattened
+    assert curve.micros == (100, 100, 500) and curve(0) == 0 and curve(2) == 100
+    assert curve(6) == 300 and curve(16) == 1300 and all(isinstance(curve(n), int) for n in range(20))
+
+
+def test_profile_times_every_graph_and_ranks_agree_on_the_maximum():
+    engine = make_engine(3, per_request_draft_tokens=True)  # the engine profiles its executor at creation
+    model = engine.verify_lengths.cost
+    assert model.main.rows == tuple(main_rows(engine.cfg.max_batch * 4))  # verify rows up to a full K=3 batch
+    for curve in (model.main, model.draft, model.commit):
+        assert min(curve.micros) > 0 and list(curve.micros) == sorted(curve.micros)
+    other = model.with_micros([u + 7 for u in model.to_array().tolist()])
+    agreed = agree(model, lambda mine: [mine, other.to_array()])  # what an allgather over two ranks returns
+    assert agreed == other and agree(other, lambda mine: [model.to_array(), mine]) == other
+
+
+def test_per_request_is_the_default():
+    engine = create_engine(checkpoint="models/tiny", executor="torch", max_batch=2, max_num_tokens=32, max_seq_len=64,
+                           num_blocks=32)  # fmt: skip
+    assert engine.cfg.per_request_draft_tokens and isinstance(engine.verify_lengths, AcceptancePolicy)
+    assert engine.draft_length is None  # auto stays available, not on by default
 
 
 def test_fixed_pattern_is_capped():
