@@ -37,3 +37,11 @@ def test_a_triton_interpreter_case_is_in_the_triton_tier(request, impl):
     """A kernel test's "triton" case runs the kernel in Triton's CPU interpreter (seconds per case); it carries the
     `triton` tier, which `make test-quick` deselects, and the other cases of the same test do not."""
     assert (request.node.get_closest_marker("triton") is not None) == (impl == "triton")
+
+
+def test_the_suite_compiles_aoti_wrappers_at_o0():
+    """tests/conftest.py's setting must reach Inductor's config (it is read once, when torch._inductor.config is first
+    imported): otherwise every compiled build in the suite pays -O1 on its wrappers again, silently."""
+    import torch._inductor.config as inductor
+
+    assert inductor.aot_inductor.compile_wrapper_opt_level == "O0"
