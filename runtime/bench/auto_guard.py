@@ -1,17 +1,17 @@
-"""mtp-bench auto guard: does `--num-draft-tokens auto` keep its promise, >= 0.97x of K=0, everywhere?
+"""mtp-bench guard: does the default draft policy (`per-request`; or `--side auto`) keep its promise, >= 0.97x of K=0?
 
     python -m runtime.bench.auto_guard --checkpoint models/deep --engine engines/bench-deep --pairs 8
     make bench-auto    # models/deep and models/tiny, every executor, batch 1 and 8
 
 The main bench times each configuration 3 times, rounds apart, in wall time; on this shared 2-core machine
 the same configuration's runs differ by 15-50% between rounds, so a 3% promise cannot be read off it. Here
-K=0 and auto run back to back, `--pairs` times per executor and batch, each side repeating the workload until
+K=0 and the side (the default policy unless --side) run back to back, `--pairs` times per executor and batch, each side repeating the workload until
 it has `--min-seconds` of decode time (the order alternates, so drift
 and warm caches favour neither), on one shared executor (separate copies of the same weights measured up to
-19% apart from memory placement alone). Each pair gives a ratio auto / K=0 of decode tokens per second, in
+19% apart from memory placement alone). Each pair gives a ratio side / K=0 of decode tokens per second, in
 process CPU time (what our process did; the judge) and in wall time (what includes the other jobs); the
 medians and ranges of the ratios are reported, and the promise holds where the CPU-time median is >= 0.97.
-Greedy outputs of auto must equal K=0's (losslessness; exit status 1 otherwise).
+Greedy outputs of the side must equal K=0's (losslessness; exit status 1 otherwise).
 
 Writes (or updates, one key per checkpoint) --output, and prints a markdown table.
 """
@@ -38,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path, required=True)
     p.add_argument("--engine", type=Path, help="engine directory for the onnxruntime and compiled executors")
     p.add_argument("--executors", default="torch,onnxruntime,compiled")
+    p.add_argument("--side", default=None, help="the draft policy against K=0: per-request or auto (default: the "
+                   "engine's default, runtime.core.config.DEFAULT_DRAFT_TOKENS)")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--pairs", type=int, default=8, help="K=0 / auto pairs per executor and batch")
     p.add_argument("--min-seconds", type=float, default=0.5,
@@ -94,7 +96,7 @@ def measure(args, console) -> tuple[dict, list[str]]:
     with progress:
         task = progress.add_task("building engines", total=len(executors) * len(batches) * args.pairs)
         for executor in executors:
-            k0, auto = engine_for(executor, "0"), engine_for(executor, "auto")
+            k0, auto = engine_for(executor, "0"), engine_for(executor, args.side)
             for e in (k0, auto):  # allocation, kernel selection, caches: not timed
                 warm_up(e, work.prompts)
             for b in batches:
@@ -105,7 +107,7 @@ def measure(args, console) -> tuple[dict, list[str]]:
                     for name, e in ((("k0", k0), ("auto", auto)) if i % 2 == 0 else (("auto", auto), ("k0", k0))):
                         sides[name] = _repeat(e, work.prompts, b, args.max_tokens, f"{name}-{i}", args.min_seconds)
                     if any(r.outputs != sides["k0"][0].outputs for r in sides["auto"]):
-                        failures.append(f"{executor} batch {b} pair {i + 1}: auto's greedy outputs differ from K=0's")
+                        failures.append(f"{executor} batch {b} pair {i + 1}: {args.side}'s greedy outputs differ from K=0's")
                     cpu.append(_rate(sides["auto"], "decode_cpu_seconds") / _rate(sides["k0"], "decode_cpu_seconds"))
                     wall.append(_rate(sides["auto"], "decode_seconds") / _rate(sides["k0"], "decode_seconds"))
                     for r in sides["auto"]:
@@ -143,14 +145,14 @@ def _engine_k(args) -> int:
 
 def table(by_model: dict) -> str:
     """Markdown: one row per model, executor and batch."""
-    lines = ["| model | executor | batch | pairs | auto / K=0, CPU time: median (95% CI) [min-max] | wall time: median "
-             "[min-max] | auto's k (drafting steps) | >= 0.97 |", "|---|---|---:|---:|---|---|---|---|"]  # fmt: skip
+    lines = ["| model | policy | executor | batch | pairs | policy / K=0, CPU time: median (95% CI) [min-max] | wall time: "
+             "median [min-max] | its k (drafting steps) | >= 0.97 |", "|---|---|---|---:|---:|---|---|---|---|"]  # fmt: skip
     for model, run in by_model.items():
         for executor, by_batch in run["results"].items():
             for b, e in by_batch.items():
                 c, w = e["cpu_ratio"], e["wall_ratio"]
                 ks = ", ".join(f"{k}: {n}" for k, n in sorted(e["auto_draft_lengths"].items()))
-                lines.append(f"| {model} | {executor} | {b} | {len(c['runs'])} | **{c['median']:.3f}** "
+                lines.append(f"| {model} | {run.get('side', 'auto')} | {executor} | {b} | {len(c['runs'])} | **{c['median']:.3f}** "
                              f"({c['ci95'][0]:.3f}-{c['ci95'][1]:.3f}) [{c['min']:.2f}-{c['max']:.2f}] | "
                              f"{w['median']:.3f} [{w['min']:.2f}-{w['max']:.2f}] | {ks} | "
                              f"{'yes' if e['holds'] else '**no**'} |")  # fmt: skip
@@ -159,6 +161,10 @@ def table(by_model: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.side is None:
+        from runtime.core.config import DEFAULT_DRAFT_TOKENS
+
+        args.side = DEFAULT_DRAFT_TOKENS
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its pools (docs/BENCHMARKS.md, "Threads")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     old = json.loads(args.output.read_text()) if args.output.is_file() else {}
     old[args.checkpoint.name] = {"command": " ".join([sys.executable.split("/")[-1], "-m", "runtime.bench.auto_guard",
                                                       *(argv if argv is not None else sys.argv[1:])]),
-                                 "pairs": args.pairs, "min_seconds": args.min_seconds, "max_tokens": args.max_tokens,
+                                 "side": args.side, "pairs": args.pairs, "min_seconds": args.min_seconds, "max_tokens": args.max_tokens,
                                  "machine": machine_info(1),
                                  "results": results, "lossless_failures": failures}  # fmt: skip
     args.output.parent.mkdir(parents=True, exist_ok=True)

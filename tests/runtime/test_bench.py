@@ -144,9 +144,9 @@ def test_llama_cpp_greedy_output_matches_ours(tmp_path):
             assert 1.0 < res.summary["mean_acceptance_length"] <= 3.0
 
 
-def test_auto_guard_pairs_auto_with_k0_and_records_both_clocks(tmp_path):
+def test_guard_pairs_the_default_policy_with_k0_and_records_both_clocks(tmp_path):
     """mtp-bench auto guard (runtime/bench/auto_guard.py) on models/tiny, torch, one pair per batch: the JSON
-    holds each batch's CPU- and wall-time ratios with the verdict, auto stayed lossless, and a second model's
+    holds each batch's CPU- and wall-time ratios with the verdict, the default policy stayed lossless, and a second model's
     run adds its own key to the same file."""
     out, readme = tmp_path / "auto_guard.json", tmp_path / "README.md"
     out.write_text(json.dumps({"other": {"command": "x", "results": {}}}))
@@ -163,9 +163,11 @@ def test_auto_guard_pairs_auto_with_k0_and_records_both_clocks(tmp_path):
         assert len(e["cpu_ratio"]["runs"]) == len(e["wall_ratio"]["runs"]) == 2
         assert 0 < e["cpu_ratio"]["median"] < 10 and e["holds"] == (e["cpu_ratio"]["median"] >= 0.97)
         assert e["cpu_ratio"]["ci95"][0] <= e["cpu_ratio"]["median"] <= e["cpu_ratio"]["ci95"][1]
-    assert "| tiny | torch | 2 | 2 |" in p.stdout
+    assert res["tiny"]["side"] == "per-request"  # the default policy is what the guard judges unless --side
+    assert "| tiny | per-request | torch | 2 | 2 |" in p.stdout
     text = readme.read_text()  # the table went between the markers, the rest of the file untouched
-    assert text.startswith("head\n") and text.endswith("tail\n") and "old" not in text and "| tiny | torch | 1 |" in text
+    assert text.startswith("head\n") and text.endswith("tail\n") and "old" not in text
+    assert "| tiny | per-request | torch | 1 |" in text
 
 
 def test_quant_quality_agreement_counts_equal_positions_and_the_first_difference():
