@@ -204,14 +204,19 @@ def model_weights(model: Glm4MoeMTPModel) -> str:
 def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, path: Path,
                   weights: str, fp8: Mapping[str, Fp8Weight] | None = None,
                   quantize: str = "none", lm_head: bool = False, int4_group: int = INT4_GROUP_DEFAULT,
-                  state: GDNPoolGeometry | None = None) -> dict[str, Any]:  # fmt: skip
+                  state: GDNPoolGeometry | None = None,
+                  export: Callable[[], torch.export.ExportedProgram] | None = None) -> dict[str, Any]:  # fmt: skip
     """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json).
     fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them.
     quantize "int8": the dense linears' and routed experts' weights stored int8 (`int8_weights`); "int4": the dense
     linears and single-rank routed experts whose input widths the group divides stored int4 (`int4_weights`), the
     rest of int8's weights int8;
     lm_head: the LM head too, int8 (with either). int4_group: int4's group size (input features per scale).
-    state: a hybrid model's GDN state pool, with the slot count the package bakes in (`compiled_state`)."""
+    state: a hybrid model's GDN state pool, with the slot count the package bakes in (`compiled_state`).
+    export: makes the program instead of `export_program` (a module that is not an engine graph, compiled exactly
+    as one: builder/fused_draft.py); `name` then only names it in errors."""
+    if export is None:
+        export = lambda: export_program(name, model, geom, max_blocks, state)  # noqa: E731
 
     def convert(program: torch.export.ExportedProgram, bf16: bool) -> dict[str, Any]:
         stats: dict[str, Any] = (fp8_weights(program, fp8) if fp8
@@ -223,10 +228,10 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
         return {**stats, **(bf16_weights(program) if bf16 else {"bf16_weights": 0})}
 
     try:
-        program = export_program(name, model, geom, max_blocks, state)
+        program = export()
         stats = convert(program, weights == "checkpoint")
         if stats["bf16_weights"] and choose_weights(stats["upcast_bytes"], last_level_cache_bytes()) == "float32":
-            program = export_program(name, model, geom, max_blocks, state)  # the per-step upcasts would cost more than fp32
+            program = export()  # the per-step upcasts would cost more than fp32
             stats = {**convert(program, False), "upcast_bytes_refused": stats["upcast_bytes"]}
         stats["weight_bytes"] = weight_bytes(program)
         options = INDUCTOR_BF16 if stats["bf16_weights"] else INDUCTOR_FLOAT32

@@ -8,8 +8,8 @@ every rank issues the same number of collective-bearing draft forwards (invarian
 Host work per depth is one argmax over the depth's logits for the rows that draft by argmax with no grammar (greedy
 requests, and sampled ones whose exact-match acceptance still drafts the argmax: sampling.draft_token), and the
 per-row path (grammar mask, sampled draft and its probs) only for the others. The depths stay one executor call
-each: a K-depth graph would save little and cost a package per build (docs/PERFORMANCE.md "The draft loop in one
-call?").
+each: a K-depth graph (builder/fused_draft.py), measured, saves 4-5% of a batch-1 K=3 step for argmax drafting only
+and costs a package per build (docs/PERFORMANCE.md "The draft loop in one call?").
 """
 
 from __future__ import annotations
