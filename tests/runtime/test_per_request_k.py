@@ -134,6 +134,20 @@ def test_new_requests_start_from_the_engine_wide_acceptance():
     assert policy.choose([fresh], 3) == [3]
 
 
+def test_a_settled_policy_is_unsettled_once_drafting_pays_again():
+    """Settled, most admissions start frozen; an explorer whose drafts are accepted makes drafting pay again,
+    and later admissions keep their planes (the integer admission count picks the explorers)."""
+    policy, fresh = AcceptancePolicy(costs({1: 1000, 64: 1000}, draft=600)), AcceptanceCounts()
+    for _ in range(GIVE_UP_AFTER):
+        assert policy.choose([Candidate(fresh, 100)], 3) == [0]  # alone at p = 1/2: a draft call does not pay
+    assert policy.settled_on_nothing
+    kept = [policy.keeps_mtp_plane() for _ in range(2 * EXPLORER_EVERY)]
+    assert kept == [i % EXPLORER_EVERY == 0 for i in range(1, 2 * EXPLORER_EVERY + 1)]
+    policy.choose([Candidate(AcceptanceCounts(), 100, (3, 3)) for _ in range(40)], 3)  # the explorers' 3/3s
+    assert policy.choose([Candidate(AcceptanceCounts(), 100)], 3) == [3] and not policy.settled_on_nothing
+    assert policy.keeps_mtp_plane()
+
+
 def test_policy_gives_up_then_explores():
     policy, fresh = AcceptancePolicy(costs({1: 1000, 64: 64000}, draft=5000)), AcceptanceCounts()  # never pays
     seen = []
