@@ -198,13 +198,18 @@ class LLMEngine:
 
     def _after_schedule(self, sched: SchedulerOutput) -> None:
         """Preemptions (a hybrid model's preempted request restarts from position 0: a fresh recurrent state), then
-        the prefix cache's copy-on-write copies, before anything reads them."""
+        the prefix cache's copy-on-write copies, before anything reads them; then whether each admitted request
+        keeps its MTP plane (per-request policy)."""
         self._timer.record.num_preemptions = len(sched.preempted)
         if self.state_slots is not None:
             self.state_slots.free(*[r.req_id for r in sched.preempted])
         if sched.block_copies:
             self.executor.copy_blocks(sched.block_copies)
             self.kv.complete_copies()
+        if isinstance(self.verify_lengths, AcceptancePolicy):  # settled on drafting nothing: most start frozen
+            for req in sched.admitted:
+                if not self.verify_lengths.keeps_mtp_plane():  # no prompt commit, no drafts (verify_lengths.py)
+                    req.spec.mtp_frozen_at = req.num_computed  # a prefix hit's cached entries are exact
 
     def _idle_step(self) -> None:
         """Nothing scheduled here: a lockstep rank still enters every collective-bearing forward (invariant 9)."""

@@ -50,8 +50,9 @@ class SpecState:
     drafts: list[int] = field(default_factory=list)  # d_0..d_{k-1} proposed last step, verified this step
     draft_probs: np.ndarray | None = None  # float32 [k, V] (rejection sampling only)
     carry: ChunkCarry | None = None  # set between the chunks of a chunked prefill, never with drafts
-    # `auto` settled on k = 0: the request stopped keeping its MTP plane (no carry, no commit) and never drafts
-    # again; its MTP entries are exact below this position only (None: it keeps them, it may draft)
+    # `auto` or the per-request policy settled on k = 0: the request stopped keeping its MTP plane (no carry, no
+    # commit) and never drafts again, or was admitted without it (the per-request policy, already settled: then
+    # its first forwarded position); its MTP entries are exact below this position only (None: it may draft)
     mtp_frozen_at: int | None = None
 
     @property

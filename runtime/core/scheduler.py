@@ -42,6 +42,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step
+    admitted: list[Request] = field(default_factory=list)  # taken from the waiting queue this step, in order
 
 
 class Scheduler:
@@ -124,6 +125,7 @@ class Scheduler:
             req.num_computed = start
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            out.admitted.append(req)
             s = ScheduledRequest(req, start, n_new, 0)
             out.scheduled.append(s)
             budget -= n_new

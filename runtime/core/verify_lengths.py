@@ -17,6 +17,13 @@ step and of a draft depth from its step records (`observe`), beyond the profiled
 are a prefix 0..k_i-1. A request never drafts more than it may still emit: k_i <= remaining_i - 1 (the tail of
 a closed batch does not verify a half-empty step). A step that would draft nothing explores one depth-0 draft
 every EXPLORE_EVERY choices, so a fallen acceptance is measured again.
+
+Settled on nothing: after GIVE_UP_AFTER choices in a row that drafted nothing (exploration drafts do not count),
+the engine knows drafting does not pay here, so a request admitted then starts without its MTP plane
+(`keeps_mtp_plane`: no prompt commit, never drafts) except one admission in EXPLORER_EVERY (by the policy's own
+admission count, an integer, so ranks that admit alike agree), which keeps it and is priced: if drafting pays
+again (acceptance rose, or fewer requests share the steps) that explorer drafts, the engine is no longer
+settled, and later admissions keep their planes again.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ ONE = 1 << 32  # fixed point of gains: integer arithmetic, exact and identical o
 # acceptance that once fell would never be measured again, and drafting would never resume.
 EXPLORE_EVERY = 16
 GIVE_UP_AFTER = 8  # ... and after this many choices in a row of nothing, the requests stop keeping their MTP plane
+# Settled on nothing, one admitted request in this many still keeps its MTP plane (the rest pay K=0's cost): the
+# explorers that re-discover a regime where drafting pays, at 1/8 of the MTP cost of keeping every plane
+EXPLORER_EVERY = 8
 
 
 @dataclass(slots=True)
@@ -100,7 +110,8 @@ class AcceptancePolicy:
     _verify_us: list[int] = field(default_factory=list)  # main + commit microseconds by rows (a cache of cost)
     _draft_us: list[int] = field(default_factory=list)  # one draft call's microseconds by live rows
     _steps: int = 0  # choices made (the exploration's clock)
-    _idle: int = 0  # choices in a row that could draft and drafted nothing
+    _idle: int = 0  # choices in a row that could draft and drafted nothing (exploration drafts count as nothing)
+    _admitted: int = 0  # requests admitted (`keeps_mtp_plane` calls): which ones explore once settled
     gives_up_drafting: bool = False  # this step's choice: stop keeping the MTP plane of requests at k = 0
     # Refined online from the step records (a rank alone: `observe`): the host's share of a step and of a draft
     # depth (planning, packing, Python), in microseconds beyond what the profile's graph calls predict
@@ -151,23 +162,36 @@ class AcceptancePolicy:
             if tokens * best_us > best_tokens * us:  # strictly better tokens per microsecond (exact integers)
                 best_ks, best_tokens, best_us = ks, tokens, us
         self._steps += 1
+        self._give_up(candidates, offers, best_ks)
         if offers and not any(best_ks) and self._steps % EXPLORE_EVERY == 0:
             best_ks[min(offers, key=lambda o: ((o[1] - self._steps) % len(candidates), o[2]))[1]] = 1
-        self._give_up(candidates, offers, best_ks)
+            self.gives_up_drafting = False  # the explorer drafts next: nobody freezes this step
         return best_ks
+
+    @property
+    def settled_on_nothing(self) -> bool:
+        """GIVE_UP_AFTER choices in a row drafted nothing: the engine-wide verdict that drafting does not pay."""
+        return self._idle >= GIVE_UP_AFTER
+
+    def keeps_mtp_plane(self) -> bool:
+        """Asked once per admitted request, in admission order, before its first forward: whether it keeps its
+        MTP plane (commits its prompt, may draft). Settled on nothing, only every EXPLORER_EVERY-th does."""
+        self._admitted += 1
+        return not self.settled_on_nothing or self._admitted % EXPLORER_EVERY == 0
 
     def _give_up(self, candidates: list[Candidate], offers: list, ks: list[int]) -> None:
         """gives_up_drafting: GIVE_UP_AFTER choices in a row drafted nothing where drafting was possible, and every
-        request that could draft has been priced that often. The engine then lets this step's requests stop keeping
-        their MTP plane (as `auto` does: docs/RUNTIME.md "Giving up drafting"): a request that keeps it at k = 0
-        pays a commit per token (~8% of a step on models/tiny with torch), which would make the default lose to
-        K=0 where drafting never pays. A new request starts keeping it again and is priced afresh."""
+        request that could draft has been priced that often (the explorers and the requests admitted before the
+        engine settled; those admitted after start frozen: `keeps_mtp_plane`). The engine then lets this step's
+        requests stop keeping their MTP plane (as `auto` does: docs/RUNTIME.md "Giving up drafting"): a request
+        that keeps it at k = 0 pays a commit per token (~8% of a step on models/tiny with torch), which would make
+        the default lose to K=0 where drafting never pays."""
         live = [c.counts for c in candidates if c.remaining > 0]
         for counts in live:
             counts.choices += 1
         if offers:
             self._idle = 0 if any(ks) else self._idle + 1
-        self.gives_up_drafting = self._idle >= GIVE_UP_AFTER and all(c.choices >= GIVE_UP_AFTER for c in live)
+        self.gives_up_drafting = self.settled_on_nothing and all(c.choices >= GIVE_UP_AFTER for c in live)
 
     def _admit(self, offers: list[tuple[int, int, int]], depths: int, base: int, n: int) -> tuple[list[int], int, int]:
         """Slots of depth < `depths` by gain while the rate improves, each of the `depths` calls paid up front

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from models.testing import make_hybrid_checkpoint
+from runtime.core.cost_model import CostCurve, CostModel
 from runtime.core.sampling import SamplingParams
 from runtime.core.state_pool import StateSlots
-from runtime.core.verify_lengths import FixedPattern
+from runtime.core.verify_lengths import AcceptancePolicy, FixedPattern
 from runtime.factory import create_engine
 from tests.runtime.engine_utils import random_prompts
 from tests.runtime.test_sampling_lossless import chi2_critical, chi2_stat
@@ -102,6 +103,13 @@ def test_ragged_per_request_lengths_are_lossless(checkpoint, reference):
     # the default policy: its cost model profiled on the hybrid executor (no state slot read or written)
     got, _ = run(checkpoint("qwen3_next"), "per-request", max_prefill_chunk=6, poison=True)
     assert got == reference("qwen3_next")
+    # settled on drafting nothing (drafting priced out by hand), later requests are admitted without their MTP
+    # plane (their state slots too see K=0-like steps), with prefix hits on the repeated prompts
+    flat = CostCurve((1, 64), (5000, 5000))
+    policy = AcceptancePolicy(CostModel(CostCurve((1, 64), (1000, 64000)), flat, flat))
+    got, _ = run(checkpoint("qwen3_next"), "per-request", PROMPTS * 3, max_prefill_chunk=6, poison=True,
+                 verify_lengths=policy)  # fmt: skip
+    assert got == reference("qwen3_next") * 3 and policy.settled_on_nothing
 
 
 def test_an_off_by_one_state_slot_breaks_the_output(checkpoint, reference, monkeypatch):

@@ -13,6 +13,7 @@ from runtime.core.sampling import SamplingParams
 from runtime.core.step_record import StepRecord
 from runtime.core.verify_lengths import (
     EXPLORE_EVERY,
+    EXPLORER_EVERY,
     GIVE_UP_AFTER,
     AcceptanceCounts,
     AcceptancePolicy,
@@ -65,8 +66,9 @@ def test_ragged_lengths_keep_every_mtp_entry_exact(pattern):
 def test_acceptance_policy_is_lossless_and_adapts(reference):
     engine = make_engine(3, num_draft_tokens=3, per_request_draft_tokens=True)
     assert run(engine) == reference
+    assert run(engine) == reference  # admitted once the policy settled (most without an MTP plane, explorers with)
     proposed = engine.metrics.proposed_per_position
-    assert proposed[0] > 0  # it drafted, and not a fixed K for everyone at every step
+    assert proposed[0] > 0  # it drafted (an explorer did), and not a fixed K for everyone at every step
     assert proposed[0] > proposed[2] or engine.metrics.draft_length_counts[3] < sum(engine.metrics.draft_length_counts)
 
 
@@ -132,6 +134,20 @@ def test_new_requests_start_from_the_engine_wide_acceptance():
     assert policy.choose([fresh], 3) == [3]
 
 
+def test_a_settled_policy_is_unsettled_once_drafting_pays_again():
+    """Settled, most admissions start frozen; an explorer whose drafts are accepted makes drafting pay again,
+    and later admissions keep their planes (the integer admission count picks the explorers)."""
+    policy, fresh = AcceptancePolicy(costs({1: 1000, 64: 1000}, draft=600)), AcceptanceCounts()
+    for _ in range(GIVE_UP_AFTER):
+        assert policy.choose([Candidate(fresh, 100)], 3) == [0]  # alone at p = 1/2: a draft call does not pay
+    assert policy.settled_on_nothing
+    kept = [policy.keeps_mtp_plane() for _ in range(2 * EXPLORER_EVERY)]
+    assert kept == [i % EXPLORER_EVERY == 0 for i in range(1, 2 * EXPLORER_EVERY + 1)]
+    policy.choose([Candidate(AcceptanceCounts(), 100, (3, 3)) for _ in range(40)], 3)  # the explorers' 3/3s
+    assert policy.choose([Candidate(AcceptanceCounts(), 100)], 3) == [3] and not policy.settled_on_nothing
+    assert policy.keeps_mtp_plane()
+
+
 def test_policy_gives_up_then_explores():
     policy, fresh = AcceptancePolicy(costs({1: 1000, 64: 64000}, draft=5000)), AcceptanceCounts()  # never pays
     seen = []
@@ -139,6 +155,44 @@ def test_policy_gives_up_then_explores():
         seen.append((policy.choose([Candidate(fresh, 100)], 3), policy.gives_up_drafting))
     assert seen[GIVE_UP_AFTER - 2] == ([0], False) and seen[GIVE_UP_AFTER - 1] == ([0], True)
     assert seen[-1] == ([1], False)  # a depth-0 draft now and then: a fallen acceptance is measured again
+    assert policy.settled_on_nothing  # ... which is no choice to draft: the policy stays settled
+
+
+class RecordingPolicy(AcceptancePolicy):
+    """Records each admission's keeps_mtp_plane verdict (the test reads `kept`)."""
+
+    kept: list[bool] = []
+
+    def keeps_mtp_plane(self) -> bool:
+        self.kept.append(super().keeps_mtp_plane())
+        return self.kept[-1]
+
+
+def test_settled_policy_admits_requests_without_their_mtp_plane(reference):
+    """Settled on drafting nothing, an admitted request neither commits its prompt nor drafts, except every
+    EXPLORER_EVERY-th admission (it keeps its plane and is priced); greedy ids still equal K=0's."""
+    policy = RecordingPolicy(costs({1: 1000, 64: 64000}, draft=5000))  # drafting never pays
+    policy.kept = []
+    engine = make_engine(3, verify_lengths=policy, enable_prefix_caching=False)
+    first_seen: dict[str, bool] = {}  # request id -> whether it had its MTP plane after its first step
+    commit_rows: list[int] = []
+
+    def watch(record: StepRecord) -> None:
+        commit_rows.append(sum(record.commit_rows))
+        for r in engine.scheduler.running:
+            first_seen.setdefault(r.req_id, r.spec.may_draft)
+
+    engine.step_listeners.append(watch)
+    assert run(engine) == reference and policy.settled_on_nothing
+    batch = engine.cfg.max_batch
+    assert policy.kept[:batch] == [True] * batch and not all(policy.kept)  # kept until settled, mid-round
+    first_round, commit_rows[:], first_seen = sum(commit_rows), [], {}
+    assert run(engine) == reference
+    explorers = [i % EXPLORER_EVERY == 0 for i in range(len(PROMPTS) + 1, 2 * len(PROMPTS) + 1)]
+    assert policy.kept[len(PROMPTS) :] == explorers and any(explorers)
+    assert list(first_seen.values()) == explorers  # the others never held a plane, not even for their prompt
+    explorer = PROMPTS[explorers.index(True)]
+    assert 0 < sum(commit_rows) <= len(explorer) + GIVE_UP_AFTER < first_round  # the explorer's rows alone
 
 
 def test_policy_learns_host_costs_from_step_records():
