@@ -15,8 +15,8 @@ the slots with j < D are admitted in order of gain while the step's expected tok
 improves; the D with the best rate wins (ties: fewer depths). A rank alone also learns the host's share of a
 step and of a draft depth from its step records (`observe`), beyond the profiled graph calls. Gains fall with depth, so each request's slots
 are a prefix 0..k_i-1. A request never drafts more than it may still emit: k_i <= remaining_i - 1 (the tail of
-a closed batch does not verify a half-empty step). A step that would draft nothing explores one depth-0 draft
-every EXPLORE_EVERY choices, so a fallen acceptance is measured again.
+a closed batch does not verify a half-empty step). Every EXPLORE_EVERY choices one request drafts one depth deeper
+than chosen (depth 0 when the step drafts nothing), so an acceptance that looked low is measured again.
 
 Settled on nothing: after GIVE_UP_AFTER choices in a row that drafted nothing (exploration drafts do not count),
 the engine knows drafting does not pay here, so a request admitted then starts without its MTP plane
@@ -39,8 +39,8 @@ from runtime.core.step_record import StepRecord
 WEIGHT = 16
 PRIOR_TRIALS, PRIOR_HITS = 2 * WEIGHT, WEIGHT  # the prior is worth two observations (of rate 1/2 engine-wide)
 ONE = 1 << 32  # fixed point of gains: integer arithmetic, exact and identical on every rank, and fast
-# A step that drafts nothing drafts one depth-0 row every EXPLORE_EVERY choices anyway (requests in turn): else
-# acceptance that once fell would never be measured again, and drafting would never resume.
+# Every EXPLORE_EVERY choices one request (in turn) drafts one depth deeper than chosen (a step that drafts nothing:
+# one depth-0 row): else a depth's acceptance that once looked low would never be measured again.
 EXPLORE_EVERY = 16
 GIVE_UP_AFTER = 8  # ... and after this many choices in a row of nothing, the requests stop keeping their MTP plane
 # Settled on nothing, one admitted request in this many still keeps its MTP plane (the rest pay K=0's cost): the
@@ -127,7 +127,10 @@ class AcceptancePolicy:
             return
         draft_us = sum(self.cost.draft(max(r, 1)) for r in record.draft_rows)
         executor_us = self.cost.main(record.main_rows) + sum(self.cost.commit(r) for r in record.commit_rows)
-        step = max(0, round((record.clock_seconds - record.clock_draft_seconds) * 1e6) - executor_us)
+        # Each sample is clipped at twice what the step's graph calls cost: a slower one is the process descheduled
+        # or a first call's set-up, not host work, and one such spike (a 60 ms draft phase) once held the depth
+        # cost at 8 ms, pricing drafting out for good: it decays only on steps that draft
+        step = min(max(0, round((record.clock_seconds - record.clock_draft_seconds) * 1e6) - executor_us), 2 * executor_us)
         if record.commit_rows:
             self.step_extra_us += (step - self.step_extra_us) // 8
         else:
@@ -135,7 +138,7 @@ class AcceptancePolicy:
             self.plain_extra_us = plain + (step - plain) // 8
         if record.draft_rows:
             depth = (round(record.clock_draft_seconds * 1e6) - draft_us) // len(record.draft_rows)
-            self.depth_extra_us += (max(0, depth) - self.depth_extra_us) // 8
+            self.depth_extra_us += (min(max(0, depth), 2 * draft_us // len(record.draft_rows)) - self.depth_extra_us) // 8
 
     def choose(self, candidates: list[Candidate], k_max: int) -> list[int]:
         for c in candidates:
@@ -163,10 +166,20 @@ class AcceptancePolicy:
                 best_ks, best_tokens, best_us = ks, tokens, us
         self._steps += 1
         self._give_up(candidates, offers, best_ks)
-        if offers and not any(best_ks) and self._steps % EXPLORE_EVERY == 0:
-            best_ks[min(offers, key=lambda o: ((o[1] - self._steps) % len(candidates), o[2]))[1]] = 1
-            self.gives_up_drafting = False  # the explorer drafts next: nobody freezes this step
+        if offers and self._steps % EXPLORE_EVERY == 0:
+            self._explore(candidates, offers, best_ks, k_max)
         return best_ks
+
+    def _explore(self, candidates: list[Candidate], offers: list, ks: list[int], k_max: int) -> None:
+        """One request (in turn) drafts one depth deeper than chosen: a depth that is never drafted is never
+        measured, and its estimate would stay at the prior (at 1/2, or below after two misses, depth 1 of models/deep
+        was priced out although it accepts ~80%). Drafting nothing, that is a depth-0 draft."""
+        n = len(candidates)
+        for i in sorted(range(n), key=lambda i: (i - self._steps) % n):
+            if ks[i] < cap(k_max, candidates[i].remaining, k_max):
+                ks[i] += 1
+                self.gives_up_drafting = False  # the explorer drafts next: nobody freezes this step
+                return
 
     @property
     def settled_on_nothing(self) -> bool:

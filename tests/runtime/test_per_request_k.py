@@ -209,6 +209,24 @@ def test_policy_learns_host_costs_from_step_records():
     assert abs(policy.plain_extra_us - 300) < 10
 
 
+def test_a_slow_outlier_does_not_price_drafting_out():
+    """One descheduled step (a 60 ms draft phase) is clipped at twice the graph calls' cost: unclipped it held the
+    depth cost at ms for good (it decays only on steps that draft, which it prevented)."""
+    policy = AcceptancePolicy(costs({1: 1000, 64: 1000}, draft=100))
+    policy.choose([Candidate(AcceptanceCounts(), 100)], 3)
+    policy.observe(StepRecord(num_scheduled=1, main_rows=2, commit_rows=[2], draft_rows=[1], clock_seconds=0.2,
+                              clock_draft_seconds=0.06))  # fmt: skip
+    assert 0 < policy.depth_extra_us <= 200 // 8 and 0 < policy.step_extra_us <= 2 * 1001 // 8
+
+
+def test_a_deeper_depth_is_explored_now_and_then():
+    """A depth never drafted is never measured: every EXPLORE_EVERY choices one request drafts one deeper."""
+    policy, good = AcceptancePolicy(costs({1: 1000, 64: 1000}, draft=850)), counts(*[(3, 3)] * 20)
+    ks = [policy.choose([Candidate(good, 100)], 3) for _ in range(2 * EXPLORE_EVERY)]
+    assert [i for i, k in enumerate(ks) if k != [1]] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    assert ks[EXPLORE_EVERY - 1] == [2]
+
+
 def test_cost_curve_interpolates_in_integers_and_never_falls():
     curve = CostCurve((1, 4, 8), monotone([100, 90, 500]))  # a noisy dip at 4 rows is flattened
     assert curve.micros == (100, 100, 500) and curve(0) == 0 and curve(2) == 100
