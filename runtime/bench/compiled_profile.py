@@ -39,16 +39,22 @@ def profile_shape(ex: CompiledExecutor, batch: int, rows: int, context: int, ite
         ex.run_main(prefill)
     for _ in range(3):  # warm-up
         ex.run_main(step)
+    forward_ms = _median_forward_ms(ex, step, iters)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            ex.run_main(step)
+    ops = {e.key: e.self_cpu_time_total / 1e3 / iters for e in prof.key_averages()}
+    return ops, forward_ms
+
+
+def _median_forward_ms(ex: CompiledExecutor, step, iters: int) -> float:
+    """Median CPU ms of `iters` verify forwards of `step`."""
     ts = []
     for _ in range(iters):
         t0 = time.process_time()
         ex.run_main(step)
         ts.append(time.process_time() - t0)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(iters):
-            ex.run_main(step)
-    ops = {e.key: e.self_cpu_time_total / 1e3 / iters for e in prof.key_averages()}
-    return ops, statistics.median(ts) * 1e3
+    return statistics.median(ts) * 1e3
 
 
 def ab_shape(ex: CompiledExecutor, batch: int, rows: int, context: int, iters: int, rounds: int, on: int):
@@ -63,12 +69,7 @@ def ab_shape(ex: CompiledExecutor, batch: int, rows: int, context: int, iters: i
         for thr in (1 << 30, on) if r % 2 else (on, 1 << 30):  # alternate which goes first
             cpp_ops.amx_min_rows(thr)
             ex.run_main(step)
-            ts = []
-            for _ in range(iters):
-                t0 = time.process_time()
-                ex.run_main(step)
-                ts.append(time.process_time() - t0)
-            got[thr].append(statistics.median(ts) * 1e3)
+            got[thr].append(_median_forward_ms(ex, step, iters))
     cpp_ops.amx_min_rows(on)
     off_ms, on_ms = got[1 << 30], got[on]
     ratio = statistics.median(a / b for a, b in zip(off_ms, on_ms, strict=True))
