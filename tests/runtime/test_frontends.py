@@ -23,19 +23,28 @@ WAIT_S = 180  # generous bound for anything the server must do by itself: the ma
 
 
 def _streams(srv: Served, n: int, max_tokens: int) -> tuple[list[threading.Thread], dict[int, Result], threading.Event]:
+    """n streams in threads; the event is set once every one of them has its first response (a signal sent
+    earlier would race a thread still connecting: "connection refused" is the server stopping, not a failed drain)."""
     results: dict[int, Result] = {}
-    first = threading.Event()
+    started: set[int] = set()
+    lock, every = threading.Lock(), threading.Event()
+
+    def began(i: int) -> None:
+        with lock:
+            started.add(i)
+            if len(started) == n:
+                every.set()
 
     def run(i: int) -> None:
         try:
-            results[i] = srv.stream(LONG_PROMPT, max_tokens, on_first=lambda _r: first.set(), temperature=1.0, seed=i)
+            results[i] = srv.stream(LONG_PROMPT, max_tokens, on_first=lambda _r: began(i), temperature=1.0, seed=i)
         except Exception as e:  # noqa: BLE001 - recorded and asserted on
             results[i] = Result(False, f"client exception: {type(e).__name__}: {e}")
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    return threads, results, first
+    return threads, results, every
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1], ids=lambda s: s.name)
@@ -50,7 +59,7 @@ def test_signal_with_long_streams_drains_and_exits_0(tmp_path, frontend, sig):
     srv = Served(frontend, tmp_path, *drain)
     try:
         threads, results, first = _streams(srv, 6 if sig == signal.SIGTERM else 3, 400)
-        assert first.wait(WAIT_S), "no stream started"
+        assert first.wait(WAIT_S), "not every stream started"
         t0 = time.monotonic()
         srv.signal(sig)
         rc = srv.wait(WAIT_S)

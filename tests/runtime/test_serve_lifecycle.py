@@ -33,20 +33,29 @@ def _ours(pid: int) -> tuple[list[str], list[str]]:
 
 
 def _streams(port: int, n: int, max_tokens: int = 480) -> tuple[list[threading.Thread], dict, threading.Event]:
+    """n streams in threads; the event is set once every one has a response (a signal sent earlier would race a
+    thread still connecting, whose refusal is the server stopping, not a failed drain)."""
     results: dict[int, tuple] = {}
-    first = threading.Event()
+    started: set[int] = set()
+    lock, every = threading.Lock(), threading.Event()
+
+    def began(i: int) -> None:
+        with lock:
+            started.add(i)
+            if len(started) == n:
+                every.set()
 
     def run(i: int) -> None:
         try:
             results[i] = h.generate(port, LONG_PROMPT, max_tokens, temperature=1.0, seed=i,
-                                    on_response=lambda _r: first.set())  # fmt: skip
+                                    on_response=lambda _r: began(i))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - recorded and asserted on
             results[i] = ([], f"client exception: {type(e).__name__}: {e}")
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    return threads, results, first
+    return threads, results, every
 
 
 def test_port_probe_ignores_time_wait():
@@ -94,7 +103,7 @@ def test_sigterm_under_load_drains_exits_zero_and_restarts(tmp_path):
         serve.wait_ready()
         held = _held_stream(ports[1])
         threads, results, first = _streams(ports[1], 6)
-        assert first.wait(60), "no stream started"
+        assert first.wait(60), "not every stream started"
         t0 = time.monotonic()
         serve.signal(signal.SIGTERM)
         time.sleep(0.5)  # the model sees the drain file within 0.1 s; the 1.5 s drain is still running
