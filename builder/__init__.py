@@ -9,6 +9,7 @@ Owns everything between `mtp-build` and the files the runtime loads (docs/ENGINE
 * `trt_build`   the tensorrt backend (strongly typed networks, profiles, timing cache, plans);
 * `validate`    the checks that run before anything is written (output safety, weights, tokenizer, memory);
 * `pipeline`    the named build steps and the atomic rename that makes a build all-or-nothing;
+* `signals`     SIGTERM / SIGINT / SIGHUP during a build: an exception that removes its temporary directory;
 * `rank_process` one rank's load + export in a child process (a multi-rank build's memory is one rank's share);
 * `cli`         `mtp-build` (build / --check) with rich progress and a summary table.
 

@@ -32,7 +32,8 @@ from builder.options import (
     BuildOptions,
     default_ep_size,
 )
-from builder.pipeline import BuildInterrupted, build
+from builder.pipeline import build
+from builder.signals import BuildInterrupted, interrupted_by
 from builder.validate import check_engine_tokenizer, check_tokenizer_config
 from models.checkpoint import CheckpointError
 from models.engine_format import MANIFEST_NAME, EngineConfig, EngineDirError, load_engine_config
@@ -148,21 +149,26 @@ def main(argv: list[str] | None = None) -> int:
     except (BuildError, EngineDirError, CheckpointError) as e:
         if args.debug:
             raise
+        if (signum := interrupted_by()) is not None:  # a library wrapped the signal's exception: still a signal
+            return _interrupted(err, args, signum)
         err.print(f"[bold red]{'check' if args.check is not None else 'build'} failed:[/] {_line(e)}", highlight=False)
         return 2
     except (BuildInterrupted, KeyboardInterrupt) as e:
         if args.debug:
             raise
-        signum = e.signum if isinstance(e, BuildInterrupted) else signal.SIGINT
-        err.print(f"[bold red]build interrupted by {signal.Signals(signum).name}[/]: the temporary build directory "
-                  f"was removed; {args.output or 'the output'} is unchanged", highlight=False)  # fmt: skip
-        return 128 + signum
+        return _interrupted(err, args, e.signum if isinstance(e, BuildInterrupted) else signal.SIGINT)
     except Exception as e:  # a bug: one line by default, the traceback with --debug
         if args.debug:
             raise
         err.print(f"[bold red]internal error:[/] {type(e).__name__}: {_line(e)} (a bug in mtp-build; rerun with --debug "
                   "for the traceback and report it)", highlight=False)  # fmt: skip
         return 1
+
+
+def _interrupted(err: Console, args: argparse.Namespace, signum: int) -> int:
+    err.print(f"[bold red]build interrupted by {signal.Signals(signum).name}[/]: the temporary build directory "
+              f"was removed; {args.output or 'the output'} is unchanged", highlight=False)  # fmt: skip
+    return 128 + signum
 
 
 def _line(e: BaseException) -> str:

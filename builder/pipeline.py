@@ -11,15 +11,12 @@ Progress goes to a `Reporter` (the CLI draws it with rich; tests pass a silent o
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
 import shutil
-import signal
-import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,7 +24,7 @@ from typing import Any, Protocol
 import onnx
 import torch
 
-from builder import compile_aoti, ort_build, rank_graphs, trt_build, validate
+from builder import compile_aoti, ort_build, rank_graphs, signals, trt_build, validate
 from builder.export import export_graph
 from builder.options import BuildError, BuildOptions
 from builder.rank_process import run_in_child
@@ -219,48 +216,6 @@ def _install(work: Path, output: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-class BuildInterrupted(BaseException):
-    """SIGTERM/SIGINT/SIGHUP during a build (a BaseException, so `except Exception` in export code lets it pass)."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(f"build interrupted by {signal.Signals(signum).name}")
-
-
-_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """Turn the signals that end a build into an exception, so its temporary directory is removed."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise BuildInterrupted(signum)
-
-    old = {s: signal.signal(s, handler) for s in _SIGNALS}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Defer those signals over a step that must not stop half-way (install, cleanup)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
-
-
 def _import(opts: BuildOptions, rep: Reporter) -> tuple[ModelConfig, str, str, int]:
     """Check everything the build needs from the checkpoint: (config, sha256, tokenizer, weight bytes per rank).
 
@@ -305,7 +260,7 @@ def _make_work_dir(output: Path) -> Path:
 
 def build(opts: BuildOptions, rep: Reporter | None = None) -> BuildResult:
     rep = rep or SilentReporter()
-    with _signals_raise():
+    with signals.raising():
         return _build(opts, rep)
 
 
@@ -336,7 +291,7 @@ def _build(opts: BuildOptions, rep: Reporter) -> BuildResult:
             raise BuildError(f"writing the engine failed: {e.strerror or e} ({e.filename}); free space or choose "
                              "another --output") from e  # fmt: skip
     except BaseException:
-        with _signals_held():
+        with signals.held():
             shutil.rmtree(work, ignore_errors=True)
         raise
     cfg.path = opts.output
@@ -371,7 +326,7 @@ def _write_engine(opts: BuildOptions, work: Path, rep: Reporter, ckpt_cfg: Model
     write_engine_config(cfg)
     load_engine_config(work)  # what the runtime will run: refuse to install a directory that fails it
     rep.step("atomic rename")
-    with _signals_held():  # never leave the old engine moved aside and the new one not yet in place
+    with signals.held():  # never leave the old engine moved aside and the new one not yet in place
         _install(work, opts.output)
     return cfg
 
