@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -24,6 +25,21 @@ TINY = ROOT / "models" / "tiny"
 RESPONSE_TIMEOUT_S = 60
 TYPES = {"temperature": "FP32", "top_p": "FP32", "top_k": "INT32", "seed": "INT64", "end_id": "INT32",
          "stop_words": "BYTES"}  # fmt: skip
+
+
+class AllStarted(threading.Event):
+    """Set once each of n streams has its first response (`began(i)` from each stream's callback). A signal sent
+    earlier would race a thread still connecting, whose refusal is the server stopping, not a failed drain."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.started, self.lock = n, set[int](), threading.Lock()
+
+    def began(self, i: int) -> None:
+        with self.lock:
+            self.started.add(i)
+            if len(self.started) == self.n:
+                self.set()
 
 
 def make_input(name: str, value, dtype: str):

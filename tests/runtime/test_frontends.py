@@ -23,21 +23,13 @@ WAIT_S = 180  # generous bound for anything the server must do by itself: the ma
 
 
 def _streams(srv: Served, n: int, max_tokens: int) -> tuple[list[threading.Thread], dict[int, Result], threading.Event]:
-    """n streams in threads; the event is set once every one of them has its first response (a signal sent
-    earlier would race a thread still connecting: "connection refused" is the server stopping, not a failed drain)."""
+    """n streams in threads; the event is set once every one of them has its first response (h.AllStarted)."""
     results: dict[int, Result] = {}
-    started: set[int] = set()
-    lock, every = threading.Lock(), threading.Event()
-
-    def began(i: int) -> None:
-        with lock:
-            started.add(i)
-            if len(started) == n:
-                every.set()
+    every = h.AllStarted(n)
 
     def run(i: int) -> None:
         try:
-            results[i] = srv.stream(LONG_PROMPT, max_tokens, on_first=lambda _r: began(i), temperature=1.0, seed=i)
+            results[i] = srv.stream(LONG_PROMPT, max_tokens, on_first=lambda _r: every.began(i), temperature=1.0, seed=i)
         except Exception as e:  # noqa: BLE001 - recorded and asserted on
             results[i] = Result(False, f"client exception: {type(e).__name__}: {e}")
 

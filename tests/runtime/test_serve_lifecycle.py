@@ -33,22 +33,14 @@ def _ours(pid: int) -> tuple[list[str], list[str]]:
 
 
 def _streams(port: int, n: int, max_tokens: int = 480) -> tuple[list[threading.Thread], dict, threading.Event]:
-    """n streams in threads; the event is set once every one has a response (a signal sent earlier would race a
-    thread still connecting, whose refusal is the server stopping, not a failed drain)."""
+    """n streams in threads; the event is set once every one has a response (h.AllStarted)."""
     results: dict[int, tuple] = {}
-    started: set[int] = set()
-    lock, every = threading.Lock(), threading.Event()
-
-    def began(i: int) -> None:
-        with lock:
-            started.add(i)
-            if len(started) == n:
-                every.set()
+    every = h.AllStarted(n)
 
     def run(i: int) -> None:
         try:
             results[i] = h.generate(port, LONG_PROMPT, max_tokens, temperature=1.0, seed=i,
-                                    on_response=lambda _r: began(i))  # fmt: skip
+                                    on_response=lambda _r: every.began(i))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - recorded and asserted on
             results[i] = ([], f"client exception: {type(e).__name__}: {e}")
 
