@@ -60,8 +60,9 @@ class Workload:
     heldout: bool  # the files are known to be held out of training
 
 
-def heldout_files(checkpoint: Path, n: int) -> tuple[list[Path], bool]:
-    """n held-out stdlib files, deterministic: the report's held-out list, else training.train's split rule."""
+def heldout_files(checkpoint: Path, n: int | None) -> tuple[list[Path], bool]:
+    """n held-out stdlib files (None: all usable ones), deterministic: the report's held-out list, else
+    training.train's split rule."""
     root = Path(sysconfig.get_paths()["stdlib"])
     report = checkpoint / "training_report.json"
     candidates: list[Path] = []
@@ -79,6 +80,8 @@ def heldout_files(checkpoint: Path, n: int) -> tuple[list[Path], bool]:
         candidates = [root / f for f in FALLBACK_FILES if (root / f).is_file()]
     # Skip near-empty files (e.g. bare __init__.py) and spread the pick over the whole list.
     candidates = [p for p in candidates if p.stat().st_size >= 400]
+    if n is None:
+        return candidates, heldout
     if len(candidates) < n:
         raise ConfigError(f"only {len(candidates)} usable prompt files under {root}; lower --num-prompts")
     stride = len(candidates) / n

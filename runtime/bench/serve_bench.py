@@ -36,6 +36,7 @@ import numpy as np
 
 from runtime.bench.runners import heldout_files
 from runtime.bench.serve_report import summarize, write_outputs
+from runtime.core.draft_length import parse_num_draft_tokens
 from runtime.serving.process import free_ports
 
 FRONTENDS = ("openai", "triton", "inprocess")
@@ -69,15 +70,19 @@ class RequestResult:
 
 
 def prompt_set(source: Path, n: int) -> list[str]:
-    """n held-out stdlib files, each cut at a character boundary to PROMPT_TOKENS[i % 3] tokens (the source's
-    tokenizer), so the lengths vary but every prompt + --max-tokens fits the default max_seq_len of 512."""
+    """n prompts from the held-out stdlib files, prompt i cut at a character boundary to PROMPT_TOKENS[i % 3] tokens
+    (the source's tokenizer), so the lengths vary but every prompt + --max-tokens fits the default max_seq_len of 512.
+    More prompts than files (32 streams need 32 prompts in flight) cycle the files, each pass cut one length further
+    on, so no two prompts are the same text."""
     from runtime.factory import load_tokenizer
 
-    files, _ = heldout_files(source, n)
+    pool, _ = heldout_files(source, None)
+    files = heldout_files(source, n)[0] if n <= len(pool) else [pool[i % len(pool)] for i in range(n)]
     tok = load_tokenizer(source)
     out = []
     for i, f in enumerate(files):
-        text, limit = f.read_text(encoding="utf-8", errors="replace")[:8000], PROMPT_TOKENS[i % len(PROMPT_TOKENS)]
+        cut = PROMPT_TOKENS[(i + i // len(pool)) % len(PROMPT_TOKENS)]
+        text, limit = f.read_text(encoding="utf-8", errors="replace")[:8000], cut
         if tok is None:
             out.append(text[:limit])
             continue
@@ -150,7 +155,7 @@ class InProcess:
         from runtime.serving.openai.engine_loop import AsyncEngineLoop
 
         self.engine = create_engine(engine_dir=args.engine, checkpoint=args.checkpoint, executor=args.executor,
-                                    num_draft_tokens=k if k == "auto" else int(k), max_batch=args.max_batch)  # fmt: skip
+                                    num_draft_tokens=parse_num_draft_tokens(k), max_batch=args.max_batch)  # fmt: skip
         self.loop = AsyncEngineLoop(self.engine, max_queue=10**6)
         self.loop.start()
 

@@ -40,6 +40,7 @@ class KVBlock:
     block_hash: int | None = None  # chained content hash, set once when published; None while private
     token_ids: tuple[int, ...] | None = None  # tokens of a published block, compared on lookup (collision guard)
     next_token_id: int | None = None  # token the MTP draft KV at the block's last position was paired with
+    draft_exact: bool = True  # its MTP draft entries are final too (False: main KV only; see `publish`)
     num_hits: int = 0  # times the block was re-used after publication (reset on eviction)
 
 
@@ -92,6 +93,10 @@ class BlockPool:
 
     def is_free(self, block_id: int) -> bool:
         return self._block(block_id).ref_count == 0
+
+    def is_draft_exact(self, block_id: int) -> bool:
+        """A published block's MTP draft entries are final too (a lookup that will draft may reuse it)."""
+        return self._block(block_id).draft_exact
 
     def lookup(self, block_hash: int) -> tuple[int, tuple[int, ...], int | None] | None:
         """Return (block_id, token_ids, next_token_id) of the block published with this hash, or None.
@@ -162,12 +167,16 @@ class BlockPool:
                 else:
                     self._cached_free[block_id] = None
 
-    def publish(self, block_id: int, block_hash: int, token_ids: Sequence[int], next_token_id: int | None = None) -> bool:
+    def publish(self, block_id: int, block_hash: int, token_ids: Sequence[int], next_token_id: int | None = None,
+                draft_exact: bool = True) -> bool:  # fmt: skip
         """Make a full, verified block findable by `lookup(block_hash)`.
 
         Args:
             next_token_id: the token after the block, which its last MTP draft KV entry was paired with
                 (None: unknown, so no lookup may reuse that entry).
+            draft_exact: its MTP draft entries are final too. False: only its main KV is (a request that stopped
+                keeping its MTP plane wrote it); such a block serves lookups that will not draft, and a draft-exact
+                block of the same content later takes the hash over (the old one stays frozen, evicted as usual).
 
         Returns:
             True when the block is now the hash's owner; False when another block already publishes the
@@ -182,16 +191,19 @@ class BlockPool:
                                  f"({self.block_size} tokens) are published")
         tokens = tuple(token_ids)
         if block.block_hash is not None:
-            if block.block_hash != block_hash or block.token_ids != tokens or block.next_token_id != next_token_id:
+            if (block.block_hash != block_hash or block.token_ids != tokens or block.next_token_id != next_token_id
+                    or block.draft_exact != draft_exact):  # fmt: skip
                 raise BlockPoolError(f"block {block_id} already published with hash {block.block_hash} (next token "
                                      f"{block.next_token_id}), refusing to republish it with hash {block_hash} "
                                      f"(next token {next_token_id})")
             return True
-        if block_hash in self._hash_to_block:
+        owner = self._hash_to_block.get(block_hash)
+        if owner is not None and (self.blocks[owner].draft_exact or not draft_exact):
             return False
         block.block_hash = block_hash
         block.token_ids = tokens
         block.next_token_id = next_token_id
+        block.draft_exact = draft_exact
         self._hash_to_block[block_hash] = block_id
         return True
 
@@ -204,6 +216,7 @@ class BlockPool:
         block.block_hash = None
         block.token_ids = None
         block.next_token_id = None
+        block.draft_exact = True
         block.num_hits = 0
 
     def _block(self, block_id: int) -> KVBlock:

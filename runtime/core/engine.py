@@ -92,6 +92,8 @@ class LLMEngine:
         if verify_lengths is None and cfg.per_request_draft_tokens and self.k and not ranks.is_follower:
             verify_lengths = AcceptancePolicy(self._profile_costs(draft_clock))  # a follower never chooses
         self.verify_lengths = verify_lengths
+        if isinstance(verify_lengths, AcceptancePolicy):  # settled on drafting nothing: most are admitted frozen
+            self.scheduler.keeps_mtp_plane = verify_lengths.keeps_mtp_plane
         # rows a request holds back while `auto` runs k = 0 (mtp_plan.plan_step): the request's whole commit segment
         # (carry + up to 2K verified rows + the tail) must fit one commit call of max_num_tokens rows
         self._max_carry_rows = max(0, min(4 * cfg.block_size, cfg.max_num_tokens - 2 * self.k - 1))
@@ -198,18 +200,13 @@ class LLMEngine:
 
     def _after_schedule(self, sched: SchedulerOutput) -> None:
         """Preemptions (a hybrid model's preempted request restarts from position 0: a fresh recurrent state), then
-        the prefix cache's copy-on-write copies, before anything reads them; then whether each admitted request
-        keeps its MTP plane (per-request policy)."""
+        the prefix cache's copy-on-write copies, before anything reads them."""
         self._timer.record.num_preemptions = len(sched.preempted)
         if self.state_slots is not None:
             self.state_slots.free(*[r.req_id for r in sched.preempted])
         if sched.block_copies:
             self.executor.copy_blocks(sched.block_copies)
             self.kv.complete_copies()
-        if isinstance(self.verify_lengths, AcceptancePolicy):  # settled on drafting nothing: most start frozen
-            for req in sched.admitted:
-                if not self.verify_lengths.keeps_mtp_plane():  # no prompt commit, no drafts (verify_lengths.py)
-                    req.spec.mtp_frozen_at = req.num_computed  # a prefix hit's cached entries are exact
 
     def _idle_step(self) -> None:
         """Nothing scheduled here: a lockstep rank still enters every collective-bearing forward (invariant 9)."""
@@ -295,7 +292,8 @@ class LLMEngine:
         for s in scheduled:
             if not s.req.is_finished:
                 final = s.req.spec.mtp_exact_end(s.req.num_computed)
-                if self.kv.publish_full_blocks(s.req.req_id, s.req.token_ids, final) and self.state_slots is not None:
+                main = None if s.req.spec.may_draft else s.req.num_computed  # frozen: its later blocks main-only
+                if self.kv.publish_full_blocks(s.req.req_id, s.req.token_ids, final, main) and self.state_slots:
                     self.state_slots.published(s.req.req_id)  # its snapshots of those blocks become cached
 
     def _dummy_drafts(self, k: int) -> None:

@@ -25,6 +25,11 @@ the same content twice (the second copy stays private), so block j of a hit chai
 that continued differently from the one that published block j+1; checking `next_token_id` per block
 covers that case, and also lets a follow-up turn reuse its last block when the continuation matches.
 
+A request that stopped keeping its MTP plane (the per-request policy or `auto` settled on drafting nothing)
+still publishes its blocks, marked main-only (`BlockPool.publish(draft_exact=False)`): a lookup for a request that
+will not draft reuses them (`find_prefix(will_draft=False)`: the K = 0 rule), one that will draft stops before them.
+Without that, a server whose policy settled on drafting nothing would lose its prefix hits.
+
 Only verified tokens reach the cache: `publish_full_blocks` hashes blocks fully covered by committed
 positions. A shared or published block is never written (tests/runtime/test_kv_manager.py checks each write).
 """
@@ -111,15 +116,18 @@ class KVCacheManager:
         self._cut_at: dict[str, int] = {}  # req_id -> where its hit was reusable up to, when usable_prefix cut it back
 
     # ------------------------------------------------------------------ prefix lookup
-    def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+    def find_prefix(self, token_ids: Sequence[int], will_draft: bool = True) -> PrefixHit:
         """Longest cached prefix of full blocks usable by a new request; side-effect free.
 
         Args:
             token_ids: the prompt (or the full token list of a resumed request).
+            will_draft: the request keeps its MTP plane (False: admitted without it, so only main KV is read and
+                main-only blocks match too, as with K = 0).
         Returns:
             A `PrefixHit`; at least one position is always left to compute.
         """
         B = self.block_size
+        draft_kv = self.draft_kv and will_draft
         matched: list[tuple[int, int, int | None]] = []  # (block_id, hash, next_token_id), content matches
         parent = ROOT_HASH
         if self.enable_prefix_caching:
@@ -129,12 +137,14 @@ class KVCacheManager:
                 found = self.pool.lookup(block_hash)
                 if found is None or found[1] != tokens:  # miss, or a hash collision
                     break
+                if draft_kv and not self.pool.is_draft_exact(found[0]):  # its MTP entries were never written
+                    break
                 matched.append((found[0], block_hash, found[2]))
                 parent = block_hash
         # A matched block is reusable as-is only if its last draft entry was paired with our next token.
         num_full = 0
         while (num_full < len(matched) and (num_full + 1) * B < len(token_ids)
-               and (not self.draft_kv or matched[num_full][2] == token_ids[(num_full + 1) * B])):
+               and (not draft_kv or matched[num_full][2] == token_ids[(num_full + 1) * B])):
             num_full += 1
         reusable = num_full * B
         if self.usable_prefix is not None:  # the cut happens after the MTP rule: it names the blocks really reused
@@ -142,7 +152,7 @@ class KVCacheManager:
         hit = PrefixHit(block_ids=[m[0] for m in matched[:num_full]], block_hashes=[m[1] for m in matched[:num_full]],
                         num_cached_tokens=num_full * B, num_prompt_tokens=len(token_ids),
                         num_matched_blocks=len(matched), num_reusable_tokens=reusable)
-        if self.mtp_cow and self.draft_kv and num_full < len(matched):  # main KV of the block fits, its last draft entry does not
+        if self.mtp_cow and draft_kv and num_full < len(matched):  # main KV of the block fits, its last draft entry does not
             hit.cow_block_id, hit.cow_block_hash = matched[num_full][:2]
             hit.num_cached_tokens += B - 1
         return hit
@@ -239,13 +249,17 @@ class KVCacheManager:
         self.pool.free(c.src_block_id for c in pending)
 
     # ------------------------------------------------------------------ prefix publication
-    def publish_full_blocks(self, req_id: str, token_ids: Sequence[int], num_committed: int) -> int:
-        """Hash and publish every block fully covered by positions 0..num_committed-1.
+    def publish_full_blocks(self, req_id: str, token_ids: Sequence[int], num_committed: int,
+                            num_main_committed: int | None = None) -> int:  # fmt: skip
+        """Hash and publish every block fully covered by positions 0..num_committed-1 (and, main-only, those
+        covered by 0..num_main_committed-1).
 
         Args:
             token_ids: the request's tokens (prompt + outputs), at least num_committed of them.
             num_committed: positions whose main AND draft KV are final (verified tokens only; for a prefill
                 chunk whose last hidden is carried, the chunk's last position is not final yet).
+            num_main_committed: a request that no longer keeps its MTP plane: positions whose main KV is final;
+                the blocks past num_committed are published main-only (their MTP entries never become final).
         Returns:
             The number of blocks newly hashed.
         """
@@ -253,17 +267,19 @@ class KVCacheManager:
             return 0
         B = self.block_size
         table, hashes = self._tables[req_id], self._block_hashes[req_id]
-        if num_committed > len(token_ids) or cdiv(num_committed, B) > len(table):
-            raise ValueError(f"num_committed={num_committed} exceeds the tokens ({len(token_ids)}) or the blocks "
+        end = max(num_committed, num_main_committed or 0)
+        if end > len(token_ids) or cdiv(end, B) > len(table):
+            raise ValueError(f"num_committed={end} exceeds the tokens ({len(token_ids)}) or the blocks "
                              f"({len(table)}) of request {req_id!r}")
         parent = hashes[-1] if hashes else ROOT_HASH
         start = len(hashes)
         # Block j needs token (j+1)*B too: its last draft entry was paired with it (see find_prefix).
-        for j in range(start, min(num_committed // B, (len(token_ids) - 1) // B)):
+        for j in range(start, min(end // B, (len(token_ids) - 1) // B)):
             tokens = token_ids[j * B:(j + 1) * B]
             parent = hash_block_tokens(parent, tokens)
             # False when another block holds this content already; this one then stays private.
-            self.pool.publish(table[j], parent, tokens, next_token_id=token_ids[(j + 1) * B])
+            self.pool.publish(table[j], parent, tokens, next_token_id=token_ids[(j + 1) * B],
+                              draft_exact=(j + 1) * B <= num_committed)  # fmt: skip
             hashes.append(parent)
         return len(hashes) - start
 

@@ -13,6 +13,7 @@ Torch-free: plain Python over ints and lists.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.core.config import RuntimeConfig
@@ -42,7 +43,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step
-    admitted: list[Request] = field(default_factory=list)  # taken from the waiting queue this step, in order
 
 
 class Scheduler:
@@ -51,6 +51,9 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Asked once per admission, before its prefix lookup: whether the request keeps its MTP plane (None: all
+        # do). The per-request policy's `keeps_mtp_plane`, once settled on drafting nothing (verify_lengths.py).
+        self.keeps_mtp_plane: Callable[[], bool] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -110,8 +113,11 @@ class Scheduler:
             req = self.waiting[0]
             # prompt logprobs need every prompt position computed: no prefix-cache read (as vLLM)
             cached = self.cfg.enable_prefix_caching and req.params.prompt_logprobs is None
-            hit = self.kv.find_prefix(req.token_ids) if cached else None
+            keeps = req.spec.may_draft and (self.keeps_mtp_plane is None or self.keeps_mtp_plane())
+            hit = self.kv.find_prefix(req.token_ids, will_draft=keeps) if cached else None
             start = hit.num_cached_tokens if hit is not None else 0
+            if not keeps:  # no prompt commit, no drafts: the blocks it publishes from start on are main-only
+                req.spec.mtp_frozen_at = start
             remaining = req.num_tokens - start
             n_new = min(remaining, budget, self.cfg.max_prefill_chunk)
             if n_new < remaining and has_partial:
@@ -125,7 +131,6 @@ class Scheduler:
             req.num_computed = start
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.admitted.append(req)
             s = ScheduledRequest(req, start, n_new, 0)
             out.scheduled.append(s)
             budget -= n_new

@@ -122,6 +122,23 @@ def test_publish_rules():
         pool.publish(b2, 9, toks(0))
 
 
+def test_a_draft_exact_block_takes_a_main_only_hash_over():
+    """A block published main-only (its request no longer kept its MTP plane) serves lookups until a block of the
+    same content with final draft entries is published: that one owns the hash from then on, and evicting the old
+    one later does not unpublish the new owner."""
+    pool = make_pool(5)
+    main_only, exact, other = pool.allocate(3)
+    assert pool.publish(main_only, 5, toks(0), next_token_id=9, draft_exact=False)
+    assert pool.lookup(5) == (main_only, tuple(toks(0)), 9) and not pool.is_draft_exact(main_only)
+    assert not pool.publish(other, 5, toks(0), next_token_id=9, draft_exact=False)  # no better: stays private
+    assert pool.publish(exact, 5, toks(0), next_token_id=9)
+    assert pool.lookup(5) == (exact, tuple(toks(0)), 9) and pool.is_draft_exact(exact)
+    assert pool.is_published(main_only)  # still frozen: its holders read it, nobody writes it
+    pool.free([main_only, other])
+    assert main_only in pool.allocate(3)  # every free block: main_only is evicted too
+    assert pool.lookup(5) == (exact, tuple(toks(0)), 9)
+
+
 def test_constructor_validation():
     with pytest.raises(ValueError, match="null block"):
         BlockPool(1, 4)

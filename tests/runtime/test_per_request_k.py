@@ -254,3 +254,28 @@ def test_per_request_is_the_default():
 def test_fixed_pattern_is_capped():
     c = AcceptanceCounts()
     assert FixedPattern((5, 2)).choose([Candidate(c, 10), Candidate(c, 2)], 3) == [3, 1]
+
+
+def test_settled_policy_keeps_prefix_hits(reference):
+    """Requests admitted without their MTP plane publish their blocks main-only, and those hit as they do at K=0:
+    a prompt first seen after the policy settled on drafting nothing is served from the cache when it comes again
+    (before, such blocks were never published and the server lost its prefix hits). The explorers (they keep their
+    plane) never read a main-only block's draft entries, so their hits stop before such blocks."""
+    policy = RecordingPolicy(costs({1: 1000, 64: 64000}, draft=5000))  # drafting never pays
+    policy.kept = []
+    engine, k0 = make_engine(3, verify_lengths=policy), make_engine(0)
+    assert run(engine) == reference and policy.settled_on_nothing
+    fresh = random_prompts((21, 17, 26, 9, 30, 13, 19), seed=11)  # 7: the explorers move between rounds
+    hits = {}
+    for e in (k0, engine, k0, engine):  # the second time, each prompt is a repeat
+        outs = e.generate(fresh, PARAMS)
+        e.kv.assert_no_leaks()
+        hits[id(e)] = [o.num_cached_tokens for o in outs]
+        assert [o.output_ids for o in outs] == hits.setdefault("ids", [o.output_ids for o in outs])
+    kept = policy.kept[-len(fresh) :]
+    assert kept.count(False) >= len(fresh) - 2  # all but the explorers start frozen
+    frozen_hits = [(n, m) for n, m, keeps in zip(hits[id(engine)], hits[id(k0)], kept, strict=True) if not keeps]
+    assert all(n == m for n, m in frozen_hits) and sum(m for _, m in frozen_hits) > 0
+    before = policy.kept[-2 * len(fresh) : -len(fresh)]  # the first time: a frozen request published main-only
+    misses = [n for n, keeps, kept_before in zip(hits[id(engine)], kept, before, strict=True) if keeps and not kept_before]
+    assert misses and all(n == 0 for n in misses)  # an explorer never reads main-only blocks
