@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from runtime.bench.runners import heldout_files
 from runtime.bench.serve_bench import RequestResult, main, prompt_set
 from runtime.bench.serve_report import summarize
 from tests.runtime.openai_helpers import TINY
@@ -26,6 +27,9 @@ def test_summarize_percentiles_and_throughput():
 def test_prompt_set_is_fixed_and_varied():
     a, b = prompt_set(TINY, 6), prompt_set(TINY, 6)
     assert a == b and len({len(p) for p in a}) >= 3
+    pool = len(heldout_files(TINY, None)[0])
+    more = prompt_set(TINY, 2 * pool)  # 32 streams need more prompts than there are held-out files: they cycle
+    assert len(set(more)) == 2 * pool and more[0] != more[pool] and more[pool][:40] == more[0][:40]
 
 
 def test_short_real_run_writes_json_table_and_plot(tmp_path):
