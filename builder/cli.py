@@ -9,6 +9,7 @@ check, 128+N killed by signal N (the temporary build directory is removed first)
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -37,6 +38,7 @@ from builder.signals import BuildInterrupted, interrupted_by
 from builder.validate import check_engine_tokenizer, check_tokenizer_config
 from models.checkpoint import CheckpointError
 from models.engine_format import MANIFEST_NAME, EngineConfig, EngineDirError, load_engine_config
+from plugins.threads import set_threads
 
 
 class RichReporter:
@@ -104,6 +106,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--int4-group-size", type=int, default=INT4_GROUP_DEFAULT,
                    help="with --quantize int4: input features per fp32 scale (even; default 64: the same bytes as "
                    "llama.cpp's Q4_0); a linear whose input width it does not divide is stored int8")  # fmt: skip
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads of the build (torch export, quantization, --check) and of the rank processes it "
+                   "starts; default: OMP_NUM_THREADS, else the cores this process may use (torch's own count)")  # fmt: skip
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     return p
 
@@ -178,6 +183,11 @@ def _line(e: BaseException) -> str:
 
 def _run(args: argparse.Namespace, err: Console) -> int:
     console = Console(stderr=False)
+    if args.threads is not None:  # else torch's own count, the cores this process may use (plugins/threads.py)
+        if args.threads < 1:
+            raise BuildError(f"--threads {args.threads}: must be >= 1 (default: the cores this process may use)")
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the rank processes a multi-rank build starts inherit it
+        set_threads(args.threads)
     if args.check is not None:
         t0 = time.perf_counter()
         cfg = load_engine_config(args.check)

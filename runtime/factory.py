@@ -6,7 +6,6 @@ and the benchmarks all call `create_engine`.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from pathlib import Path
 from models.engine_format import EngineConfig, KVLayout, Limits, load_engine_config
 from models.engine_format.compiled import compiled_problem
 from plugins.mapping import MappingError, Parallel, check_model, rank_mapping
+from plugins.threads import default_threads, set_threads
 from runtime.core.config import DEFAULT_DRAFT_TOKENS, ConfigError, RuntimeConfig
 from runtime.core.draft_length import DraftLengthController
 from runtime.core.engine import LLMEngine
@@ -27,26 +27,13 @@ from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S
 EXECUTORS = ("auto", "compiled", "onnxruntime", "torch", "tensorrt")
 
 
-def default_threads() -> int:
-    """How many CPU threads a run uses unless `--threads N` (mtp-run, mtp-serve both frontends, mtp-bench) says
-    otherwise: OMP_NUM_THREADS when the environment sets it, else the cores this process may run on (its affinity
-    mask: a container's or `taskset`'s limit, not the machine's count). `use_threads` gives it to torch (the torch
-    and compiled executors, our kernels' OpenMP); the callers give it to ONNX Runtime's intra-op pool. Workers wait
-    passively (runtime/__init__.py), so threads a step cannot use cost nothing while idle."""
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def use_threads(threads: int | None, flag: str = "--threads") -> int:
-    """Resolve `threads` (None: `default_threads()`), set torch's count, and return it (for ONNX Runtime)."""
+    """Resolve `threads` (None: `default_threads()`, plugins/threads.py), set torch's count, and return it (the
+    callers give it to ONNX Runtime's intra-op pool)."""
     n = default_threads() if threads is None else threads
     if n < 1:
         raise ConfigError(f"{flag} {n}: must be >= 1 (default: OMP_NUM_THREADS, else the cores this process may use)")
-    import torch
-
-    torch.set_num_threads(n)
+    set_threads(n)
     return n
 
 

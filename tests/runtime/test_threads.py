@@ -1,4 +1,4 @@
-"""`--threads` (runtime/factory.py default_threads): one rule for every CLI. Default: OMP_NUM_THREADS when set, else the cores this
+"""`--threads` (plugins/threads.py default_threads): one rule for every CLI. Default: OMP_NUM_THREADS when set, else the cores this
 process may use (its affinity mask, what `taskset` or a container limits); the count reaches torch and the run's
 summary; a count below 1 is one line."""
 
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from builder import cli as build_cli
+from plugins.threads import default_threads
 from runtime import cli as run_cli
-from runtime.factory import default_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "models" / "tiny"
@@ -32,7 +33,7 @@ def test_the_default_is_omp_num_threads_else_the_affinity_mask(monkeypatch):
 def test_a_process_limited_to_one_core_defaults_to_one_thread():
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = str(ROOT)
-    code = "from runtime.factory import default_threads; print(default_threads())"
+    code = "from plugins.threads import default_threads; print(default_threads())"
     out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60, check=True)  # fmt: skip
     assert out.stdout.strip() == "1"
@@ -50,5 +51,19 @@ def test_mtp_run_uses_and_reports_the_count_and_refuses_zero(capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert err == ["mtp-run: error: --threads 0: must be >= 1 (default: OMP_NUM_THREADS, else the cores this "
                        "process may use)"], err  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_mtp_build_sets_the_count_for_itself_and_its_ranks_and_refuses_zero(tmp_path, monkeypatch, capsys):
+    """mtp-build --threads N: torch's count in the build and OMP_NUM_THREADS for the rank processes it starts."""
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        assert build_cli.main(["--checkpoint", str(TINY), "--output", str(tmp_path / "e"), "--threads", "0"]) == 2
+        assert "--threads 0: must be >= 1" in capsys.readouterr().err and torch.get_num_threads() == before
+        torch.set_num_threads(1)
+        assert build_cli.main(["--check", str(tmp_path / "missing"), "--threads", "2"]) == 2  # no engine there
+        assert torch.get_num_threads() == 2 and os.environ["OMP_NUM_THREADS"] == "2"
     finally:
         torch.set_num_threads(before)
