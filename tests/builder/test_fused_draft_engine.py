@@ -148,3 +148,11 @@ def test_switched_off_it_never_runs(compiled, reference):
     ctx = engine.executor.contexts[FUSED_DRAFT]
     ctx.run = lambda args: pytest.fail("the fused package ran with fused_draft=False")
     assert _run(engine) == reference
+
+
+def test_lockstep_ranks_and_the_switch_keep_one_call_per_depth(compiled):
+    """The engine's choice (draft_loop.fused_call): the package's depth and call alone and on; nothing under lockstep
+    (mpirun ranks must issue the same forwards whatever one rank's rows draft by) or switched off."""
+    ex = CompiledExecutor(compiled)
+    assert draft_loop.fused_call(ex, True, False) == (K, ex.run_fused_draft)
+    assert draft_loop.fused_call(ex, True, True) == draft_loop.fused_call(ex, False, False) == (0, None)
