@@ -29,12 +29,14 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from builder.export import dynamic_shapes
+from builder.fused_draft import export_fused
 from builder.graphs import example_inputs, wrapper
 from builder.options import INT4_GROUP_DEFAULT, BuildError
 from builder.quantized_weights import (
@@ -46,7 +48,7 @@ from builder.quantized_weights import (
     int8_weights,
 )
 from models.engine_format.compiled import AOTI_KIND, FP8_FORMAT, INT4_FORMAT, INT8_FORMAT, host_isa
-from models.engine_format.graph_io import graph_spec
+from models.engine_format.graph_io import DRAFT_GRAPH, FUSED_DRAFT, FUSED_KIND, graph_spec
 from models.engine_format.layout import SNAPSHOTS_PER_REQUEST
 from models.fp8 import Fp8Weight
 from models.glm4_moe import Glm4MoeMTPModel
@@ -260,8 +262,11 @@ def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, 
                  track: Callable[[Sequence[str], str], Iterable[str]] = lambda items, what: items,
                  fp8: Mapping[str, Fp8Weight] | None = None,
                  quantize: Callable[[str], str] = lambda graph: "none", lm_head: bool = False,
-                 int4_group: int = INT4_GROUP_DEFAULT, state: GDNPoolGeometry | None = None) -> dict[str, Any]:  # fmt: skip
-    """Compile every graph of this rank next to its ONNX files; adds `aoti` paths to `graphs`. `track` shows the
+                 int4_group: int = INT4_GROUP_DEFAULT, state: GDNPoolGeometry | None = None,
+                 fused: Sequence[int] = ()) -> dict[str, Any]:  # fmt: skip
+    """Compile every graph of this rank next to its ONNX files; adds `aoti` paths to `graphs`. fused: the MTP module
+    of each depth of the fused draft loop (builder/fused_draft.py; empty: none), compiled as mtp_draft is and added
+    to mtp_draft's entry as kind FUSED_KIND. `track` shows the
     graphs as a progress bar (the builder's reporter); each graph's compile time goes into its record. fp8: the
     rank's FP8 weights as released; when some graph stores them, the record's `fp8` says how (FP8_FORMAT).
     quantize(graph) -> "none" | "int8" | "int4" (BuildOptions.graph_quantize: the MTP module's graphs may stay float);
@@ -278,6 +283,13 @@ def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, 
                                    int4_group, state)  # fmt: skip
         info[name]["seconds"] = round(time.perf_counter() - t0, 1)
         graphs[name][AOTI_KIND] = str(path.relative_to(work))
+    if fused:
+        path, t0 = rdir / f"{DRAFT_GRAPH}.{FUSED_KIND}.pt2", time.perf_counter()
+        info[FUSED_DRAFT] = compile_graph(FUSED_DRAFT, model, geom, max_blocks, path, weights, fp8, quantize(DRAFT_GRAPH),
+                                          lm_head, int4_group,
+                                          export=partial(export_fused, model, geom, max_blocks, fused))  # fmt: skip
+        info[FUSED_DRAFT]["seconds"] = round(time.perf_counter() - t0, 1)
+        graphs[DRAFT_GRAPH][FUSED_KIND] = str(path.relative_to(work))
     record: dict[str, Any] = {"graphs": info, "isa": host_isa(), "torch_version": torch.__version__, "weights": weights}
     if state is not None:
         record["state_slots"] = state.num_slots

@@ -2,9 +2,9 @@
 
 The checksums (models/engine_format) already prove the packages are the files the build wrote; this proves
 they still run on this installation (torch version, CPU ISA, plugin ops) and agree with models/glm4_moe.py on
-a probe batch: a mixed main step (a prefill request, a verify request, a padded request), one draft depth and
-one commit write, each on its own pool and on the torch model's pool, compared output by output and plane by
-plane. The torch model is rebuilt from the checkpoint the engine records; without it the probe is skipped
+a probe batch: a mixed main step (a prefill request, a verify request, a padded request), one draft depth, one
+commit write and, where the engine has it, the fused draft loop (ragged depths and a padding row), each on its own
+pool and on the torch model's pool, compared output by output and plane by plane. The torch model is rebuilt from the checkpoint the engine records; without it the probe is skipped
 (said in the returned line). An engine built with `--quantize int8` is probed against that model with the same
 weights quantized and dequantized (`as_built`): what its packages compute, up to summation order.
 """
@@ -25,11 +25,12 @@ import torch
 import plugins.collectives  # noqa: F401  (the packages call the plugin ops by name; the collectives: multi-rank)
 import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
+from builder.fused_draft import FusedDraftGraph, fused_modules
 from builder.graphs import wrapper
 from builder.options import BuildError
 from models.engine_format import EngineConfig, EngineDirError
 from models.engine_format.compiled import AOTI_KIND, baked_state, compiled_info, compiled_problem, load_package
-from models.engine_format.graph_io import draft_graphs
+from models.engine_format.graph_io import DRAFT_GRAPH, FUSED_DRAFT, FUSED_KIND, draft_graphs
 from models.gdn import GDNStatePool
 from plugins.kv_pool import allocate_pool, pool_address
 from plugins.reference import dequantize_int4_ref, dequantize_int8_ref, quantize_int4, quantize_int8
@@ -76,6 +77,8 @@ def probe_inputs(cfg: EngineConfig) -> dict[str, tuple[torch.Tensor, ...]]:
                          tables)  # fmt: skip
         out["mtp_commit"] = (torch.randn(t, h, generator=g), ids, counts, torch.tensor([0, bs - 1, 0], dtype=torch.int32),
                              tables)  # fmt: skip
+    if cfg.graph_file(0, DRAFT_GRAPH, FUSED_KIND) is not None:  # the fused draft loop: K deep, 1 deep, a padding row
+        out[FUSED_DRAFT] = (*out[DRAFT_GRAPH], torch.tensor([k, 1, k]))
     return out
 
 
@@ -117,7 +120,8 @@ def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
     worst, bad = 0.0, None
     with torch.inference_mode():
         for name, inputs in probe_inputs(cfg).items():
-            path = cfg.graph_file(rank, name, AOTI_KIND)
+            entry, kind = (DRAFT_GRAPH, FUSED_KIND) if name == FUSED_DRAFT else (name, AOTI_KIND)
+            path = cfg.graph_file(rank, entry, kind)
             assert path is not None
             try:
                 package = load_package(cfg, path)
@@ -128,9 +132,10 @@ def probe_rank(cfg: EngineConfig, rank: int, model) -> tuple[float, str | None]:
                 raise BuildError(f"compiled package {_rel(cfg, path)} of {cfg.path} does not run here "
                                  f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); rebuild with "
                                  "`mtp-build --compile aoti --force`") from e  # fmt: skip
-            built = float_model if name in left_float else model
-            want = wrapper(name, built, geom, state if name == "main" else None)(
-                *inputs, *_pointers(name, theirs, their_state))
+            built = float_model if (DRAFT_GRAPH if name == FUSED_DRAFT else name) in left_float else model
+            graph = (FusedDraftGraph(built, geom, fused_modules(cfg.model, cfg.num_draft_tokens)) if name == FUSED_DRAFT
+                     else wrapper(name, built, geom, state if name == "main" else None))  # fmt: skip
+            want = graph(*inputs, *_pointers(name, theirs, their_state))
             for a, b in zip(_tuple(got), _tuple(want), strict=True):
                 worst = max(worst, _diff(a, b))
             worst = max(worst, _diff(ours, theirs))
@@ -177,8 +182,8 @@ def _disagrees(cfg: EngineConfig, package: str, worst: float) -> str:
 def _load_all(cfg: EngineConfig) -> None:
     """Load (not run) every rank's packages: a package this torch cannot load fails with one line."""
     for rank in range(cfg.world_size):
-        for name in cfg.graphs[rank]:
-            path = cfg.graph_file(rank, name, AOTI_KIND)
+        fused = cfg.graph_file(rank, DRAFT_GRAPH, FUSED_KIND)
+        for path in [cfg.graph_file(rank, name, AOTI_KIND) for name in cfg.graphs[rank]] + ([fused] if fused else []):
             assert path is not None
             try:
                 load_package(cfg, path)

@@ -26,6 +26,7 @@ import torch
 
 from builder import compile_aoti, ort_build, rank_graphs, signals, trt_build, validate
 from builder.export import export_graph
+from builder.fused_draft import fused_modules
 from builder.options import BuildError, BuildOptions
 from builder.rank_process import run_in_child
 from models.checkpoint import (
@@ -140,13 +141,22 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
                                             compile_aoti.model_weights(model), rep.track, fp8,
                                             opts.graph_quantize, opts.quantize_lm_head, opts.int4_group_size,
                                             None if state is None else
-                                            compile_aoti.compiled_state(state.geometry(), opts.max_batch))  # fmt: skip
+                                            compile_aoti.compiled_state(state.geometry(), opts.max_batch),
+                                            _fused_modules(opts, model.cfg))  # fmt: skip
         del fp8
         (rdir / COMPILED_INFO).write_text(json.dumps(compiled))
         rep.done(f"rank {rank}: {len(graphs)} .pt2 packages", time.perf_counter() - t0)
     del model  # single-rank builds run this in-process; multi-rank ones run each rank in its own child
     gc.collect()
     return graphs
+
+
+def _fused_modules(opts: BuildOptions, cfg: ModelConfig) -> list[int]:
+    """The MTP module of each depth of the fused draft loop's package (builder/fused_draft.py), or [] for none: only
+    K >= 2 (one depth is mtp_draft itself) on one rank (lockstep ranks keep the per-depth loop: draft_loop.py)."""
+    if opts.num_draft_tokens < 2 or opts.world_size != 1 or not cfg.num_mtp_modules:
+        return []
+    return fused_modules(cfg, opts.num_draft_tokens)
 
 
 def _mapping(rank: int, opts: BuildOptions, cfg: ModelConfig) -> RankMapping:

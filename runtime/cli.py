@@ -61,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--num-draft-tokens", type=parse_num_draft_tokens, default=None,
                    help="K draft depths; 0 disables MTP; auto picks 0..K per step; per-request (default): 0..K per request")
     r.add_argument("--no-commit-pass", action="store_true", help="ablation: skip the MTP decode refresh")
+    r.add_argument("--no-fused-draft", action="store_true", help="one call per draft depth (no fused draft loop)")
     r.add_argument("--max-batch", type=int, default=None)
     r.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads (torch, our kernels, ONNX Runtime); default: OMP_NUM_THREADS, else the cores this "
@@ -132,7 +133,8 @@ def run(args, rank: int = 0, world: int = 1) -> int:
         num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch, max_num_tokens=args.max_num_tokens,
         num_blocks=args.num_blocks, max_prefill_chunk=args.prefill_chunk,
         enable_prefix_caching=False if args.no_prefix_caching else None, num_state_snapshots=args.num_state_snapshots,
-        commit_pass=False if args.no_commit_pass else None, collective_timeout=args.collective_timeout, prog=PROG,
+        commit_pass=False if args.no_commit_pass else None, fused_draft=False if args.no_fused_draft else None,
+        collective_timeout=args.collective_timeout, prog=PROG,
         tp_size=args.tp_size,
     )  # fmt: skip
     start_up_check(engine, args.acceptance_check, PROG)  # single process only (skipped under mpirun)

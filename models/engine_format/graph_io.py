@@ -91,6 +91,18 @@ SPECS: dict[str, GraphSpec] = {
 }  # fmt: skip
 
 
+# The K draft depths in one call (builder/fused_draft.py; issue 27): mtp_draft's inputs plus each row's draft count
+# k_i (`depths`: a row at depth d >= k_i writes the null block), out the K in-graph argmax drafts per row. Not an ONNX
+# graph: a compiled engine (K >= 2, one rank) stores it as kind FUSED_KIND of mtp_draft's entry in `graphs`.
+FUSED_DRAFT = "mtp_draft_fused"
+FUSED_KIND = "aoti_fused"
+FUSED_DRAFT_SPEC = _spec(
+    FUSED_DRAFT,
+    [(n, SPECS[DRAFT_GRAPH].dtypes[n], SPECS[DRAFT_GRAPH].dims[n]) for n in SPECS[DRAFT_GRAPH].step_inputs]
+    + [("depths", _I64, ("requests",)), _PTR],
+    [("drafts", _I64, ("requests", "K"))],  # K: the engine's num_draft_tokens, fixed in the package
+)
+
 # The main graph of a hybrid model: plus the state slots each request reads / each row writes
 # (runtime/executors/base.py HybridMainInput) and the state pools' addresses. Its draft and commit graphs are the
 # plain ones: the MTP layer is full attention and needs no recurrent state.
@@ -135,6 +147,8 @@ def graph_spec(name: str, hybrid: bool = False) -> GraphSpec:
     mtp_draft's."""
     if hybrid and name == "main":
         return HYBRID_MAIN
+    if name == FUSED_DRAFT:
+        return FUSED_DRAFT_SPEC
     if name not in SPECS and draft_graph_module(name) is not None:
         return replace(SPECS[DRAFT_GRAPH], name=name)
     return SPECS[name]

@@ -38,6 +38,9 @@ class RuntimeConfig:
     # Models with several MTP modules (MiMo-V2-Flash): "per-depth" = depth d runs module d (past the last module: the
     # last again); "first" = module 0 at every depth (runtime/executors/base.py draft_module)
     mtp_modules: str = "per-depth"
+    # The draft loop's K depths in one call where the compiled engine has the package and every row drafts by argmax
+    # (runtime/core/draft_loop.py); False = one call per depth always (measurement: docs/PERFORMANCE.md)
+    fused_draft: bool = True
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens

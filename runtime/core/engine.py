@@ -85,6 +85,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # unfinished requests only: a finished one leaves with its output
         self._arrivals = itertools.count()
         self.width = cfg.max_blocks_per_request
+        self._fused_k, self._run_fused = draft_loop.fused_call(executor, cfg.fused_draft, ranks.lockstep)
         # --num-draft-tokens auto: self.k is the maximum, the controller picks each step's k (draft_length.py)
         if draft_length is None and cfg.auto_draft_tokens and self.k:
             draft_length = DraftLengthController(self.k)
@@ -321,7 +322,12 @@ class LLMEngine:
             record.draft_rows.append(0)
             self._dummy_drafts(1)
 
-        failed = draft_loop.run(run_draft, padded_depth, reqs, updates, main_hidden, tables, k_i, k)
+        def run_fused(inp):
+            record.draft_rows.extend([len(reqs)] * k)  # every row runs every depth
+            return self._timer.executor(self._run_fused, inp)
+
+        fused = run_fused if k == self._fused_k else None
+        failed = draft_loop.run(run_draft, padded_depth, reqs, updates, main_hidden, tables, k_i, k, fused)
         outputs += [self._fail(reqs[j], error) for j, error in failed.items()]
 
     # ------------------------------------------------------------------ emission and bookkeeping

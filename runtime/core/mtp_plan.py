@@ -31,7 +31,7 @@ from runtime.core.draft_length import StepSample
 from runtime.core.request import ChunkCarry
 from runtime.core.scheduler import ScheduledRequest
 from runtime.core.verify_lengths import Candidate
-from runtime.executors.base import CommitInput, DraftInput, MainInput
+from runtime.executors.base import CommitInput, DraftInput, FusedDraftInput, MainInput
 
 
 @dataclass(slots=True)
@@ -265,6 +265,13 @@ def plan_draft(
         block_tables=block_tables,
         depth=depth,
     )
+
+
+def plan_fused_draft(hidden: np.ndarray, token_ids: list[int], bases: list[int], block_tables: np.ndarray,
+                     k_i: list[int]) -> FusedDraftInput:  # fmt: skip
+    """The k depths in one call (builder/fused_draft.py): depth 0's rows, plus each row's depth count k_i."""
+    d = plan_draft(hidden, token_ids, bases, 0, block_tables)
+    return FusedDraftInput(d.hidden_in, d.token_ids, d.positions, d.counts, d.block_tables, np.asarray(k_i, np.int64))
 
 
 # Dummy forwards of an idle lockstep rank: one padded row (count 0, null block) joins the MoE exchange and reads

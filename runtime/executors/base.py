@@ -50,6 +50,19 @@ class DraftInput:
     depth: int = 0  # draft depth d: which MTP module runs it (`draft_module`); not a graph input
 
 
+@dataclass(slots=True)
+class FusedDraftInput:
+    """The K draft depths in one call (compiled engines: builder/fused_draft.py): depth 0's DraftInput fields plus
+    each row's draft count; a row at depth d >= depths[r] writes only the null block."""
+
+    hidden_in: np.ndarray  # float32 [R, H] main hidden at base-1
+    token_ids: np.ndarray  # int64 [R] base token
+    positions: np.ndarray  # int64 [R] depth 0's MTP write position, base-1
+    counts: np.ndarray  # int32 [R] 1 = live, 0 = padded row (only after the live rows: the KV write packs by counts)
+    block_tables: np.ndarray  # int32 [R, MB]
+    depths: np.ndarray  # int64 [R] k_i: the depths whose drafts and KV writes count
+
+
 MTP_MODULE_POLICIES = ("per-depth", "first")
 
 

@@ -33,10 +33,26 @@ import plugins.mla_ops  # noqa: F401
 import plugins.ops  # noqa: F401
 from models.engine_format import EngineConfig, EngineDirError, load_engine_config
 from models.engine_format.compiled import AOTI_KIND, baked_state, compiled_problem, load_package
-from models.engine_format.graph_io import GraphSpec, draft_graph, draft_graphs, graph_spec
+from models.engine_format.graph_io import (
+    DRAFT_GRAPH,
+    FUSED_DRAFT,
+    FUSED_KIND,
+    GraphSpec,
+    draft_graph,
+    draft_graphs,
+    graph_spec,
+)
 from models.gdn import GDNStatePool
 from plugins.kv_pool import allocate_pool, pool_address
-from runtime.executors.base import CommitInput, DraftInput, DraftOutput, MainInput, MainOutput, draft_module
+from runtime.executors.base import (
+    CommitInput,
+    DraftInput,
+    DraftOutput,
+    FusedDraftInput,
+    MainInput,
+    MainOutput,
+    draft_module,
+)
 from runtime.executors.torch_executor import warn_spinning_threads
 
 
@@ -101,13 +117,22 @@ class CompiledExecutor:
             self.state = GDNStatePool.of(state)
         self.hidden_size, self.vocab_size = cfg.model.hidden_size, cfg.model.vocab_size
         self.contexts = {name: self._context(name, rank, ptr) for name in cfg.graphs[rank]}
+        # the K draft depths in one call (builder/fused_draft.py), when built and its modules are this policy's
+        self.fused_draft_depths = 0
+        fused = cfg.graph_file(rank, DRAFT_GRAPH, FUSED_KIND)
+        k = cfg.num_draft_tokens
+        modules = [draft_module(d, self.num_draft_graphs, mtp_modules) for d in range(k)]
+        if fused is not None and modules == [draft_module(d, self.num_draft_graphs) for d in range(k)]:
+            self.contexts[FUSED_DRAFT] = self._context(FUSED_DRAFT, rank, ptr, fused)
+            self.fused_draft_depths = k
 
-    def _context(self, name: str, rank: int, ptr: torch.Tensor) -> ExecutionContext:
+    def _context(self, name: str, rank: int, ptr: torch.Tensor, path: Path | None = None) -> ExecutionContext:
+        """path: the package, when it is not graph `name`'s AOTI_KIND file (the fused draft loop's)."""
         cfg, spec = self.config, graph_spec(name, self.state is not None)
         ptrs = [ptr]
         if name == "main" and self.state is not None:
             ptrs += [self.state.ref.conv_ptr, self.state.ref.ssm_ptr]
-        path = cfg.graph_file(rank, name, AOTI_KIND)
+        path = path or cfg.graph_file(rank, name, AOTI_KIND)
         assert path is not None
         loader = load_package(cfg, path).loader
         lim, width = cfg.limits, cfg.kv.table_width
@@ -133,6 +158,10 @@ class CompiledExecutor:
         module = draft_module(inp.depth, self.num_draft_graphs, self.mtp_modules)
         hidden, logits = self._graph(draft_graph(module))(inp)
         return DraftOutput(hidden.numpy(), logits.numpy())
+
+    def run_fused_draft(self, inp: FusedDraftInput) -> np.ndarray:
+        """int64 [R, K] drafts of the K depths in one call (only when fused_draft_depths == K > 0)."""
+        return self._graph(FUSED_DRAFT)(inp)[0].numpy()
 
     def run_commit(self, inp: CommitInput) -> int:
         return int(self._graph("mtp_commit")(inp)[0][0])
