@@ -19,7 +19,7 @@ import pytest
 
 from builder import cli
 from models.checkpoint import load_model
-from models.engine_format import load_engine_config, write_engine_config
+from models.engine_format import EngineDirError, load_engine_config, write_engine_config
 from runtime.core.sampling import SamplingParams
 from runtime.executors.compiled_executor import CompiledExecutor
 from runtime.executors.torch_executor import TorchExecutor
@@ -75,8 +75,15 @@ def test_run_and_serve_default_to_the_packages(compiled, capsys):
     ecfg = load_engine_config(compiled)
     assert resolve_executor("auto", ecfg) == resolve_executor(None, ecfg) == "compiled"
     assert resolve_executor("auto", None) == "torch" and resolve_executor("onnxruntime", ecfg) == "onnxruntime"
-    no_packages = dataclasses.replace(ecfg, build={k: v for k, v in ecfg.build.items() if k != "compiled"})
+    with_onnx = [{name: {**files, "data": files["onnx"] + ".data"} for name, files in g.items()} for g in ecfg.graphs]
+    no_packages = dataclasses.replace(ecfg, build={k: v for k, v in ecfg.build.items() if k != "compiled"},
+                                      graphs=with_onnx)  # fmt: skip
     assert resolve_executor(None, no_packages) == "onnxruntime"
+    # packages this machine cannot run and no ONNX weights to fall back on: compiled, which refuses naming why
+    old_torch = {**ecfg.build["compiled"], "torch_version": "0"}
+    stale = dataclasses.replace(ecfg, build={**ecfg.build, "compiled": old_torch})
+    assert resolve_executor(None, stale) == "compiled"
+    assert resolve_executor(None, dataclasses.replace(stale, graphs=with_onnx)) == "onnxruntime"
     assert serve_parser().parse_args(["--engine", str(compiled)]).executor in (None, "auto")  # -> resolve_executor
 
 
@@ -85,8 +92,15 @@ def test_config_records_the_packages(compiled):
     assert cfg.build["compiled"]["kind"] == "aoti"
     for name, files in cfg.graphs[0].items():
         assert files["aoti"] == f"rank0/{name}.aoti.pt2" and files["aoti"] in cfg.files  # checksummed
-        assert "onnx" in files  # the ONNX graphs stay (the TensorRT interchange)
+        assert "onnx" in files and "data" not in files  # the graph protos stay (--check reads them), not their weights
+    assert not list(compiled.rglob("*.data")) and not list(compiled.rglob("*.ort.onnx"))
     assert not (compiled / "rank0" / "compiled.json").exists()
+
+
+def test_onnxruntime_refuses_an_engine_without_onnx_weights_in_one_line(compiled):
+    with pytest.raises(EngineDirError) as e:
+        create_engine(compiled, executor="onnxruntime")
+    assert "carries no ONNX weights" in str(e.value) and "--keep-onnx" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_compiled_matches_torch_on_mixed_batch(compiled, checkpoint):
