@@ -13,6 +13,7 @@ import io
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import pytest
 from builder import cli
 from models.checkpoint import load_model
 from models.engine_format import EngineDirError, load_engine_config, write_engine_config
+from models.engine_format.compiled import load_package
 from runtime.core.sampling import SamplingParams
 from runtime.executors.compiled_executor import CompiledExecutor
 from runtime.executors.torch_executor import TorchExecutor
@@ -373,7 +375,7 @@ def test_bf16_exact_weights_are_stored_bf16_and_math_stays_fp32(tmp_path):
             torch.tensor([1, 1, 0], dtype=torch.int32), tables)  # fmt: skip
     ours, theirs = allocate_pool(geom), allocate_pool(geom)
     with torch.inference_mode():
-        got = torch._inductor.aoti_load_package(str(tmp_path / "draft.pt2"))(*args, pool_address(ours))
+        got = load_package(SimpleNamespace(path=tmp_path), tmp_path / "draft.pt2")(*args, pool_address(ours))
         want = DraftGraph(model, geom)(*args, pool_address(theirs))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
