@@ -35,10 +35,6 @@ QUANTIZE_MTPS = ("same", "none")
 # time by 19% (AVX-512) / 17% (AVX2) at one row and 38% / 6% at four (4096 x 4096, 1 thread) for +0.06% perplexity on
 # models/deep (128: another 5-9% faster, +0.5% perplexity). 64 with fp32 scales is Q4_0's 0.5625 bytes per weight.
 INT4_GROUP_DEFAULT = 64
-# --keep-onnx: a compiled engine keeps its ONNX graphs' fp32 weights (`.onnx.data`) and ORT-optimized copies, so that
-# `--executor onnxruntime` (and `auto` where the packages cannot run) can run it too. Without it the compiled engine
-# carries only the graph protos (what `mtp-build --check` cross-checks) and the packages' weights: the fp32 ONNX
-# weights were 2-8x the packages' bytes (an FP8 release's 0.94 GB packages beside 3.6 GB of fp32 ONNX weights).
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -72,6 +68,10 @@ class BuildOptions:
     quantize_mtp: str = "same"
     quantize_lm_head: bool = False
     int4_group_size: int = INT4_GROUP_DEFAULT
+    # --keep-onnx: a compiled engine keeps its ONNX graphs' fp32 weights (`.onnx.data`) and ORT-optimized copies, so
+    # that `--executor onnxruntime` (and `auto` where the packages cannot run) can run it too. Without it the compiled
+    # engine carries the graph protos (what `mtp-build --check` cross-checks) and the packages' weights only: the fp32
+    # ONNX weights were 2-6x the packages' bytes (an FP8 release's 0.94 GB packages beside 3.6 GB of them).
     keep_onnx: bool = False
 
     def graph_quantize(self, graph: str) -> str:
