@@ -109,6 +109,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads of the build (torch export, quantization, --check) and of the rank processes it "
                    "starts; default: OMP_NUM_THREADS, else the cores this process may use (torch's own count)")  # fmt: skip
+    p.add_argument("--keep-onnx", action="store_true",
+                   help="with the compiled engine: keep the ONNX graphs' fp32 weights too, so `--executor onnxruntime` "
+                   "can run it (and `auto` falls back to it where the packages cannot run); by default a compiled "
+                   "engine carries only its packages' weights (the ONNX weights were several times their size)")  # fmt: skip
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     return p
 
@@ -213,6 +217,7 @@ def _run(args: argparse.Namespace, err: Console) -> int:
         kv_block_size=args.kv_block_size, num_draft_tokens=args.num_draft_tokens, world_size=args.world_size,
         ep_size=ep_size, tp_size=args.tp_size, force=args.force, compile=args.compile, quantize=args.quantize,
         quantize_mtp=args.quantize_mtp, quantize_lm_head=args.quantize_lm_head, int4_group_size=args.int4_group_size,
+        keep_onnx=args.keep_onnx,
     )  # fmt: skip
     result = build(opts, RichReporter(console))
     console.print(summary(result.config, result.seconds))

@@ -60,6 +60,13 @@ from plugins.kv_pool import KVPoolGeometry
 # build without it (docs/PERFORMANCE.md "Compiled engine": Weights; the choice measured there).
 INDUCTOR_FLOAT32: dict[str, Any] = {"freezing": True}
 INDUCTOR_BF16: dict[str, Any] = {"freezing": False}
+# Where every package keeps its weights: beside its code, as one pickled tensor per weight (data/weights/ of the .pt2),
+# not inside the .so. From the .so, AOTInductor's loader copied each weight into a heap blob and the .so's own pages of
+# it stayed mapped too: 2.03x the weight bytes resident. From data/weights the loader (models/engine_format/compiled.py
+# load_package) hands the loaded tensors to the package as they are (`user_managed`): 1.03x
+# (tests/builder/test_package_memory.py; models/deep's engine: peak RSS of mtp-run 508 -> 482 MB for 28 MB of weights).
+PACKAGE_WEIGHTS: dict[str, Any] = {"aot_inductor.package_constants_in_so": False,
+                                   "aot_inductor.package_constants_on_disk_format": "pickle_weights"}  # fmt: skip
 
 
 def export_program(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int,
@@ -241,13 +248,15 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
         logging.getLogger("torch._inductor").setLevel(logging.ERROR)
         with warnings.catch_warnings(), contextlib.redirect_stdout(quiet):
             warnings.simplefilter("ignore")
-            torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(options))
+            torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                     inductor_configs={**options, **PACKAGE_WEIGHTS})  # fmt: skip
     except BuildError:
         raise
     except Exception as e:  # export and Inductor raise many types; name the graph and keep the cause
         raise BuildError(f"AOTInductor compile of graph {name!r} failed: {type(e).__name__}: "
                          f"{' '.join(str(e).split())[:300]}; build without --compile or report it") from e  # fmt: skip
-    return {**stats, "weights": "checkpoint" if stats["bf16_weights"] else "float32", "inductor": options}
+    return {**stats, "weights": "checkpoint" if stats["bf16_weights"] else "float32",
+            "inductor": {**options, **PACKAGE_WEIGHTS}}  # fmt: skip
 
 
 def compiled_state(state: GDNPoolGeometry, max_batch: int) -> GDNPoolGeometry:

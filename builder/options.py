@@ -68,6 +68,11 @@ class BuildOptions:
     quantize_mtp: str = "same"
     quantize_lm_head: bool = False
     int4_group_size: int = INT4_GROUP_DEFAULT
+    # --keep-onnx: a compiled engine keeps its ONNX graphs' fp32 weights (`.onnx.data`) and ORT-optimized copies, so
+    # that `--executor onnxruntime` (and `auto` where the packages cannot run) can run it too. Without it the compiled
+    # engine carries the graph protos (what `mtp-build --check` cross-checks) and the packages' weights only: the fp32
+    # ONNX weights were 2-6x the packages' bytes (an FP8 release's 0.94 GB packages beside 3.6 GB of them).
+    keep_onnx: bool = False
 
     def graph_quantize(self, graph: str) -> str:
         """What --quantize means for graph `graph`: the trunk's always; the MTP module's unless --quantize-mtp none."""
@@ -197,8 +202,17 @@ class BuildOptions:
             return "none", f"--backend {self.backend} builds its own plans: no CPU packages"
         return "aoti", "the fastest CPU executor; --compile none skips it"
 
+    def onnx_weights(self, cfg: ModelConfig) -> bool:
+        """Whether the engine keeps its ONNX graphs' weights: always where the ONNX graphs are what runs (no compiled
+        packages), with the packages only when --keep-onnx asks."""
+        return self.keep_onnx or self.resolve_compile(cfg)[0] != "aoti"
+
     def validate_for_model(self, cfg: ModelConfig, fp8_checkpoint: bool = False) -> None:
         """Checks against the checkpoint's architecture (fp8_checkpoint: config.json declares FP8 weights)."""
+        if self.keep_onnx and self.resolve_compile(cfg)[0] != "aoti":
+            raise BuildError(f"--keep-onnx keeps the ONNX weights beside the compiled packages, and this build has none "
+                             f"({self.resolve_compile(cfg)[1]}): its ONNX graphs keep their weights anyway; drop "
+                             "--keep-onnx")  # fmt: skip
         if cfg.model_type == "mimo_v2_flash":
             self._validate_mimo_v2()
         if cfg.is_hybrid:

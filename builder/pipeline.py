@@ -1,7 +1,8 @@
 """The build as a pipeline of small named steps, all-or-nothing on disk.
 
     check options -> check --output -> import checkpoint (headers, weights, tokenizer) -> check memory
-    -> export ONNX (per graph per rank) [-> AOTInductor packages (--compile aoti)] -> backend build -> write config + checksums -> atomic rename
+    -> export ONNX (per graph per rank) [-> AOTInductor packages (--compile aoti)] -> backend build
+    [-> drop the ONNX weights (compiled, without --keep-onnx)] -> write config + checksums -> atomic rename
 
 Every check (builder/validate.py) runs before anything is written. Everything is written into a temporary
 directory next to the output (same filesystem, so the final `os.replace` is atomic) and renamed into place
@@ -170,9 +171,11 @@ def _shard_note(cfg: ModelConfig, m: RankMapping) -> str:
     return experts if m.tp == 1 else f"tp rank {m.tp_rank}/{m.tp} of DP group {m.dp_rank}, {experts}"
 
 
-def _backend(opts: BuildOptions, work: Path, graphs: list[dict[str, dict[str, str]]], layout: KVLayout,
-             rep: Reporter) -> dict[str, Any]:  # fmt: skip
+def _backend(opts: BuildOptions, cfg: ModelConfig, work: Path, graphs: list[dict[str, dict[str, str]]],
+             layout: KVLayout, rep: Reporter) -> dict[str, Any]:  # fmt: skip
     info: dict[str, Any] = {}
+    if opts.backend == "onnxruntime" and not opts.onnx_weights(cfg):
+        return info  # no ONNX Runtime here: the ONNX graphs keep no weights (_drop_onnx_weights)
     if opts.backend == "onnxruntime":
         info["ort_session_options"] = ort_build.SESSION_OPTIONS
         notes: dict[str, str] = {}
@@ -203,6 +206,16 @@ def _backend(opts: BuildOptions, work: Path, graphs: list[dict[str, dict[str, st
                 rep.done(f"rank {rank}: {name}.plan", time.perf_counter() - t0)
         info["tensorrt"] = {"timing_cache": trt_build.TIMING_CACHE, "strongly_typed": True, "plans": plans}
     return info
+
+
+def _drop_onnx_weights(work: Path, graphs: list[dict[str, dict[str, str]]], rep: Reporter) -> None:
+    """A compiled engine's ONNX graphs without their weights: each `.onnx.data` removed (after every rank's export:
+    a multi-rank build's ranks copy their template rank's) and its `data` entry with it. The graph protos stay: the
+    I/O contract, plugin attributes and weight shapes `load_engine_config` cross-checks (read without weights)."""
+    rep.step("drop the ONNX weights: the compiled packages hold their own (--keep-onnx keeps them for onnxruntime)")
+    for per_graph in graphs:
+        for files in per_graph.values():
+            (work / files.pop("data")).unlink()
 
 
 def _copy_tokenizer(opts: BuildOptions, work: Path, tokenizer: str) -> list[str]:
@@ -319,7 +332,9 @@ def _write_engine(opts: BuildOptions, work: Path, rep: Reporter, ckpt_cfg: Model
             args = (r, opts, work, layout, None if t is None else (t, shared[t]), r in templates)
             own, shared[r] = run_in_child(_export_shard, args, rep, f"rank {r}'s export")
             graphs.append(own)
-    backend_info = _backend(opts, work, graphs, layout, rep)
+    backend_info = _backend(opts, ckpt_cfg, work, graphs, layout, rep)
+    if not opts.onnx_weights(ckpt_cfg):
+        _drop_onnx_weights(work, graphs, rep)
     if opts.compile != "none":
         backend_info["compiled"] = {"kind": opts.compile, **_compiled_record(work, opts.world_size)}
     rep.step("write config + checksums")

@@ -199,6 +199,7 @@ def build_engine(
     quantize_lm_head: bool = False,
     int4_group_size: int = 64,  # builder/options.py INT4_GROUP_DEFAULT (not imported: `import runtime` stays cheap;
     # tests/test_public_api.py pins the two equal)
+    keep_onnx: bool = False,
     verbose: bool = True,
 ) -> Path:
     """`mtp-build --checkpoint CHECKPOINT --output OUTPUT` from Python, with mtp-build's defaults: each keyword is the
@@ -220,7 +221,7 @@ def build_engine(
                         kv_block_size=kv_block_size, num_draft_tokens=num_draft_tokens, world_size=world_size,
                         ep_size=ep_size, tp_size=tp_size, force=force, quantize=quantize,
                         quantize_mtp=quantize_mtp, quantize_lm_head=quantize_lm_head, int4_group_size=int4_group_size,
-                        **({} if compile is None else {"compile": compile}))  # fmt: skip
+                        keep_onnx=keep_onnx, **({} if compile is None else {"compile": compile}))  # fmt: skip
     reporter: Reporter | None = None
     if verbose and sys.stderr.isatty():
         from rich.console import Console

@@ -188,10 +188,12 @@ def resolve_executor(asked: str | None, ecfg: EngineConfig | None) -> str:
 
 def fastest_executor(ecfg: EngineConfig) -> str:
     """The fastest executor this machine can run the engine with: its compiled packages, else ONNX Runtime (or
-    TensorRT for a TensorRT engine). docs/PERFORMANCE.md ("Compiled engine") has the measured order."""
+    TensorRT for a TensorRT engine). docs/PERFORMANCE.md ("Compiled engine") has the measured order. A compiled
+    engine without ONNX weights (built without --keep-onnx) has no fallback: "compiled", whose refusal names why
+    its packages cannot run here and the rebuild."""
     if ecfg.backend == "tensorrt":
         return "tensorrt"
-    if compiled_problem(ecfg) is None:  # every rank has packages (compiled_info), for this torch and CPU
+    if compiled_problem(ecfg) is None or not ecfg.onnx_weights:  # every rank has packages, for this torch and CPU
         return "compiled"
     return "onnxruntime"
 

@@ -67,8 +67,8 @@ def tiny_dp2tp2_ep4_engine(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tp2_build(tmp_path_factory) -> tuple[Path, str]:
     """(engine, what mtp-build printed): `mtp-build` of models/tiny for 2 ranks with --tp-size 2 and no --ep-size
-    (its default, EP2), --compile aoti: per rank the ONNX graphs (what onnxruntime runs) and the AOTInductor packages
-    (what `auto` runs). The compiles take minutes on a 2-core machine, so one build serves
+    (its default, EP2), --compile aoti --keep-onnx: per rank the ONNX graphs with their weights (what onnxruntime runs)
+    and the AOTInductor packages (what `auto` runs). The compiles take minutes on a 2-core machine, so one build serves
     tests/runtime/test_mpi_tp.py (both executors under mpirun), tests/builder/test_tp_build.py (each rank's shards,
     collectives and --check) and tests/builder/test_build_defaults.py (the printed EP default)."""
     import contextlib
@@ -77,8 +77,8 @@ def tiny_tp2_build(tmp_path_factory) -> tuple[Path, str]:
     from builder import cli
 
     out = tmp_path_factory.mktemp("tiny_tp2") / "engine"
-    argv = ["--checkpoint", str(TINY), "--output", str(out), "--compile", "aoti", "--world-size", "2", "--tp-size", "2",
-            *TINY_TP_BUILD_FLAGS]  # fmt: skip
+    argv = ["--checkpoint", str(TINY), "--output", str(out), "--compile", "aoti", "--keep-onnx", "--world-size", "2",
+            "--tp-size", "2", *TINY_TP_BUILD_FLAGS]  # fmt: skip
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):  # rich's Console writes to sys.stdout as it is at print time
         rc = cli.main(argv)

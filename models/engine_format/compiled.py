@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 import shutil
 import tempfile
@@ -115,9 +114,10 @@ def load_package(cfg: EngineConfig, path: Path) -> Any:
     real model's weights). So each load unpacks into a private folder of the temporary directory, removed as soon
     as the package is loaded (its code is mapped; nothing is read from the folder after the load) or its load
     failed. Where no private folder can be made (TMPDIR is not a writable directory) the load goes ahead as
-    before and fails with the line below; folders a failed load left (torch retries once) are removed."""
-    import torch
+    before and fails with the line below; folders a failed load left are removed.
 
+    The package's weights (builder/compile_aoti.py PACKAGE_WEIGHTS) are read from the .pt2 itself, not unpacked, and
+    handed to it without a copy (`_load_with_weights`)."""
     rel = str(path.relative_to(cfg.path)) if path.is_relative_to(cfg.path) else path.name
     tmp = extraction_dir()
     before = _aoti_folders(tmp)
@@ -128,11 +128,8 @@ def load_package(cfg: EngineConfig, path: Path) -> Any:
     saved = os.environ.get("TMPDIR")
     if private is not None:
         os.environ["TMPDIR"] = str(private)  # the loader reads it at the call (std::filesystem::temp_directory_path)
-    quiet = logging.getLogger("torch._inductor.package.package")  # "Loading outdated pt2 file" before its retry
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
     try:
-        return torch._inductor.aoti_load_package(str(path))
+        return _load_with_weights(path)
     except RuntimeError as e:
         own = path.name.removesuffix(".pt2")
         for folder in _aoti_folders(tmp) - before:
@@ -150,13 +147,21 @@ def load_package(cfg: EngineConfig, path: Path) -> Any:
                              f"the package is intact: free space there (it needs about {size_mb} MB per package) or "
                              "point TMPDIR at a writable directory with room") from None  # fmt: skip
     finally:
-        quiet.setLevel(level)
         if private is not None:
             if saved is None:
                 os.environ.pop("TMPDIR", None)
             else:
                 os.environ["TMPDIR"] = saved
             shutil.rmtree(private, ignore_errors=True)
+
+
+def _load_with_weights(path: Path) -> Any:
+    """The package with its weights: those it keeps in data/weights (builder/compile_aoti.py PACKAGE_WEIGHTS), loaded
+    once and handed to it as they are (`user_managed`: no copy; each loaded tensor is referenced by the package's
+    runner for as long as it lives), or those inside its .so (an engine built before), which the loader copies."""
+    from torch.export.pt2_archive._package import load_pt2  # torch's loader of such a .pt2 (private module)
+
+    return load_pt2(str(path), load_weights_from_disk=True).aoti_runners["model"]
 
 
 def _aoti_folders(tmp: Path) -> set[Path]:

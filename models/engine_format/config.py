@@ -70,7 +70,9 @@ class EngineConfig:
     build: dict[str, Any]
     checkpoint: dict[str, str]
     tokenizer_files: list[str]
-    graphs: list[dict[str, dict[str, str]]]  # per rank: graph name -> {"onnx", "data", "ort_optimized"?, "plan"?}
+    # per rank: graph name -> {"onnx", "data"?, "ort_optimized"?, "plan"?, "aoti"?}; no "data": a compiled engine built
+    # without --keep-onnx, whose ONNX graphs carry no weights (`onnx_weights`)
+    graphs: list[dict[str, dict[str, str]]]
     # relative path -> sha256 of every file but manifest.json (config.json included); read from manifest.json
     files: dict[str, str] = field(default_factory=dict)
     # The Gated DeltaNet state pool of a hybrid model; None (absent from config.json) for every other model.
@@ -79,6 +81,11 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         return self.parallel.world_size
+
+    @property
+    def onnx_weights(self) -> bool:
+        """Whether the ONNX graphs carry their weights, i.e. ONNX Runtime can run them (docs/ENGINE_FORMAT.md)."""
+        return all("data" in kinds for per_graph in self.graphs for kinds in per_graph.values())
 
     def graph_file(self, rank: int, graph: str, kind: str = "onnx") -> Path | None:
         """The file, checked to stay inside the engine directory; None when the engine has none of that kind."""

@@ -102,9 +102,10 @@ def ensure_engine_dir(args, max_k: int, max_batch: int, console) -> None:
     try:
         ecfg = load_engine_config(engine_dir)
         compiled = "compiled" not in args.executors or compiled_problem(ecfg) is None
-        ok = ecfg.num_draft_tokens >= max_k and ecfg.limits.max_batch >= max_batch and compiled
-        why = f"built for K={ecfg.num_draft_tokens}, max_batch={ecfg.limits.max_batch}" + ("" if compiled else ", no "
-                                                                                          "runnable compiled packages")
+        onnx = "onnxruntime" not in args.executors or ecfg.onnx_weights
+        ok = ecfg.num_draft_tokens >= max_k and ecfg.limits.max_batch >= max_batch and compiled and onnx
+        why = (f"built for K={ecfg.num_draft_tokens}, max_batch={ecfg.limits.max_batch}"
+               + ("" if compiled else ", no runnable compiled packages") + ("" if onnx else ", no ONNX weights"))  # fmt: skip
     except (EngineDirError, FileNotFoundError) as e:
         ok, why = False, (str(e).splitlines()[0] if engine_dir.exists() else "missing")
     if not ok:
@@ -114,7 +115,8 @@ def ensure_engine_dir(args, max_k: int, max_batch: int, console) -> None:
         rc = build_main(["--checkpoint", str(args.checkpoint), "--output", str(engine_dir), "--num-draft-tokens",
                          str(max_k), "--max-batch", str(max_batch), "--max-num-tokens",
                          str(token_budget(max_batch, max_k)), "--force",
-                         "--compile", "aoti" if "compiled" in args.executors else "none"])  # fmt: skip
+                         "--compile", "aoti" if "compiled" in args.executors else "none",
+                         *(["--keep-onnx"] if {"compiled", "onnxruntime"} <= set(args.executors) else [])])  # fmt: skip
         if rc != 0:
             raise ConfigError(f"mtp-build failed for {engine_dir} (exit {rc})")
 

@@ -52,6 +52,10 @@ class OrtExecutor:
             raise EngineDirError(f"rank {rank} is outside the engine's world_size={cfg.world_size}")
         if cfg.dtype != "float32":
             raise EngineDirError(f"the onnxruntime executor runs float32 engines only; {cfg.path} is {cfg.dtype}")
+        if not cfg.onnx_weights:
+            raise EngineDirError(f"engine {cfg.path} is compiled and carries no ONNX weights, so the onnxruntime "
+                                 "executor cannot run it: run it with --executor compiled (the default), or rebuild "
+                                 "it with `mtp-build --compile aoti --keep-onnx --force` to run it on onnxruntime too")  # fmt: skip
         blocks = num_blocks if num_blocks is not None else cfg.kv.num_blocks
         if blocks < 2:
             raise ValueError(f"num_blocks={blocks}: the pool needs the null block 0 plus at least one block")

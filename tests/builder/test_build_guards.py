@@ -28,6 +28,12 @@ def test_pool_that_cannot_fit_the_machine_is_refused(checkpoint, tmp_path, capsy
     assert "this machine has" in line and "lower --max-batch to at most" in line, line
 
 
+def test_keep_onnx_without_the_compiled_engine_is_refused(checkpoint, tmp_path, capsys):
+    """--keep-onnx keeps the ONNX weights beside the compiled packages; an ONNX-only build keeps them anyway."""
+    refused(capsys, checkpoint, tmp_path / "engine", r"--keep-onnx keeps .* \(--compile none\).* drop --keep-onnx",
+            "--keep-onnx")  # fmt: skip
+
+
 def test_memory_estimate_is_the_pool_plus_weights():
     geom = KVPoolGeometry(num_planes=3, num_blocks=101, block_size=4, num_kv_heads=2, head_dim=8)
     est = validate.memory_estimate(geom, weight_bytes=1000, blocks_per_request=25)

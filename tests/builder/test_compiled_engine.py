@@ -13,13 +13,15 @@ import io
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from builder import cli
 from models.checkpoint import load_model
-from models.engine_format import load_engine_config, write_engine_config
+from models.engine_format import EngineDirError, load_engine_config, write_engine_config
+from models.engine_format.compiled import load_package
 from runtime.core.sampling import SamplingParams
 from runtime.executors.compiled_executor import CompiledExecutor
 from runtime.executors.torch_executor import TorchExecutor
@@ -77,8 +79,15 @@ def test_run_and_serve_default_to_the_packages(compiled, capsys):
     ecfg = load_engine_config(compiled)
     assert resolve_executor("auto", ecfg) == resolve_executor(None, ecfg) == "compiled"
     assert resolve_executor("auto", None) == "torch" and resolve_executor("onnxruntime", ecfg) == "onnxruntime"
-    no_packages = dataclasses.replace(ecfg, build={k: v for k, v in ecfg.build.items() if k != "compiled"})
+    with_onnx = [{name: {**files, "data": files["onnx"] + ".data"} for name, files in g.items()} for g in ecfg.graphs]
+    no_packages = dataclasses.replace(ecfg, build={k: v for k, v in ecfg.build.items() if k != "compiled"},
+                                      graphs=with_onnx)  # fmt: skip
     assert resolve_executor(None, no_packages) == "onnxruntime"
+    # packages this machine cannot run and no ONNX weights to fall back on: compiled, which refuses naming why
+    old_torch = {**ecfg.build["compiled"], "torch_version": "0"}
+    stale = dataclasses.replace(ecfg, build={**ecfg.build, "compiled": old_torch})
+    assert resolve_executor(None, stale) == "compiled"
+    assert resolve_executor(None, dataclasses.replace(stale, graphs=with_onnx)) == "onnxruntime"
     assert serve_parser().parse_args(["--engine", str(compiled)]).executor in (None, "auto")  # -> resolve_executor
 
 
@@ -87,8 +96,15 @@ def test_config_records_the_packages(compiled):
     assert cfg.build["compiled"]["kind"] == "aoti"
     for name, files in cfg.graphs[0].items():
         assert files["aoti"] == f"rank0/{name}.aoti.pt2" and files["aoti"] in cfg.files  # checksummed
-        assert "onnx" in files  # the ONNX graphs stay (the TensorRT interchange)
+        assert "onnx" in files and "data" not in files  # the graph protos stay (--check reads them), not their weights
+    assert not list(compiled.rglob("*.data")) and not list(compiled.rglob("*.ort.onnx"))
     assert not (compiled / "rank0" / "compiled.json").exists()
+
+
+def test_onnxruntime_refuses_an_engine_without_onnx_weights_in_one_line(compiled):
+    with pytest.raises(EngineDirError) as e:
+        create_engine(compiled, executor="onnxruntime")
+    assert "carries no ONNX weights" in str(e.value) and "--keep-onnx" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_compiled_matches_torch_on_mixed_batch(compiled, checkpoint):
@@ -361,7 +377,7 @@ def test_bf16_exact_weights_are_stored_bf16_and_math_stays_fp32(tmp_path):
             torch.tensor([1, 1, 0], dtype=torch.int32), tables)  # fmt: skip
     ours, theirs = allocate_pool(geom), allocate_pool(geom)
     with torch.inference_mode():
-        got = torch._inductor.aoti_load_package(str(tmp_path / "draft.pt2"))(*args, pool_address(ours))
+        got = load_package(SimpleNamespace(path=tmp_path), tmp_path / "draft.pt2")(*args, pool_address(ours))
         want = DraftGraph(model, geom)(*args, pool_address(theirs))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

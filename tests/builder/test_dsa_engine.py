@@ -6,7 +6,7 @@ and both engines (ONNX Runtime, compiled) decode greedy token-identical to the t
 prefill chunks shorter than the prompts (contexts cross index_topk: the sparse path runs) and a prefix hit.
 
 The checkpoint is the FP8 release format (GLM-5-FP8 / DeepSeek-V3.2 ship FP8: models.testing.quantize_checkpoint_fp8,
-the indexer's wq_b and wk included), so the one `--compile aoti` build (~3 min here: the ONNX graphs, which hold
+the indexer's wq_b and wk included), so the one `--compile aoti --keep-onnx` build (both executors) (~3 min here: the ONNX graphs, which hold
 the dequantized weights, and the AOTInductor packages) also shows the packages keeping its FP8 linears FP8
 (builder/quantized_weights.py) at about the checkpoint's bytes, against the torch executor on the same checkpoint,
 which dequantizes at load. DeepSeek-V3.2 was checked by hand (docs/MODELS.md "DSA engines")."""
@@ -53,7 +53,7 @@ def dsa(tmp_path_factory):
     model_type, overrides = DSA_VARIANTS["glm5"]  # layers F, S, F: a shared layer reuses layer 0's top-k
     make_dsa_checkpoint(root / "float", model_type, seed=6, **{**overrides, **SIZE})
     quantize_checkpoint_fp8(root / "float", root / "ckpt")
-    argv = ["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"), "--compile", "aoti"]
+    argv = ["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"), "--compile", "aoti", "--keep-onnx"]
     for k, v in LIMITS.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     assert cli.main(argv) == 0  # ids-only (no tokenizer.json): requests are token ids

@@ -123,6 +123,28 @@ def test_weight_bytes_within_10_percent_of_the_checkpoint(fp8_engine, fp8_checkp
     assert graphs["mtp_commit"]["weight_bytes"] < graphs["mtp_draft"]["weight_bytes"]
 
 
+def test_engine_weights_on_disk_are_the_packages(fp8_engine, fp8_checkpoint):
+    """The whole engine directory's weights on disk: the packages' (their recorded weight_bytes) plus every ONNX
+    weights file (`*.data`: none in a compiled engine built without --keep-onnx), within 10% of the checkpoint bytes
+    the three packages hold: the checkpoint once, plus what two packages hold by design (the embedding and LM head in
+    both main and draft, the commit graph's subset of the draft's: on this tiny config 22% of the checkpoint, at
+    GLM-4.5-Air's shape ~2%). What is not weights: the packages' code, the graph protos (`.onnx`, read by --check),
+    config, manifest and tokenizer files. Printed for the record (pytest -s)."""
+    ckpt = _checkpoint_bytes(fp8_checkpoint)
+    mtp = f"model.layers.{CFG.num_hidden_layers}."
+    shared = ("model.embed_tokens.weight", "lm_head.weight")
+    commit = ("model.embed_tokens.weight", *(mtp + n for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
+              "input_layernorm.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")))  # fmt: skip
+    held = sum(ckpt.values()) + sum(ckpt[k] for k in shared) + sum(ckpt[k] for k in commit)
+    graphs = load_engine_config(fp8_engine).build["compiled"]["graphs"]
+    packages = sum(g["weight_bytes"] for g in graphs.values())
+    onnx = sum(f.stat().st_size for f in fp8_engine.rglob("*.data"))
+    print(json.dumps({"checkpoint_bytes": sum(ckpt.values()), "held_by_the_packages": held, "package_weights": packages,
+                      "onnx_weights": onnx, "ratio_to_held": (packages + onnx) / held,
+                      "ratio_to_checkpoint": (packages + onnx) / sum(ckpt.values())}))  # fmt: skip
+    assert packages + onnx <= 1.10 * held, (packages, onnx, held)
+
+
 # DeepSeek-V3's layout (MLA, q_lora, interleaved rope) with full and partial blocks; head 5's rope rows (124..131 of
 # q_b_proj: 8 heads x (14 nope + 8 rope)) straddle a 128-row block, so de-interleaving them at import moves rows
 # between blocks and q_b_proj must stay float (DeepSeek-V3's 128 + 64 heads never straddle); kv_b_proj feeds the

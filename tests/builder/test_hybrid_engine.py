@@ -40,8 +40,9 @@ def hybrid(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     make_hybrid_checkpoint(root / "ckpt", request.param, seed=2, vocab_size=VOCAB, **LAYERS)
     # qwen3_next: mtp-build's default, which compiles hybrids too (one compiled model type is enough: the
-    # packages' code path is the same for both); qwen3_5_moe: the ONNX Runtime engine alone
-    compile_ = [] if request.param == "qwen3_next" else ["--compile", "none"]
+    # packages' code path is the same for both), keeping the ONNX weights so that both executors run it;
+    # qwen3_5_moe: the ONNX Runtime engine alone
+    compile_ = ["--keep-onnx"] if request.param == "qwen3_next" else ["--compile", "none"]
     argv = ["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"), *compile_]
     for k, v in LIMITS.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]

@@ -31,7 +31,7 @@ from builder.options import BuildError, BuildOptions
 from models.checkpoint import load_model
 from models.checkpoint_export import save_hf_checkpoint, to_hf_config
 from models.engine_format import load_engine_config
-from models.engine_format.compiled import AOTI_KIND, INT4_FORMAT, INT8_FORMAT
+from models.engine_format.compiled import AOTI_KIND, INT4_FORMAT, INT8_FORMAT, load_package
 from models.testing import quantize_checkpoint_fp8, random_model, tiny_config
 from plugins.kv_pool import allocate_pool, pool_address
 from plugins.reference import INT4_GROUP
@@ -194,7 +194,7 @@ def test_logits_stay_close_to_the_float_model(int8_engine, checkpoint):
     inputs = probe_inputs(cfg)["main"]
     prefill = int(inputs[2][0])  # q_counts: the prefill request's rows come first
     geom = cfg.kv.geometry()
-    package = torch._inductor.aoti_load_package(str(cfg.graph_file(0, "main", AOTI_KIND)))
+    package = load_package(cfg, cfg.graph_file(0, "main", AOTI_KIND))
     model = load_model(checkpoint)[0].eval().fuse()
     with torch.inference_mode():
         _, got = package(*inputs, pool_address(allocate_pool(geom)))

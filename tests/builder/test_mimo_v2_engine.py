@@ -6,7 +6,7 @@ depth would draft otherwise); `mtp_modules="first"` runs `mtp_draft` at every de
 and never the output. A config whose graph list misses a module's draft graph is refused with one line.
 
 The suite builds `--compile none` (the five AOTInductor packages take ~90 s on the loaded 2-core machine);
-`MTP_TEST_MIMO_V2_COMPILE=auto` builds mtp-build's default (ONNX + packages) and runs every test on the compiled
+`MTP_TEST_MIMO_V2_COMPILE=auto` builds mtp-build's default (the packages, with `--keep-onnx` the ONNX weights) and runs every test on the compiled
 executor too (docs/MODELS.md "MiMo-V2-Flash" has the by-hand result)."""
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ RUN = dict(max_prefill_chunk=6)  # chunks shorter than the prompts; everything e
 def mimo_v2(tmp_path_factory):
     root = tmp_path_factory.mktemp("mimo_v2_engine")
     make_mimo_v2_checkpoint(root / "ckpt", seed=6, vocab_size=VOCAB)  # the lossless test's: drafts get accepted
-    argv = ["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"),
-            "--compile", os.environ.get("MTP_TEST_MIMO_V2_COMPILE", "none")]  # fmt: skip
+    compile_ = os.environ.get("MTP_TEST_MIMO_V2_COMPILE", "none")  # compiled: with the ONNX weights, for both executors
+    argv = ["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"), "--compile", compile_,
+            *([] if compile_ == "none" else ["--keep-onnx"])]  # fmt: skip
     for k, v in LIMITS.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     assert cli.main(argv) == 0  # ids-only (no tokenizer.json): requests are token ids
