@@ -6,7 +6,7 @@ TINY    := models/tiny
 DEEP    := models/deep
 ENGINE  := engines/deep
 
-.PHONY: install ops test test-quick test-scale lint demo bench bench-auto bench-realsize bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
+.PHONY: install ops test test-quick test-scale lint demo bench bench-auto bench-realsize bench-realsize-hybrid bench-collectives bench-peers soak tiny-model deep-model gpu-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	python3 -m venv .venv
@@ -141,6 +141,40 @@ REALSIZE_ENGINES := $(foreach e,engine engine-fp8 engine-int8 engine-int4,$(REAL
 bench-realsize: $(STAMP) $(OPS_LIB) $(REALSIZE_ENGINES) $(LLAMA_BUILD)/bin/llama-quantize
 	$(PY) -m runtime.bench.realsize_formats --build-dir $(REALSIZE) --threads 1 2 --rounds 9 \
 		--llama-cpp $(LLAMA_BUILD)/bin --llama-src $(LLAMA_SRC)
+
+# The hybrid row (docs/BENCHMARKS.md, "Realistic size: the hybrid row"): a 1.4 GB Qwen3.5-35B-A3B-shaped random
+# checkpoint (runtime/bench/realsize_hybrid_ckpt.py says what is cut), its compiled bf16 and int8 engines, and
+# llama.cpp's GGUFs of the same weights (qwen35moe, MTP layer included: BF16 by the converter, Q8_0 by
+# llama-quantize); time to first token (2,000-token prompt) and per-token decode at K=0, interleaved rounds at 1
+# and 2 threads -> bench_results/realsize_hybrid.json and its table in docs/BENCHMARKS.md; then TP2 (mpirun, 2 ranks)
+# against one rank, outputs compared -> bench_results/realsize_hybrid_tp2.json and its line there.
+HYBRID_CKPT := $(REALSIZE)/a3b
+HYBRID_AOTI := --compile aoti --max-batch 1 --max-num-tokens 256 --max-seq-len 2304 --num-draft-tokens 3 --force
+$(HYBRID_CKPT)/config.json: | $(STAMP)
+	$(PY) -m runtime.bench.realsize_hybrid_ckpt --output $(HYBRID_CKPT)
+
+$(REALSIZE)/a3b-engine/config.json: $(HYBRID_CKPT)/config.json
+	nice -n 10 $(PY) -m builder.cli --checkpoint $(HYBRID_CKPT) --output $(REALSIZE)/a3b-engine $(HYBRID_AOTI)
+
+$(REALSIZE)/a3b-engine-int8/config.json: $(HYBRID_CKPT)/config.json
+	nice -n 10 $(PY) -m builder.cli --checkpoint $(HYBRID_CKPT) --output $(REALSIZE)/a3b-engine-int8 --quantize int8 \
+		$(HYBRID_AOTI)
+
+$(REALSIZE)/a3b-engine-tp2/config.json: $(HYBRID_CKPT)/config.json
+	nice -n 10 $(PY) -m builder.cli --checkpoint $(HYBRID_CKPT) --output $(REALSIZE)/a3b-engine-tp2 --world-size 2 \
+		--tp-size 2 $(HYBRID_AOTI)
+
+$(REALSIZE)/a3b-bf16.gguf: $(HYBRID_CKPT)/config.json $(LLAMA_SRC)/CMakeLists.txt
+	$(PY) -m runtime.bench.gguf --checkpoint $(HYBRID_CKPT) --llama-src $(LLAMA_SRC) --outfile $@ --force
+
+$(REALSIZE)/a3b-q8_0.gguf: $(REALSIZE)/a3b-bf16.gguf $(LLAMA_BUILD)/bin/llama-quantize
+	$(LLAMA_BUILD)/bin/llama-quantize $< $@ Q8_0 2 > /dev/null
+
+bench-realsize-hybrid: $(STAMP) $(OPS_LIB) $(REALSIZE)/a3b-engine/config.json $(REALSIZE)/a3b-engine-int8/config.json \
+		$(REALSIZE)/a3b-engine-tp2/config.json $(REALSIZE)/a3b-q8_0.gguf $(LLAMA_BUILD)/bin/llama-completion
+	$(PY) -m runtime.bench.realsize_hybrid --build-dir $(REALSIZE) --formats bf16 int8 --threads 1 2 --rounds 5 \
+		--llama-cpp $(LLAMA_BUILD)/bin
+	$(PY) -m runtime.bench.realsize_hybrid_tp --build-dir $(REALSIZE) --rounds 5
 
 # Share of step time in collectives at 1/2/4 ranks (TP2, DP2xTP2/EP4, EP4) + mpi4py vs gloo (docs/PERFORMANCE.md).
 bench-collectives: $(STAMP)

@@ -33,7 +33,14 @@ from typing import Any
 
 from models.config import ModelConfig
 from runtime.bench import realsize_plan as plan
-from runtime.bench.llama_cpp import LOST_LOG_RETRIES, TIMEOUT_S, LlamaCppError, LlamaCppRunner, parse_completion
+from runtime.bench.llama_cpp import (
+    LOST_LOG_RETRIES,
+    TIMEOUT_S,
+    LlamaCppError,
+    LlamaCppRunner,
+    LlamaOutput,
+    parse_completion,
+)
 from runtime.bench.realsize import PROMPT, deep_acceptance, measure_bandwidth
 from runtime.bench.realsize_report import write_outputs
 from runtime.bench.realsize_worker import EngineWorker
@@ -84,9 +91,17 @@ def gguf_read_bytes(path: Path, llama_src: Path | None, c: ModelConfig) -> float
 
 
 def llama_decode(runner: LlamaCppRunner, tokens: int) -> tuple[float, int]:
-    """One llama-completion process: (ms per decode token by its own eval timer, its peak RSS in bytes). Reaped with
-    wait4 for its own rusage (output to temporary files, so nothing else waits on it; a timer kills a hung run)."""
-    cmd = runner.command(PROMPT, 0, tokens)
+    """One llama-completion process: (ms per decode token by its own eval timer, its peak RSS in bytes)."""
+    out, rss = llama_run(runner, tokens)
+    return out.decode_seconds / out.decode_tokens * 1e3, rss
+
+
+def llama_run(
+    runner: LlamaCppRunner, tokens: int, prompt: str = PROMPT, extra: tuple[str, ...] = ()
+) -> tuple[LlamaOutput, int]:
+    """One llama-completion process (K=0, greedy): (its parsed statistics, its peak RSS in bytes). Reaped with wait4
+    for its own rusage (output to temporary files, so nothing else waits on it; a timer kills a hung run)."""
+    cmd = [*runner.command(prompt, 0, tokens), *extra]
     for _ in range(LOST_LOG_RETRIES + 1):
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             p = subprocess.Popen(cmd, stdout=out, stderr=err, env=runner.env)
@@ -102,8 +117,7 @@ def llama_decode(runner: LlamaCppRunner, tokens: int) -> tuple[float, int]:
             last = (stderr.strip().splitlines() or ["(no output)"])[-1]
             raise LlamaCppError(f"llama-completion exited {p.returncode} (killed after {TIMEOUT_S}s if -9): {last}")
         try:
-            o = parse_completion(stdout, stderr)
-            return o.decode_seconds / o.decode_tokens * 1e3, usage.ru_maxrss * 1024
+            return parse_completion(stdout, stderr), usage.ru_maxrss * 1024
         except LlamaCppError:
             continue  # llama.cpp's log lost its tail at exit (LlamaCppRunner.run_one): run again
     raise LlamaCppError("llama-completion's log lost its statistics lines on every try")
