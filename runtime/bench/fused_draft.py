@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     if not getattr(owner.executor, "fused_draft_depths", 0):
         raise SystemExit(f"{args.engine} has no fused draft package: build it with --compile aoti, K >= 2, one rank")
     fused_calls = [0]
+    cast(CompiledExecutor, owner.executor).load_fused_draft()
     ctx = cast(CompiledExecutor, owner.executor).contexts[FUSED_DRAFT]  # shared by the engines below: count its calls
     real: Any = ctx.run
     ctx.run = lambda a: (fused_calls.__setitem__(0, fused_calls[0] + 1), real(a))[1]

@@ -85,7 +85,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # unfinished requests only: a finished one leaves with its output
         self._arrivals = itertools.count()
         self.width = cfg.max_blocks_per_request
-        self._fused_k, self._run_fused = draft_loop.fused_call(executor, cfg.fused_draft, ranks.lockstep)
+        self._fused_k, self._run_fused = draft_loop.fused_call(executor, cfg.fused_draft and self.k > 0, ranks.lockstep)
         # --num-draft-tokens auto: self.k is the maximum, the controller picks each step's k (draft_length.py)
         if draft_length is None and cfg.auto_draft_tokens and self.k:
             draft_length = DraftLengthController(self.k)

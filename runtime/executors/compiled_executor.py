@@ -117,14 +117,20 @@ class CompiledExecutor:
             self.state = GDNStatePool.of(state)
         self.hidden_size, self.vocab_size = cfg.model.hidden_size, cfg.model.vocab_size
         self.contexts = {name: self._context(name, rank, ptr) for name in cfg.graphs[rank]}
-        # the K draft depths in one call (builder/fused_draft.py), when built and its modules are this policy's
+        # the K draft depths in one call (builder/fused_draft.py), when built and its modules are this policy's;
+        # loaded only when the engine will use it (`load_fused_draft`): it holds its own copy of the draft's weights
         self.fused_draft_depths = 0
         fused = cfg.graph_file(rank, DRAFT_GRAPH, FUSED_KIND)
         k = cfg.num_draft_tokens
         modules = [draft_module(d, self.num_draft_graphs, mtp_modules) for d in range(k)]
         if fused is not None and modules == [draft_module(d, self.num_draft_graphs) for d in range(k)]:
-            self.contexts[FUSED_DRAFT] = self._context(FUSED_DRAFT, rank, ptr, fused)
+            self._fused = (rank, ptr, fused)
             self.fused_draft_depths = k
+
+    def load_fused_draft(self) -> None:
+        """Load the fused draft package (once), before the engine's first step uses it."""
+        if FUSED_DRAFT not in self.contexts:
+            self.contexts[FUSED_DRAFT] = self._context(FUSED_DRAFT, *self._fused)
 
     def _context(self, name: str, rank: int, ptr: torch.Tensor, path: Path | None = None) -> ExecutionContext:
         """path: the package, when it is not graph `name`'s AOTI_KIND file (the fused draft loop's)."""
@@ -161,6 +167,7 @@ class CompiledExecutor:
 
     def run_fused_draft(self, inp: FusedDraftInput) -> np.ndarray:
         """int64 [R, K] drafts of the K depths in one call (only when fused_draft_depths == K > 0)."""
+        self.load_fused_draft()
         return self._graph(FUSED_DRAFT)(inp)[0].numpy()
 
     def run_commit(self, inp: CommitInput) -> int:
