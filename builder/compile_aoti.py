@@ -208,9 +208,9 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
                   export: Callable[[], torch.export.ExportedProgram] | None = None) -> dict[str, Any]:  # fmt: skip
     """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json).
     fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them.
-    quantize "int8": the dense linears' and routed experts' weights stored int8 (`int8_weights`); "int4": the dense
-    linears and routed experts (multi-rank: this rank's) whose input widths the group divides stored int4 (`int4_weights`), the
-    rest of int8's weights int8;
+    quantize "int8": the dense linears' and routed experts' (multi-rank: this rank's) weights stored int8
+    (`int8_weights`); "int4": the dense linears and routed experts whose input widths the group divides stored int4
+    (`int4_weights`), the rest of int8's weights int8;
     lm_head: the LM head too, int8 (with either). int4_group: int4's group size (input features per scale).
     state: a hybrid model's GDN state pool, with the slot count the package bakes in (`compiled_state`).
     export: makes the program instead of `export_program` (a module that is not an engine graph, compiled exactly

@@ -47,9 +47,9 @@ def fp8_weights(program: torch.export.ExportedProgram, fp8: Mapping[str, Fp8Weig
                 prefix: str = "model.") -> dict[str, int]:  # fmt: skip
     """Store the weights an FP8 release ships as FP8 (e4m3 + a new fp32 constant `<weight>_scale_inv`) and rewrite
     their uses: fp32 linears into `mtp::linear_fp8`, `mtp::moe_experts` into `mtp::moe_experts_fp8` (multi-rank:
-    `mtp::moe_experts_fp8_exchange`). A parameter qualifies when its name (less the wrapper's `prefix`) is in `fp8`, its fp32
-    value is exactly the dequantized FP8 (checked: the model was loaded from the same checkpoint) and every use can
-    be rewritten (an experts node needs both its weights); anything else keeps its float weight. Run it before
+    `mtp::moe_experts_fp8_exchange`). A parameter qualifies when its name (less the wrapper's `prefix`) is in `fp8`,
+    its fp32 value is exactly the dequantized FP8 (checked: the model was loaded from the same checkpoint) and every
+    use can be rewritten (an experts node needs both its weights); anything else keeps its float weight. Run it before
     `bf16_weights` (an FP8 weight is half the bytes of its bf16 form). Returns {"fp8_weights": weights stored FP8,
     "fp8_linears": linears rewritten, "fp8_experts": experts nodes rewritten}."""
     sig, graph = program.graph_signature, program.graph_module.graph
@@ -86,7 +86,8 @@ def _experts_ops(fmt: str) -> tuple[Any, Any]:
 
 
 def _rewrite(program: torch.export.ExportedProgram, scales: Mapping[torch.fx.Node, torch.fx.Node], linear_op: Any,
-             experts_ops: tuple[Any, Any] | None = None, linear_extra: tuple[Any, ...] = ()) -> tuple[int, int]:  # fmt: skip
+             experts_ops: tuple[Any, Any] | None = None,
+             linear_extra: tuple[Any, ...] = ()) -> tuple[int, int]:  # fmt: skip
     """Point the uses of the weights just stored quantized (`scales`: weight -> its scale constant) at the ops that
     read them: each aten.linear over one becomes linear_op(x, w, scale, *linear_extra, bias), each `mtp::moe_experts`
     over a stored pair (experts_ops: its single-rank and exchange forms) single(x, ids, weights, gu, gu_scale, down,
@@ -175,10 +176,10 @@ def int8_weights(program: torch.export.ExportedProgram, prefix: str = "model.",
     projections, dense MLPs, shared experts, eh_proj), rewritten into `mtp::linear_int8`, and every routed-experts
     pair (w_gate_up [E, 2I, H], w_down [E, H, I]; scales [E, 2I], [E, H]: a multi-rank graph's E are its own experts)
     of an `mtp::moe_experts` over fp32 x, rewritten into `mtp::moe_experts_int8` (multi-rank:
-    `mtp::moe_experts_int8_exchange`; an experts node whose other weight cannot be quantized keeps both float). The weights named by `kept_float` stay float (by default
-    the embeddings, the LM head and the router). Run it before `bf16_weights`. Returns {"int8_weights": count, "int8_linears": linears
-    rewritten, "int8_experts": experts nodes rewritten, "int8_names": the quantized weights' names less `prefix` (the
-    checkpoint's), for `mtp-build --check`}."""
+    `mtp::moe_experts_int8_exchange`; an experts node whose other weight cannot be quantized keeps both float). The
+    weights named by `kept_float` stay float (by default the embeddings, the LM head and the router). Run it before
+    `bf16_weights`. Returns {"int8_weights": count, "int8_linears": linears rewritten, "int8_experts": experts nodes
+    rewritten, "int8_names": the quantized weights' names less `prefix` (the checkpoint's), for `mtp-build --check`}."""
     sig, graph = program.graph_signature, program.graph_module.graph
     chosen: dict[torch.fx.Node, tuple[str, torch.Tensor]] = {}
     for node in [n for n in graph.nodes if n.op == "placeholder"]:

@@ -56,7 +56,8 @@ def moe_experts_exchange(x, topk_ids, topk_weights, w_gate_up, w_down, num_exper
 
 
 def parallel_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, local: LocalExperts,
-                     num_local: int, num_experts: int, ep_size: int, tp_size: int, tp_rank: int) -> torch.Tensor:  # fmt: skip
+                     num_local: int, num_experts: int, ep_size: int, tp_size: int,
+                     tp_rank: int) -> torch.Tensor:  # fmt: skip
     """The routed experts' output [T, H] in x's dtype (with TP: this rank's partial sum), the `num_local` experts held
     here computed by `local`."""
     if tp_size > 1:

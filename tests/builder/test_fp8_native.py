@@ -1,9 +1,9 @@
 """FP8 releases run as FP8: `mtp-build --compile aoti` of an FP8 checkpoint (float8_e4m3fn + 128x128 block scales, as
 DeepSeek-V3 / GLM-4.5-FP8 ship them) keeps those weights FP8 inside the AOTInductor packages, read by mtp::linear_fp8
 and mtp::moe_experts_fp8 (fp32 math in registers), decodes exactly what the fp32-dequantized model decodes, and each
-package's weights take about the checkpoint's bytes. Its EP2 build (`--world-size 2 --ep-size 2`, `fp8_ep2_engine`) keeps
-each rank's routed experts FP8 too, read by mtp::moe_experts_fp8_exchange, and decodes under a real mpirun what the
-single-rank FP8 engine decodes.
+package's weights take about the checkpoint's bytes. Its EP2 build (`--world-size 2 --ep-size 2`, `fp8_ep2_engine`)
+keeps each rank's routed experts FP8 too, read by mtp::moe_experts_fp8_exchange, and decodes under a real mpirun what
+the single-rank FP8 engine decodes.
 
 One compiled build of a tiny FP8 checkpoint whose dims cross 128-blocks (hidden 160, dense MLP 272, experts 136,
 4 heads x 40: full and partial blocks in both dims) serves every test; the reference is the torch executor on the

@@ -42,7 +42,10 @@ def test_each_rank_stores_its_shard_int8_and_check_probes_it(tp2_int8, capsys):
     compiled = load_engine_config(tp2_int8).build["compiled"]
     assert compiled["quantized_graphs"] == ["main", "mtp_draft", "mtp_commit"]
     assert compiled["int8"]["ops"] == ["linear_int8", "moe_experts_int8_exchange"]
-    assert [compiled["graphs"][g]["int8_experts"] for g in compiled["quantized_graphs"]] == [1, 1, 0]
+    model = load_engine_config(tp2_int8).model
+    # experts nodes: main, one per MoE layer; draft, the MTP layer's; commit, none
+    moe_layers = model.num_hidden_layers - model.first_k_dense_replace
+    assert [compiled["graphs"][g]["int8_experts"] for g in compiled["quantized_graphs"]] == [moe_layers, 1, 0]
     assert {"layers.1.mlp.w_gate_up", "layers.1.mlp.w_down"} <= set(compiled["int8"]["weights"])
     capsys.readouterr()
     assert cli.main(["--check", str(tp2_int8)]) == 0
