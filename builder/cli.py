@@ -96,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
                    "not the embeddings, LM head or router) and its routed experts as weight-only int8 with "
                    "per-channel scales (lossy, half the bytes of bf16); int4: the dense linears and routed experts "
                    "whose input widths are multiples of the group as group-wise int4 (0.5625 bytes per weight at 64), "
-                   "the rest as int8; single rank, float checkpoints only")  # fmt: skip
+                   "the rest as int8 (multi-rank: each rank its own shard, its routed experts included); float checkpoints only")  # fmt: skip
     p.add_argument("--quantize-mtp", default="same", choices=QUANTIZE_MTPS,
                    help="same (default): the MTP module's graphs are quantized as --quantize quantizes the trunk; "
                    "none: they keep the checkpoint's precision (for when the quantized head drafts worse)")  # fmt: skip

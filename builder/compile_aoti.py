@@ -217,9 +217,9 @@ def compile_graph(name: str, model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_b
                   export: Callable[[], torch.export.ExportedProgram] | None = None) -> dict[str, Any]:  # fmt: skip
     """Export + AOTInductor-compile graph `name` into the package `path`; returns what was done (for config.json).
     fp8: the rank's FP8 weights as released (models.checkpoint.load_fp8_weights), stored FP8 where a linear uses them.
-    quantize "int8": the dense linears' and routed experts' weights stored int8 (`int8_weights`); "int4": the dense
-    linears and single-rank routed experts whose input widths the group divides stored int4 (`int4_weights`), the
-    rest of int8's weights int8;
+    quantize "int8": the dense linears' and routed experts' (multi-rank: this rank's) weights stored int8
+    (`int8_weights`); "int4": the dense linears and routed experts whose input widths the group divides stored int4
+    (`int4_weights`), the rest of int8's weights int8;
     lm_head: the LM head too, int8 (with either). int4_group: int4's group size (input features per scale).
     state: a hybrid model's GDN state pool, with the slot count the package bakes in (`compiled_state`).
     export: makes the program instead of `export_program` (a module that is not an engine graph, compiled exactly
@@ -302,20 +302,22 @@ def compile_rank(model: Glm4MoeMTPModel, geom: KVPoolGeometry, max_blocks: int, 
     record: dict[str, Any] = {"graphs": info, "isa": host_isa(), "torch_version": torch.__version__, "weights": weights}
     if state is not None:
         record["state_slots"] = state.num_slots
-    ops = [op for op, n in (("linear_fp8", "fp8_linears"), ("moe_experts_fp8", "fp8_experts"))
+    # a multi-rank graph's quantized experts call their format's exchange op (builder/quantized_weights.py)
+    exchange = "_exchange" if model.mapping.ep > 1 or model.mapping.tp > 1 else ""
+    ops = [op for op, n in (("linear_fp8", "fp8_linears"), (f"moe_experts_fp8{exchange}", "fp8_experts"))
            if any(g[n] for g in info.values())]  # fmt: skip
     if ops:
         record["fp8"] = {**FP8_FORMAT, "ops": ops}
     int8_names = sorted({w for g in info.values() for w in g.pop("int8_names", [])})
     if int8_names:
-        ops = [op for op, n in (("linear_int8", "int8_linears"), ("moe_experts_int8", "int8_experts"))
+        ops = [op for op, n in (("linear_int8", "int8_linears"), (f"moe_experts_int8{exchange}", "int8_experts"))
                if any(g.get(n) for g in info.values())]  # fmt: skip
         record["int8"] = {**INT8_FORMAT, "ops": ops, "weights": int8_names}
     if any(quantize(name) != "none" for name in info):
         record["quantized_graphs"] = [name for name in info if quantize(name) != "none"]
     int4_names = sorted({w for g in info.values() for w in g.pop("int4_names", [])})
     if int4_names:
-        ops = [op for op, n in (("linear_int4", "int4_linears"), ("moe_experts_int4", "int4_experts"))
+        ops = [op for op, n in (("linear_int4", "int4_linears"), (f"moe_experts_int4{exchange}", "int4_experts"))
                if any(g.get(n) for g in info.values())]  # fmt: skip
         record["int4"] = {**INT4_FORMAT, "group_size": int4_group, "ops": ops, "weights": int4_names}
     return record

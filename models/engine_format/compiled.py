@@ -84,6 +84,7 @@ def compiled_problem(cfg: EngineConfig) -> str | None:
         if fmt is None:
             continue
         import plugins.cpp_ops  # noqa: F401  (the mtp ops of this installation)
+        import plugins.moe_ep  # noqa: F401  (and their exchange forms, a multi-rank engine's)
 
         ops = fmt.get("ops") if isinstance(fmt, dict) else None
         missing = [op for op in ops or [] if not hasattr(torch.ops.mtp, str(op))] if isinstance(ops, list) else ["?"]

@@ -1,7 +1,9 @@
 """FP8 releases run as FP8: `mtp-build --compile aoti` of an FP8 checkpoint (float8_e4m3fn + 128x128 block scales, as
 DeepSeek-V3 / GLM-4.5-FP8 ship them) keeps those weights FP8 inside the AOTInductor packages, read by mtp::linear_fp8
 and mtp::moe_experts_fp8 (fp32 math in registers), decodes exactly what the fp32-dequantized model decodes, and each
-package's weights take about the checkpoint's bytes.
+package's weights take about the checkpoint's bytes. Its EP2 build (`--world-size 2 --ep-size 2`, `fp8_ep2_engine`)
+keeps each rank's routed experts FP8 too, read by mtp::moe_experts_fp8_exchange, and decodes under a real mpirun what
+the single-rank FP8 engine decodes.
 
 One compiled build of a tiny FP8 checkpoint whose dims cross 128-blocks (hidden 160, dense MLP 272, experts 136,
 4 heads x 40: full and partial blocks in both dims) serves every test; the reference is the torch executor on the
@@ -25,6 +27,7 @@ from runtime.core.sampling import SamplingParams
 from runtime.executors.compiled_executor import CompiledExecutor
 from runtime.factory import create_engine
 from tests.builder.conftest import LIMITS, write_tokenizer
+from tests.builder.quantized_ep import EP2_FLAGS, assert_ep2_equals_single_rank, package_constants, package_ops
 from tests.runtime.engine_utils import random_prompts
 
 CFG = tiny_config(hidden_size=160, intermediate_size=272, moe_intermediate_size=136, head_dim=40)
@@ -42,14 +45,23 @@ def fp8_checkpoint(tmp_path_factory) -> Path:
     return root / "fp8"
 
 
-@pytest.fixture(scope="module")
-def fp8_engine(fp8_checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fp8native_engine") / "engine"
-    argv = ["--checkpoint", str(fp8_checkpoint), "--output", str(out), "--compile", "aoti"]
+def _build(checkpoint: Path, out: Path, *extra: str) -> Path:
+    argv = ["--checkpoint", str(checkpoint), "--output", str(out), "--compile", "aoti", *extra]
     for k, v in LIMITS.items():  # num_draft_tokens 2
         argv += [f"--{k.replace('_', '-')}", str(v)]
     assert cli.main(argv) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(fp8_checkpoint, tmp_path_factory) -> Path:
+    return _build(fp8_checkpoint, tmp_path_factory.mktemp("fp8native_engine") / "engine")
+
+
+@pytest.fixture(scope="module")
+def fp8_ep2_engine(fp8_checkpoint, tmp_path_factory) -> Path:
+    """The EP2 build of the same checkpoint: rank r holds routed experts 2r..2r+1 of 4."""
+    return _build(fp8_checkpoint, tmp_path_factory.mktemp("fp8native_ep2") / "engine", *EP2_FLAGS)
 
 
 def _checkpoint_bytes(ckpt: Path) -> dict[str, int]:
@@ -189,3 +201,35 @@ def test_a_missing_op_is_refused_in_one_line(fp8_engine, tmp_path):
     problem = compiled_problem(dataclasses.replace(cfg, build=build))
     assert problem is not None and "mtp::linear_fp8_v9" in problem and len(problem.splitlines()) == 1
     assert hasattr(torch.ops.mtp, "linear_fp8") and hasattr(torch.ops.mtp, "moe_experts_fp8")
+
+
+def test_ep2_ranks_keep_their_experts_fp8(fp8_ep2_engine):
+    """Each rank's main package stores its 2 routed experts as released (1 byte per weight + an fp32 scale per
+    128 x 128 block, gate's and up's blocked on their own), read from the package itself, and calls the FP8 exchange
+    op, never the float experts; config.json counts the experts nodes per graph as the single-rank engine's does."""
+    compiled = load_engine_config(fp8_ep2_engine).build["compiled"]
+    assert compiled["fp8"] == {**FP8_FORMAT, "ops": ["linear_fp8", "moe_experts_fp8_exchange"]}
+    assert [compiled["graphs"][g]["fp8_experts"] for g in GRAPHS] == [1, 1, 0]
+    hidden, inter, blocks = CFG.hidden_size, CFG.moe_intermediate_size, lambda n: -(-n // 128)
+    for rank in (0, 1):
+        package = fp8_ep2_engine / f"rank{rank}" / "main.aoti.pt2"
+        consts = package_constants(package)
+        gate_up = consts["model.layers.1.mlp.w_gate_up"]  # the MoE layer's; its scales are constants of their own
+        assert (gate_up.dtype, gate_up.shape, gate_up.nbytes) == ("float8_e4m3fn", (2, 2 * inter, hidden),
+                                                                  2 * 2 * inter * hidden)  # fmt: skip
+        assert (2, 2 * blocks(inter), blocks(hidden)) in {c.shape for c in consts.values() if c.dtype == "float32"}
+        ops = package_ops(package)
+        assert "mtp::moe_experts_fp8_exchange" in ops and "mtp::moe_experts" not in ops, ops
+
+
+def test_ep2_greedy_output_equals_the_single_rank_engine(fp8_ep2_engine, fp8_engine, tmp_path):
+    """Under mpirun, greedy K=2 equals K=0 of the EP2 FP8 engine, and both equal the single-rank FP8 engine
+    (chunked prefill, prefix hits, late arrivals: tests/runtime/mpi_tp_worker.py)."""
+    assert_ep2_equals_single_rank(fp8_ep2_engine, fp8_engine, tmp_path / "out.json")
+
+
+def test_ep2_check_probes_each_rank(fp8_ep2_engine, capsys):
+    """`mtp-build --check` of the EP2 FP8 engine (each rank under mpirun, against its dequantized torch shard)."""
+    assert cli.main(["--check", str(fp8_ep2_engine)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "compiled packages of 2 ranks match the torch model (each rank's shard, under mpirun)" in out, out

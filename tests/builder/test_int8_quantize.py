@@ -11,6 +11,10 @@ linears and routed experts whose input widths are multiples of the group (32; he
 projection, K = 272) as group-wise int4 read by mtp::linear_int4 and mtp::moe_experts_int4 (plugins/reference.py
 quantize_int4), the rest of int8's weights int8.
 
+Under expert parallelism (`--world-size 2 --ep-size 2`, the `ep2_engine` fixture of each format) every rank stores
+its own 2 of the 4 routed experts in the format and calls the format's exchange op (mtp::moe_experts_int8_exchange /
+_int4_exchange), and under a real mpirun decodes what the single-rank engine of the format decodes.
+
 One compiled build of a tiny bf16 checkpoint whose dims cross the kernel's vector chunks and tiles (hidden 160, dense
 MLP 272, experts 160: 128-row blocks and tiles of 4 rows with a remainder, 4 heads x 40) serves every test; the float
 reference is the torch executor on the same checkpoint.
@@ -19,6 +23,7 @@ reference is the torch executor on the same checkpoint.
 from __future__ import annotations
 
 import json
+from math import prod
 from pathlib import Path
 
 import pytest
@@ -39,6 +44,7 @@ from runtime.core.sampling import SamplingParams
 from runtime.executors.compiled_executor import CompiledExecutor
 from runtime.factory import create_engine
 from tests.builder.conftest import LIMITS, write_tokenizer
+from tests.builder.quantized_ep import EP2_FLAGS, assert_ep2_equals_single_rank, package_constants, package_ops
 from tests.runtime.engine_utils import random_prompts
 
 # experts 160 (not 136): a width the int4 group (32) divides, so the int4 engine's routed experts are int4
@@ -84,12 +90,30 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
-def int8_engine(request, checkpoint, tmp_path_factory) -> Path:
-    """The engine of `--quantize int8`, then of `--quantize int4` (one at a time: pytest groups a module's tests by
-    the parameter of a module-scoped fixture)."""
-    out = tmp_path_factory.mktemp(f"{request.param}_engine") / "engine"
-    group = ["--int4-group-size", str(INT4_GROUP)] if request.param == "int4" else []  # 32: hidden 160 is not 64s
-    assert cli.main(_argv(checkpoint, out, "--compile", "aoti", "--quantize", request.param, *group)) == 0
+def quantize(request) -> str:
+    """`--quantize int8`, then `--quantize int4` (one at a time: pytest groups a module's tests by the parameter of a
+    module-scoped fixture)."""
+    return request.param
+
+
+def _quantize_argv(quantize: str) -> list[str]:
+    group = ["--int4-group-size", str(INT4_GROUP)] if quantize == "int4" else []  # 32: hidden 160 is not 64s
+    return ["--compile", "aoti", "--quantize", quantize, *group]
+
+
+@pytest.fixture(scope="module")
+def int8_engine(quantize, checkpoint, tmp_path_factory) -> Path:
+    """The single-rank engine of `--quantize int8`, then of `--quantize int4`."""
+    out = tmp_path_factory.mktemp(f"{quantize}_engine") / "engine"
+    assert cli.main(_argv(checkpoint, out, *_quantize_argv(quantize))) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep2_engine(quantize, checkpoint, tmp_path_factory) -> Path:
+    """The same format's EP2 build of the same checkpoint: rank r holds routed experts 2r..2r+1 of 4."""
+    out = tmp_path_factory.mktemp(f"{quantize}_ep2_engine") / "engine"
+    assert cli.main(_argv(checkpoint, out, *_quantize_argv(quantize), *EP2_FLAGS)) == 0
     return out
 
 
@@ -247,3 +271,42 @@ def test_an_fp8_checkpoint_is_refused_in_one_line(checkpoint, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "--quantize int8 with an FP8 checkpoint is not supported yet" in " ".join(err.split()), err
     assert len(err.splitlines()) == 1
+
+
+def test_ep2_ranks_store_their_experts_in_the_format(ep2_engine, int8_engine, quantize):
+    """Each rank's main package stores its 2 routed experts in the format (int8: 1 byte per weight + an fp32 scale
+    per row; int4: packed, half a byte per weight + an fp32 scale per 32 of a row; float experts: bf16, 2 bytes), read
+    from the package itself, and calls the format's exchange op, never the float experts; config.json counts the
+    experts nodes per graph as the single-rank engine's does and names the same weights."""
+    compiled, single = (load_engine_config(e).build["compiled"] for e in (ep2_engine, int8_engine))
+    graphs = compiled["graphs"]
+    assert [graphs[g][f"{quantize}_experts"] for g in GRAPHS] == [1, 1, 0]  # the MoE layer's, the MTP layer's; none
+    assert compiled[quantize]["ops"] == [f"linear_{quantize}", f"moe_experts_{quantize}_exchange"]
+    assert compiled[quantize]["weights"] == single[quantize]["weights"]
+    hidden, inter, e = CFG.hidden_size, CFG.moe_intermediate_size, 2  # e: the experts a rank holds
+    # (stored dtype, stored shapes of w_gate_up and w_down, their scales' shapes: the scales are constants of their own)
+    want = {"int8": ("int8", (e, 2 * inter, hidden), (e, hidden, inter), {(e, 2 * inter), (e, hidden)}),
+            "int4": ("uint8", (e, 2 * inter, hidden // 2), (e, hidden, inter // 2),
+                     {(e, 2 * inter, hidden // INT4_GROUP), (e, hidden, inter // INT4_GROUP)})}[quantize]  # fmt: skip
+    for rank in (0, 1):
+        package = ep2_engine / f"rank{rank}" / "main.aoti.pt2"
+        consts = package_constants(package)
+        gate_up, down = consts["model.layers.1.mlp.w_gate_up"], consts["model.layers.1.mlp.w_down"]  # the MoE layer
+        assert (gate_up.dtype, gate_up.shape, down.dtype, down.shape) == (want[0], want[1], want[0], want[2])
+        assert (gate_up.nbytes, down.nbytes) == (prod(want[1]), prod(want[2]))  # int8: 1 byte a weight; int4: 1/2
+        assert want[3] <= {c.shape for c in consts.values() if c.dtype == "float32"}
+        ops = package_ops(package)
+        assert f"mtp::moe_experts_{quantize}_exchange" in ops and "mtp::moe_experts" not in ops, ops
+
+
+def test_ep2_greedy_output_equals_the_single_rank_engine(ep2_engine, int8_engine, tmp_path):
+    """Under mpirun, greedy K=2 equals K=0 of the EP2 engine, and both equal the single-rank engine of the same
+    format (chunked prefill, prefix hits, late arrivals: tests/runtime/mpi_tp_worker.py)."""
+    assert_ep2_equals_single_rank(ep2_engine, int8_engine, tmp_path / "out.json")
+
+
+def test_ep2_check_probes_each_rank_against_the_quantized_shard(ep2_engine, capsys):
+    """`mtp-build --check` of the EP2 engine (each rank under mpirun, against its torch shard quantized as built)."""
+    assert cli.main(["--check", str(ep2_engine)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "compiled packages of 2 ranks match the torch model (each rank's shard, under mpirun)" in out, out

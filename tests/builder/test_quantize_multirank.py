@@ -4,8 +4,9 @@ A TP2 engine of models/tiny (EP2, the default with two ranks) with every dense l
 own shard while it is loaded (a row-parallel shard's per-output-channel scale is over its own slice of the input
 features, so the ranks' int8 weights are not slices of the single-rank engine's: correctness is each rank's
 packages against that rank's torch shard quantized the same way, which `--check` probes under mpirun). The routed
-experts stay float here: their expert-parallel exchange reads float weights (single-rank engines store them int8).
-Under mpirun, K=2 with 2-token prefill chunks and a repeated prompt (a prefix hit) is token-identical to K=0."""
+experts are int8 too: each rank stores its own column's experts (quantize_int8 per expert row: exactly those experts'
+rows of the single-rank engine) and computes them with mtp::moe_experts_int8 inside their exchange op,
+mtp::moe_experts_int8_exchange (plugins/moe_ep.py). Under mpirun, K=2 with 2-token prefill chunks and a repeated prompt (a prefix hit) is token-identical to K=0."""
 
 from __future__ import annotations
 
@@ -40,7 +41,12 @@ def test_each_rank_stores_its_shard_int8_and_check_probes_it(tp2_int8, capsys):
     that rank's shard with the recorded weights quantized as built (the unquantized shard would miss by ~1e-2)."""
     compiled = load_engine_config(tp2_int8).build["compiled"]
     assert compiled["quantized_graphs"] == ["main", "mtp_draft", "mtp_commit"]
-    assert compiled["int8"]["weights"] and compiled["int8"]["ops"] == ["linear_int8"]  # experts: float under EP
+    assert compiled["int8"]["ops"] == ["linear_int8", "moe_experts_int8_exchange"]
+    model = load_engine_config(tp2_int8).model
+    # experts nodes: main, one per MoE layer; draft, the MTP layer's; commit, none
+    moe_layers = model.num_hidden_layers - model.first_k_dense_replace
+    assert [compiled["graphs"][g]["int8_experts"] for g in compiled["quantized_graphs"]] == [moe_layers, 1, 0]
+    assert {"layers.1.mlp.w_gate_up", "layers.1.mlp.w_down"} <= set(compiled["int8"]["weights"])
     capsys.readouterr()
     assert cli.main(["--check", str(tp2_int8)]) == 0
     out = " ".join(capsys.readouterr().out.split())

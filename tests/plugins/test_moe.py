@@ -51,7 +51,8 @@ def _mpirun() -> str | None:
 @pytest.mark.mpi
 @pytest.mark.skipif(_mpirun() is None, reason="mpirun not found")
 def test_moe_expert_parallel_under_mpirun() -> None:
-    """2 ranks, experts split 4+4; cases: both ranks with tokens, rank 1 with 0 tokens, bf16 activations."""
+    """2 ranks, experts split 4+4; cases: both ranks with tokens, rank 1 with 0 tokens, bf16 activations; with fp32
+    activations also the int8, int4 and FP8 experts (each rank its shard in the stored format)."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
     mpirun = _mpirun()
