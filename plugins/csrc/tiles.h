@@ -10,8 +10,19 @@
 // weight rounded once as the reference (plugins/reference.py) rounds it, fp32 math. Accumulator lane l of (r, j) sums
 // the columns i with i % W == l in column order, then S's fixed tree (S::hsum4 sums each accumulator alone), so a
 // (row, output) value does not depend on MR, NR or the rest of the batch. A partial last chunk is one masked step
-// (S::kMaskedTail: AVX-512) or a scalar tail in column order after the reduction (AVX2). The portable tile keeps 8 partial sums per dot,
-// ((0+1)+(2+3)) + ((4+5)+(6+7)), then the tail (Generic::dot's order).
+// (S::kMaskedTail: AVX-512) or a scalar tail in column order after the reduction (AVX2). The portable tile keeps 8
+// partial sums per dot, ((0+1)+(2+3)) + ((4+5)+(6+7)), then the tail (Generic::dot's order).
+//
+// Why the portable ISA (Generic) has tiles of its own here (the `std::is_same_v<V, Generic>` cases) instead of being
+// one more instance of the vector body over 8-lane traits: it was tried (issue 26, Deliver 4: simd::Portable, 8 fp32
+// lanes in plain C++ with this file's order; the tiles and conversions of bf16 / FP8 / int8 / int4 on it were bit for
+// bit the portable ones, 10,287 outputs of every linear and quantized MoE op on every ISA) and lost speed: baseline
+// x86-64 has no 8-lane register, and GCC compiled the body over a struct of 8 floats 1.1-2.6x slower than these loops
+// at one activation row (bf16 2.6x), over its generic vectors (vector_size(32)) still 1.42x at 4 rows (bf16) and 1.28x
+// at one (int8) (2048 x 2048, 1 thread; FP8 and 4-row int8 were 2x faster). And the int4 tile cannot be the body's
+// at all without changing its results: its lane l sums the columns i % 8 == l across the whole row, the body restarts
+// at lane 0 on every group and sums a group's last < W columns apart, so they agree only for groups that are a
+// multiple of 8 (any even group is allowed).
 #pragma once
 
 #include "common.h"
@@ -189,7 +200,8 @@ inline void int4_portable_tile(const float* const* x, const uint8_t* w, const fl
       const uint8_t* wj = w + j * (k / 2);
       const float* sj = s + j * (k / group);
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t i = 0; i < k; ++i) acc[i & 7] += x[r][i] * (Int4Weights::value(wj, i) * sj[i / group]);
+      for (int64_t c0 = 0, g = 0; c0 < k; c0 += group, ++g)  // column order; no division per column
+        for (int64_t i = c0; i < c0 + group; ++i) acc[i & 7] += x[r][i] * (Int4Weights::value(wj, i) * sj[g]);
       out[r * NR + j] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
 }
@@ -263,7 +275,8 @@ MTP_INLINE void dequant_int4_rows(const uint8_t* w, const float* s, int64_t rows
     const float* so = s + o * (k / group);
     float* d = dst + o * k;
     if constexpr (std::is_same_v<V, Generic>) {
-      for (int64_t i = 0; i < k; ++i) d[i] = Int4Weights::value(wo, i) * so[i / group];
+      for (int64_t c0 = 0, g = 0; c0 < k; c0 += group, ++g)
+        for (int64_t i = c0; i < c0 + group; ++i) d[i] = Int4Weights::value(wo, i) * so[g];
     } else {
       V::template dequant_int4_row<Int4Weights>(wo, so, k, group, d);
     }
