@@ -309,10 +309,7 @@ inline bool fp8_scales_vector_safe(const float* s, int64_t n) {
 constexpr int64_t kFp8Block = 128;  // the releases' weight_block_size, both dims
 MTP_INLINE float e4m3_times(uint8_t q, float s) { return kE4m3.v[q] * s; }
 
-// int8 -> fp32, 8 lanes (linear_int4's AVX2 tile, whose nibbles become int8 first)
-MTP_AVX2_TARGET inline __m256 int8x8_avx2(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
-
-// ---- packed int4 weights: simd.h (int4x16_nibbles, int4x16_signed; the traits' int4 loads use them too)
+// ---- packed int4 weights: simd.h (int4x16_nibbles, int4x16_signed: the traits' int4 loads)
 
 // A per-thread scratch buffer of at least n floats (kernels run often with small sizes: no allocation).
 // thread_local, so each OpenMP thread of an at::parallel_for has its own (keyed by the OS thread, which is what an

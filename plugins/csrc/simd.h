@@ -13,7 +13,8 @@
 // What stays per ISA on purpose (each kernel's summation order is kept exactly, so results are bit-identical to the
 // twin bodies this replaced): the horizontal-sum trees (reduce4, hsum), how a partial chunk is handled
 // (kMaskedTail: AVX-512 runs one masked step, AVX2's tiles a scalar tail after the reduction), exp's last step
-// (scalef vs exponent bits) and the max reduction.
+// (scalef vs exponent bits), the max reduction and the int4 tile's even / odd step (kEvenOddI4: AVX-512 only,
+// linear_int4's order).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -36,7 +37,7 @@ namespace mtp {
 #define MTP_AVX2_TARGET __attribute__((target("avx2,fma,f16c,bmi2")))
 #define MTP_INLINE inline __attribute__((always_inline))
 
-// ---- packed int4 weights (linear_int4, the traits' int4 loads, Int4Weights): two signed 4-bit values per
+// ---- packed int4 weights (the traits' int4 loads, tiles.h Int4Weights): two signed 4-bit values per
 // byte, column 2i in the low nibble of byte i, column 2i + 1 in the high one (plugins/reference.py pack_int4). The
 // unpack gives the nibbles as unsigned bytes 0..15 in column order: the caller maps them to the two's-complement
 // values -8..7 (a 16-entry table).
@@ -72,6 +73,7 @@ struct Avx512 {
   static constexpr bool kRowsDotTiles = false;
   static constexpr bool kPairedE4m3 = false;  // see Avx2
   static constexpr bool kPairedI4 = false;    // see Avx2
+  static constexpr bool kEvenOddI4 = true;    // the int4 tile's even / odd 2W-column step (load_i4_even_odd)
 
   static MTP_AVX512_TARGET inline __mmask16 tail(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
   static MTP_AVX512_TARGET inline F zero() { return _mm512_setzero_ps(); }
@@ -180,6 +182,20 @@ struct Avx512 {
     const __m128i nib = int4x16_nibbles(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (n / 2)) - 1u), p));
     return _mm512_maskz_permutexvar_ps(tail(n), _mm512_cvtepu8_epi32(nib), table);
   }
+  // 2W columns (W bytes) not in column order, for the int4 tile's even / odd step (linear_int4's, Vector::tile_int4):
+  // the bytes widened to W int32 lanes are the permute indexes of the W even columns as they are (the permute reads
+  // the low 4 bits) and of the W odd ones shifted right by 4, so a weight costs about a quarter of an instruction
+  // (column order, load_i4_scaled: about half). even = columns 0, 2, .., 2W - 2 times s, odd = 1, 3, .., 2W - 1.
+  static MTP_AVX512_TARGET inline void load_i4_even_odd(const uint8_t* p, F table, F& even, F& odd) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    even = _mm512_permutexvar_ps(b, table);
+    odd = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+  }
+  // The activations of that step: 2W consecutive values (lo, then hi) split into their even and odd columns
+  static MTP_AVX512_TARGET inline void even_odd(F lo, F hi, F& even, F& odd) {
+    even = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), hi);
+    odd = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), hi);
+  }
   // Whether any of n e4m3 bytes is a NaN (0x7f / 0xff): the largest of 2 * byte (mod 256) is 0xfe exactly then.
   static MTP_AVX512_TARGET inline bool e4m3_has_nan(const uint8_t* p, int64_t n) {
     __m512i most = _mm512_setzero_si512();
@@ -210,6 +226,7 @@ struct Avx2 {
   // int4 tiles step 2W columns too: one 8-byte unpack gives both halves (load_i4_scaled_x2); 4 bytes per W columns
   // left the AVX2 experts at 1.03-1.08x int8's time
   static constexpr bool kPairedI4 = true;
+  static constexpr bool kEvenOddI4 = false;  // 8 lanes: vpermps indexes 8 values, not the 16 of an int4 table
 
   static MTP_AVX2_TARGET inline F zero() { return _mm256_setzero_ps(); }
   static MTP_AVX2_TARGET inline F set1(float v) { return _mm256_set1_ps(v); }

@@ -1,16 +1,28 @@
 // Weight-row tiles: dot products of weight rows stored in some format with fp32 activation rows, the few-row path of
-// every weight-only linear (linear_bf16, linear_fp8, linear_int8) and of the quantized MoE experts (moe_experts; int4:
-// Int4Weights and int4_rows, with a run-time group size).
+// every weight-only linear (linear_bf16, linear_fp8, linear_int8; linear_int4: Int4Weights and int4_rows, with a
+// run-time group size) and of the quantized MoE experts (moe_experts).
 // One body per purpose, written once over the vector traits of simd.h (S) and a weight format (Fmt, below): the vector
 // tile (simd_body.inc `Vector::tile`, compiled per ISA), the portable tile and the dequantizing conversion for the
-// at::mm path (here). A new format is a struct of a few loads and gets all of them on every ISA.
+// at::mm path (here; int4: Vector::dequant_int4_row). A new format is a struct of a few loads and gets all of them on
+// every ISA.
 //
 // A tile computes out[r * NR + j] = x[r] . dequant(w[j]) for MR activation rows and NR weight rows k apart, every
 // weight rounded once as the reference (plugins/reference.py) rounds it, fp32 math. Accumulator lane l of (r, j) sums
 // the columns i with i % W == l in column order, then S's fixed tree (S::hsum4 sums each accumulator alone), so a
 // (row, output) value does not depend on MR, NR or the rest of the batch. A partial last chunk is one masked step
-// (S::kMaskedTail: AVX-512) or a scalar tail in column order after the reduction (AVX2). The portable tile keeps 8 partial sums per dot,
-// ((0+1)+(2+3)) + ((4+5)+(6+7)), then the tail (Generic::dot's order).
+// (S::kMaskedTail: AVX-512) or a scalar tail in column order after the reduction (AVX2). The portable tile keeps 8
+// partial sums per dot, ((0+1)+(2+3)) + ((4+5)+(6+7)), then the tail (Generic::dot's order).
+//
+// Why the portable ISA (Generic) has tiles of its own here (the `std::is_same_v<V, Generic>` cases) instead of being
+// one more instance of the vector body over 8-lane traits: it was tried (issue 26, Deliver 4: simd::Portable, 8 fp32
+// lanes in plain C++ with this file's order; the tiles and conversions of bf16 / FP8 / int8 / int4 on it were bit for
+// bit the portable ones, 10,287 outputs of every linear and quantized MoE op on every ISA) and lost speed: baseline
+// x86-64 has no 8-lane register, and GCC compiled the body over a struct of 8 floats 1.1-2.6x slower than these loops
+// at one activation row (bf16 2.6x), over its generic vectors (vector_size(32)) still 1.42x at 4 rows (bf16) and 1.28x
+// at one (int8) (2048 x 2048, 1 thread; FP8 and 4-row int8 were 2x faster). And the int4 tile cannot be the body's
+// at all without changing its results: its lane l sums the columns i % 8 == l across the whole row, the body restarts
+// at lane 0 on every group and sums a group's last < W columns apart, so they agree only for groups that are a
+// multiple of 8 (any even group is allowed).
 #pragma once
 
 #include "common.h"
@@ -77,9 +89,10 @@ struct Int8Weights {
 
 // Group-wise int4 (`mtp-build --quantize int4`, plugins/reference.py quantize_int4): a row of k columns is k / 2 bytes
 // (column 2i in the low nibble of byte i, two's complement) with one fp32 scale per `group` columns (k / group per
-// row). The group is a run-time size, so int4 has tiles of its own (int4_rows below, Vector::tile_int4) over these
-// loads: table<S>(s) once per group and row, then scaled<S> gives W columns' fp32(q) * s from W / 2 bytes (scaled_n:
-// the first n, 0 after them; AVX-512 only, whose tiles take a group's tail as one masked step).
+// row). The group is a run-time size, so int4 has tiles of its own (int4_rows below, Vector::tile_int4, for
+// linear_int4 and the int4 MoE experts) over these loads: table<S>(s) once per group and row, then scaled<S> gives W
+// columns' fp32(q) * s from W / 2 bytes (scaled_n: the first n, 0 after them; AVX-512 only, whose tiles take a
+// group's tail as one masked step).
 struct Int4Weights {
   using Elem = uint8_t;
   static MTP_INLINE float value(const Elem* row, int64_t i) {  // fp32 q of column i of a packed row
@@ -97,6 +110,12 @@ struct Int4Weights {
   template <class S>
   static MTP_INLINE void scaled2(const Elem* p, const typename S::F& t, typename S::F& lo, typename S::F& hi) {
     S::load_i4_scaled_x2(p, t, lo, hi);
+  }
+  // 2W columns from W bytes as the even columns' and the odd columns' values (S::kEvenOddI4: AVX-512)
+  template <class S>
+  static MTP_INLINE void scaled_even_odd(const Elem* p, const typename S::F& t, typename S::F& even,
+                                         typename S::F& odd) {
+    S::load_i4_even_odd(p, t, even, odd);
   }
 };
 
@@ -181,19 +200,20 @@ inline void int4_portable_tile(const float* const* x, const uint8_t* w, const fl
       const uint8_t* wj = w + j * (k / 2);
       const float* sj = s + j * (k / group);
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t i = 0; i < k; ++i) acc[i & 7] += x[r][i] * (Int4Weights::value(wj, i) * sj[i / group]);
+      for (int64_t c0 = 0, g = 0; c0 < k; c0 += group, ++g)  // column order; no division per column
+        for (int64_t i = c0; i < c0 + group; ++i) acc[i & 7] += x[r][i] * (Int4Weights::value(wj, i) * sj[g]);
       out[r * NR + j] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
 }
 
-template <class V, int MR, int NR>
+template <class V, int MR, int NR, bool kEvenOdd>
 MTP_INLINE void run_int4_tile(const float* const* x, const uint8_t* w, const float* s, int64_t k, int64_t group,
                               float* out) {
   if constexpr (std::is_same_v<V, Generic>) int4_portable_tile<MR, NR>(x, w, s, k, group, out);
-  else V::template tile_int4<Int4Weights, MR, NR>(x, w, s, k, group, out);
+  else V::template tile_int4<Int4Weights, MR, NR, kEvenOdd>(x, w, s, k, group, out);
 }
 
-template <class V, int MR, int NR>
+template <class V, int MR, int NR, bool kEvenOdd>
 MTP_INLINE void int4_block(int64_t m, const float* const* x, const uint8_t* w, const float* s, int64_t k, int64_t group,
                            float* const* out, int64_t o) {
   float res[MR * NR];
@@ -201,32 +221,34 @@ MTP_INLINE void int4_block(int64_t m, const float* const* x, const uint8_t* w, c
     const int mr = static_cast<int>(std::min<int64_t>(MR, m - m0));
     const float* const* xs = x + m0;
     switch (mr) {
-      case 4: if constexpr (MR >= 4) run_int4_tile<V, 4, NR>(xs, w, s, k, group, res); break;
-      case 3: if constexpr (MR >= 3) run_int4_tile<V, 3, NR>(xs, w, s, k, group, res); break;
-      case 2: if constexpr (MR >= 2) run_int4_tile<V, 2, NR>(xs, w, s, k, group, res); break;
-      default: run_int4_tile<V, 1, NR>(xs, w, s, k, group, res); break;
+      case 4: if constexpr (MR >= 4) run_int4_tile<V, 4, NR, kEvenOdd>(xs, w, s, k, group, res); break;
+      case 3: if constexpr (MR >= 3) run_int4_tile<V, 3, NR, kEvenOdd>(xs, w, s, k, group, res); break;
+      case 2: if constexpr (MR >= 2) run_int4_tile<V, 2, NR, kEvenOdd>(xs, w, s, k, group, res); break;
+      default: run_int4_tile<V, 1, NR, kEvenOdd>(xs, w, s, k, group, res); break;
     }
     for (int r = 0; r < mr; ++r)
       for (int j = 0; j < NR; ++j) out[m0 + r][o + j] = res[r * NR + j];
   }
 }
 
-template <class V, int MR, int NR>
+template <class V, int MR, int NR, bool kEvenOdd>
 MTP_INLINE void int4_rows_as(int64_t m, const float* const* x, const uint8_t* w, const float* s, int64_t rows, int64_t k,
                              int64_t group, float* const* out) {
   int64_t o = 0;
-  for (; o + NR <= rows; o += NR) int4_block<V, MR, NR>(m, x, w + o * (k / 2), s + o * (k / group), k, group, out, o);
-  for (; o < rows; ++o) int4_block<V, MR, 1>(m, x, w + o * (k / 2), s + o * (k / group), k, group, out, o);
+  for (; o + NR <= rows; o += NR)
+    int4_block<V, MR, NR, kEvenOdd>(m, x, w + o * (k / 2), s + o * (k / group), k, group, out, o);
+  for (; o < rows; ++o) int4_block<V, MR, 1, kEvenOdd>(m, x, w + o * (k / 2), s + o * (k / group), k, group, out, o);
 }
 
-// int4_rows_as with tiled_rows' shapes (the registers of V)
-template <class V>
+// int4_rows_as with tiled_rows' shapes (the registers of V). kEvenOdd: the tile's even / odd step where V has it
+// (Vector::tile_int4; mtp::linear_int4 takes it, the MoE experts keep column order: their results stay as they were)
+template <class V, bool kEvenOdd = false>
 MTP_INLINE void int4_rows(int64_t m, const float* const* x, const uint8_t* w, const float* s, int64_t rows, int64_t k,
                           int64_t group, float* const* out) {
-  if constexpr (std::is_same_v<V, Generic>) int4_rows_as<V, 4, 1>(m, x, w, s, rows, k, group, out);
-  else if constexpr (V::kRegisters >= 32) int4_rows_as<V, 4, 4>(m, x, w, s, rows, k, group, out);
-  else if (m <= 2) int4_rows_as<V, 2, 4>(m, x, w, s, rows, k, group, out);
-  else int4_rows_as<V, 4, 2>(m, x, w, s, rows, k, group, out);
+  if constexpr (std::is_same_v<V, Generic>) int4_rows_as<V, 4, 1, kEvenOdd>(m, x, w, s, rows, k, group, out);
+  else if constexpr (V::kRegisters >= 32) int4_rows_as<V, 4, 4, kEvenOdd>(m, x, w, s, rows, k, group, out);
+  else if (m <= 2) int4_rows_as<V, 2, 4, kEvenOdd>(m, x, w, s, rows, k, group, out);
+  else int4_rows_as<V, 4, 2, kEvenOdd>(m, x, w, s, rows, k, group, out);
 }
 
 // ---- dequantization: rows [0, rows) of w (k wide) into dst as fp32, the values the reference computes (NaN bytes
@@ -241,6 +263,22 @@ MTP_INLINE void dequant_rows(const typename Fmt::Elem* w, const float* s, int64_
       for (int64_t i = 0; i < k; ++i) d[i] = Fmt::times(wo[i], Fmt::scale_at(so, 0, i));
     } else {
       V::template dequant_row<Fmt>(wo, so, k, d);
+    }
+  }
+}
+
+// The same for packed int4 rows (k / 2 bytes apart, s their scales, k / group apart): Vector::dequant_int4_row
+template <class V>
+MTP_INLINE void dequant_int4_rows(const uint8_t* w, const float* s, int64_t rows, int64_t k, int64_t group, float* dst) {
+  for (int64_t o = 0; o < rows; ++o) {
+    const uint8_t* wo = w + o * (k / 2);
+    const float* so = s + o * (k / group);
+    float* d = dst + o * k;
+    if constexpr (std::is_same_v<V, Generic>) {
+      for (int64_t c0 = 0, g = 0; c0 < k; c0 += group, ++g)
+        for (int64_t i = c0; i < c0 + group; ++i) d[i] = Int4Weights::value(wo, i) * so[g];
+    } else {
+      V::template dequant_int4_row<Int4Weights>(wo, so, k, group, d);
     }
   }
 }
