@@ -4,7 +4,11 @@ measured on this machine when the engine is created (runtime/core/verify_lengths
 Measured, never assumed: how a verify row compares with a draft row depends on the executor, the model, the
 thread count and the kernels (multi-row verify kernels keep getting cheaper), so the engine times its own graphs.
 `profile` runs each graph at a few row counts on the null block (live rows whose KV writes land in the reserved
-block 0, like an idle rank's padding) and keeps the fastest of a few timings in integer microseconds. Under mpirun
+block 0, like an idle rank's padding) and keeps the fastest of a few timings in integer microseconds. The rows are
+tokens and hiddens drawn from a fixed seed, unlike each other as a real batch's rows are: identical rows take one route
+through a MoE layer's experts, so a verify of 8-32 such rows read each selected expert once and looked nearly as cheap
+as one row, while a real batch's rows spread over many experts; priced that way, drafting at 8-32 requests looked
+cheap and lost to K=0 (0.7-0.9x in serving). Under mpirun
 `agree` takes every rank's figures and keeps the elementwise maximum: integers, so every rank prices every step
 identically and chooses the same k_i (never a float compared across ranks). Between sampled row counts the cost
 is interpolated linearly in integer arithmetic, and made non-decreasing (timing noise must not make a row free).
@@ -16,6 +20,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 
@@ -93,23 +98,35 @@ def side_rows(max_rows: int) -> list[int]:
     return sorted({r for r in (1, 2, 4, 8, 16, 32, max_rows) if r <= max_rows})
 
 
-def _main_input(rows: int, per_request: int, width: int) -> MainInput:
+class _Rows(NamedTuple):
+    """Profile rows unlike each other (module docstring), the same on every rank (a fixed seed)."""
+
+    tokens: np.ndarray  # int64 [n]
+    hiddens: np.ndarray  # float32 [n, H], unit variance: a hidden state's scale after the final norm
+
+
+def _rows(n: int, hidden: int, vocab: int) -> _Rows:
+    rng = np.random.default_rng(0)
+    return _Rows(rng.integers(0, vocab, n, dtype=np.int64), rng.standard_normal((n, hidden), dtype=np.float32))
+
+
+def _main_input(rows: int, per_request: int, width: int, like: _Rows) -> MainInput:
     """rows live rows in requests of up to per_request rows each, every table all null block."""
     q = [per_request] * (rows // per_request) + ([rows % per_request] if rows % per_request else [])
     positions = np.concatenate([np.arange(n, dtype=np.int64) for n in q])
     tables = np.full((len(q), width), NULL_BLOCK_ID, np.int32)
-    return MainInput(np.zeros(rows, np.int64), positions, np.array(q, np.int32), np.array(q, np.int32), tables,
+    return MainInput(like.tokens[:rows].copy(), positions, np.array(q, np.int32), np.array(q, np.int32), tables,
                      np.arange(rows, dtype=np.int64))  # fmt: skip
 
 
-def _draft_input(rows: int, hidden: int, width: int) -> DraftInput:
+def _draft_input(rows: int, width: int, like: _Rows) -> DraftInput:
     zero = np.zeros(rows, np.int64)
-    return DraftInput(np.zeros((rows, hidden), np.float32), zero, zero, np.ones(rows, np.int32),
+    return DraftInput(like.hiddens[:rows].copy(), like.tokens[:rows].copy(), zero, np.ones(rows, np.int32),
                       np.full((rows, width), NULL_BLOCK_ID, np.int32))  # fmt: skip
 
 
-def _commit_input(rows: int, hidden: int, width: int) -> CommitInput:
-    return CommitInput(np.zeros((rows, hidden), np.float32), np.zeros(rows, np.int64), np.array([rows], np.int32),
+def _commit_input(rows: int, width: int, like: _Rows) -> CommitInput:
+    return CommitInput(like.hiddens[:rows].copy(), like.tokens[:rows].copy(), np.array([rows], np.int32),
                        np.zeros(1, np.int32), np.full((1, width), NULL_BLOCK_ID, np.int32))  # fmt: skip
 
 
@@ -128,13 +145,14 @@ def profile(executor, max_num_tokens: int, max_batch: int, k_max: int, width: in
     """Time the executor's graphs (module docstring). Verify inputs are shaped like a decode step's: requests of
     k_max + 1 rows. Draft rows are limited to max_batch (one row per request), commit rows to max_num_tokens.
     wrap_main: a hybrid model's main input (no state slot read or written)."""
-    hidden = executor.hidden_size
+    hidden, vocab = executor.hidden_size, executor.vocab_size
     mains = main_rows(min(max_num_tokens, max_batch * (k_max + 1)))
     drafts, commits = side_rows(max_batch), side_rows(min(max_num_tokens, max_batch * (k_max + 1)))
+    rows = _rows(max(mains[-1], drafts[-1], commits[-1]), hidden, vocab)
     # each input is built once, outside the timed calls
-    main = [_time(partial(executor.run_main, wrap_main(_main_input(r, k_max + 1, width))), clock) for r in mains]
-    draft = [_time(partial(executor.run_draft, _draft_input(r, hidden, width)), clock) for r in drafts]
-    commit = [_time(partial(executor.run_commit, _commit_input(r, hidden, width)), clock) for r in commits]
+    main = [_time(partial(executor.run_main, wrap_main(_main_input(r, k_max + 1, width, rows))), clock) for r in mains]
+    draft = [_time(partial(executor.run_draft, _draft_input(r, width, rows)), clock) for r in drafts]
+    commit = [_time(partial(executor.run_commit, _commit_input(r, width, rows)), clock) for r in commits]
     return CostModel(CostCurve(tuple(mains), monotone(main)), CostCurve(tuple(drafts), monotone(draft)),
                      CostCurve(tuple(commits), monotone(commit)))  # fmt: skip
 
