@@ -26,7 +26,6 @@ from pathlib import Path
 from runtime.core.acceptance_guard import CHECK_MODES, DEFAULT_CHECK_MODE
 from runtime.core.admission import RequestError, validate_params
 from runtime.core.config import ConfigError
-from runtime.core.draft_length import parse_num_draft_tokens
 from runtime.core.sampling import SamplingParams
 from runtime.core.self_check import start_up_check
 from runtime.factory import EXECUTORS, create_engine, torch_threads, use_threads
@@ -35,6 +34,13 @@ from runtime.multirank.strategies import lead_or_follow
 from runtime.multirank.watchdog import DEFAULT_TIMEOUT_S, check_timeout
 
 PROG = "mtp-run"
+
+
+def _draft_tokens_flag(text: str) -> int | str:
+    """An int (range-checked with the other settings: one line naming the setting), "auto" or "per-request"."""
+    return text if text in ("auto", "per-request") else int(text)
+
+
 # Errors that mean the user's input (flags, files, engine directory) is wrong: one line, exit 2.
 BAD_INPUT = (ConfigError, RequestError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError)
 
@@ -58,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--acceptance", choices=["exact", "rejection"], default="exact")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     r = p.add_argument_group("runtime")
-    r.add_argument("--num-draft-tokens", type=parse_num_draft_tokens, default=None,
+    r.add_argument("--num-draft-tokens", type=_draft_tokens_flag, default=None,
                    help="K draft depths; 0 disables MTP; auto picks 0..K per step; per-request (default): 0..K per request")
     r.add_argument("--no-commit-pass", action="store_true", help="ablation: skip the MTP decode refresh")
     r.add_argument("--no-fused-draft", action="store_true", help="one call per draft depth (no fused draft loop)")

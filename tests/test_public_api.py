@@ -89,8 +89,9 @@ def test_build_engine_has_mtp_builds_flags_and_defaults():
     from builder.cli import parser
     from builder.options import BuildOptions
 
+    # --threads: the process's own count (a Python caller sets torch's), not a build option
     flags = {a.dest: a.default for a in parser()._actions if a.dest not in ("help", "checkpoint", "output", "check",
-                                                                             "debug")}  # fmt: skip
+                                                                             "debug", "threads")}  # fmt: skip
     params = _params(build_engine)
     assert params[:2] == [("checkpoint", "POSITIONAL_OR_KEYWORD", inspect.Parameter.empty),
                           ("output", "POSITIONAL_OR_KEYWORD", inspect.Parameter.empty)]  # fmt: skip

@@ -80,7 +80,8 @@ def test_the_default_executor_is_the_compiled_one_where_built(hybrid):
     if compiled is None:  # qwen3_5_moe, built with --compile none
         assert isinstance(executor, OrtExecutor)
         return
-    assert isinstance(executor, CompiledExecutor) and set(compiled["graphs"]) == {"main", "mtp_draft", "mtp_commit"}
+    assert isinstance(executor, CompiledExecutor) and set(compiled["graphs"]) == {"main", "mtp_draft", "mtp_commit",
+                                                                                "mtp_draft_fused"}  # fmt: skip
     # the packages bake the state pool: the request slots (20) plus the default snapshots, 4 per request of max_batch
     assert compiled["state_slots"] == 20 + 4 * 4 and executor.state is not None and executor.state.num_slots == 36
 
