@@ -65,6 +65,7 @@ INDUCTOR_BF16: dict[str, Any] = {"freezing": False}
 # it stayed mapped too: 2.03x the weight bytes resident. From data/weights the loader (models/engine_format/compiled.py
 # load_package) hands the loaded tensors to the package as they are (`user_managed`): 1.03x
 # (tests/builder/test_package_memory.py; models/deep's engine: peak RSS of mtp-run 508 -> 482 MB for 28 MB of weights).
+# The build then moves them out of the packages into one store per rank, each weight once (builder/pool_weights.py).
 PACKAGE_WEIGHTS: dict[str, Any] = {"aot_inductor.package_constants_in_so": False,
                                    "aot_inductor.package_constants_on_disk_format": "pickle_weights"}  # fmt: skip
 

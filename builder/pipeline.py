@@ -1,8 +1,8 @@
 """The build as a pipeline of small named steps, all-or-nothing on disk.
 
     check options -> check --output -> import checkpoint (headers, weights, tokenizer) -> check memory
-    -> export ONNX (per graph per rank) [-> AOTInductor packages (--compile aoti)] -> backend build
-    [-> drop the ONNX weights (compiled, without --keep-onnx)] -> write config + checksums -> atomic rename
+    -> export ONNX (per graph per rank) [-> AOTInductor packages (--compile aoti) -> one weight store per rank]
+    -> backend build [-> drop the ONNX weights (compiled, without --keep-onnx)] -> write config + checksums -> atomic rename
 
 Every check (builder/validate.py) runs before anything is written. Everything is written into a temporary
 directory next to the output (same filesystem, so the final `os.replace` is atomic) and renamed into place
@@ -29,6 +29,7 @@ from builder import compile_aoti, ort_build, rank_graphs, signals, trt_build, va
 from builder.export import export_graph
 from builder.fused_draft import fused_modules
 from builder.options import BuildError, BuildOptions
+from builder.pool_weights import pool_rank_weights
 from builder.rank_process import run_in_child
 from models.checkpoint import (
     CheckpointError,
@@ -52,6 +53,7 @@ from models.engine_format import (
     write_engine_config,
 )
 from models.engine_format.graph_io import engine_graphs
+from models.engine_format.weight_store import STORE_NAME
 from plugins.mapping import RankMapping, rank_mapping
 from plugins.names import installed_plugins
 
@@ -145,6 +147,8 @@ def _export_rank(rank: int, opts: BuildOptions, work: Path, layout: KVLayout, re
                                             compile_aoti.compiled_state(state.geometry(), opts.max_batch),
                                             _fused_modules(opts, model.cfg))  # fmt: skip
         del fp8
+        rep.step(f"rank {rank}: move the packages' weights into {rank_dir(rank)}/{STORE_NAME}, each weight once")
+        compiled["weight_store"] = pool_rank_weights(rdir, sorted(rdir.glob("*.pt2")))  # builder/pool_weights.py
         (rdir / COMPILED_INFO).write_text(json.dumps(compiled))
         rep.done(f"rank {rank}: {len(graphs)} .pt2 packages", time.perf_counter() - t0)
     del model  # single-rank builds run this in-process; multi-rank ones run each rank in its own child

@@ -5,13 +5,15 @@
 vector ISA it was compiled for. A package is native code for one torch build and one ISA: `compiled_problem`
 says why this installation cannot run it (the runtime then refuses with one line, or `auto` falls back to
 ONNX Runtime). The ONNX graphs stay in the directory either way (the interchange for TensorRT). `load_package` is
-the one place a package is loaded (the compiled executor, `mtp-build --check`): a failure is one line.
+the one place a package is loaded (the compiled executor, `mtp-build --check`): a failure is one line. A rank's
+packages read their weights from the rank's one weight store (weight_store.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -19,6 +21,7 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from models.engine_format import weight_store
 from models.engine_format.config import EngineConfig
 from models.engine_format.paths import EngineDirError
 
@@ -117,8 +120,9 @@ def load_package(cfg: EngineConfig, path: Path) -> Any:
     failed. Where no private folder can be made (TMPDIR is not a writable directory) the load goes ahead as
     before and fails with the line below; folders a failed load left are removed.
 
-    The package's weights (builder/compile_aoti.py PACKAGE_WEIGHTS) are read from the .pt2 itself, not unpacked, and
-    handed to it without a copy (`_load_with_weights`)."""
+    The package's weights are its rank's weight store's (models/engine_format/weight_store.py), mapped once per
+    process and handed to it without a copy; in an engine built before the store, they are read from the .pt2
+    itself (builder/compile_aoti.py PACKAGE_WEIGHTS), not unpacked (`_load_with_weights`)."""
     rel = str(path.relative_to(cfg.path)) if path.is_relative_to(cfg.path) else path.name
     tmp = extraction_dir()
     before = _aoti_folders(tmp)
@@ -157,12 +161,23 @@ def load_package(cfg: EngineConfig, path: Path) -> Any:
 
 
 def _load_with_weights(path: Path) -> Any:
-    """The package with its weights: those it keeps in data/weights (builder/compile_aoti.py PACKAGE_WEIGHTS), loaded
-    once and handed to it as they are (`user_managed`: no copy; each loaded tensor is referenced by the package's
-    runner for as long as it lives), or those inside its .so (an engine built before), which the loader copies."""
-    from torch.export.pt2_archive._package import load_pt2  # torch's loader of such a .pt2 (private module)
+    """The package with its weights: from its rank's store (models/engine_format/weight_store.py: mapped once per
+    process, shared by the rank's packages, handed to each as they are: `user_managed`, no copy), or, in an engine
+    built before the store, those it keeps in data/weights (loaded once per package and handed over the same way)
+    or inside its .so (the loader copies them)."""
+    from torch.export.pt2_archive._package import AOTINDUCTOR_DIR, PT2ArchiveReader, _load_aoti, load_pt2
 
-    return load_pt2(str(path), load_weights_from_disk=True).aoti_runners["model"]
+    with PT2ArchiveReader(str(path)) as reader:
+        store_map = weight_store.read_store_map(reader)
+        if store_map is None:
+            return load_pt2(str(path), load_weights_from_disk=True).aoti_runners["model"]
+        configs = {name.split("/")[-2]: json.loads(reader.read_string(name)) for name in reader.get_file_names()
+                   if name.startswith(AOTINDUCTOR_DIR) and name.endswith(weight_store.WEIGHTS_CONFIG)}  # fmt: skip
+    store = weight_store.open_store(path.parent / store_map["store"])
+    runner = _load_aoti(str(path), "model", False, 1, -1)  # as load_pt2 does, without its weights
+    runner.load_constants(weight_store.constants(store, store_map, configs["model"]), check_full_update=True,
+                          user_managed=True)  # fmt: skip
+    return runner
 
 
 def _aoti_folders(tmp: Path) -> set[Path]:
