@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from torch.export.pt2_archive._package import WEIGHTS_DIR, PT2ArchiveReader, PT2ArchiveWriter
 
 from models.engine_format.weight_store import STORE_MAP, STORE_NAME
 
@@ -31,6 +30,9 @@ def pool_rank_weights(rdir: Path, packages: list[Path]) -> dict[str, Any]:
     """Pool `packages`' weights (all in `rdir`) into rdir/STORE_NAME; returns the bytes the packages held and the
     bytes the store holds (for config.json's compile record). A package without data/weights/ (none to move) is
     left as it is."""
+    # torch's archive module imports Inductor (and triton where installed): only when a build pools weights
+    from torch.export.pt2_archive._package import WEIGHTS_DIR, PT2ArchiveReader
+
     store: dict[str, torch.Tensor] = {}
     held = 0
     for path in packages:
@@ -67,6 +69,8 @@ def _digest(flat: torch.Tensor) -> str:
 def _rewrite(path: Path, records: dict[str, bytes], store_map: dict[str, Any]) -> None:
     """The package at `path` holding `records` plus STORE_MAP, replaced in one rename (the archive's root folder is
     named after the file, so it is written under the same name in a private folder first)."""
+    from torch.export.pt2_archive._package import PT2ArchiveWriter  # lazily, as in pool_rank_weights
+
     with tempfile.TemporaryDirectory(prefix=".pool_", dir=path.parent) as tmp:
         new = Path(tmp) / path.name
         with PT2ArchiveWriter(str(new)) as writer:
