@@ -97,7 +97,7 @@ def fused_call(executor: object, enabled: bool, lockstep: bool) -> tuple[int, An
     one call per depth so that every rank issues the same collective-bearing forwards whatever its rows' policies."""
     k = int(getattr(executor, "fused_draft_depths", 0)) if enabled and not lockstep else 0
     if k:
-        executor.load_fused_draft()  # type: ignore[attr-defined]  # only now: its weights are a second copy
+        executor.load_fused_draft()  # type: ignore[attr-defined]  # only now: it costs memory
     return k, getattr(executor, "run_fused_draft", None) if k else None
 
 

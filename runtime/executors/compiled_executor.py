@@ -118,7 +118,8 @@ class CompiledExecutor:
         self.hidden_size, self.vocab_size = cfg.model.hidden_size, cfg.model.vocab_size
         self.contexts = {name: self._context(name, rank, ptr) for name in cfg.graphs[rank]}
         # the K draft depths in one call (builder/fused_draft.py), when built and its modules are this policy's;
-        # loaded only when the engine will use it (`load_fused_draft`): it holds its own copy of the draft's weights
+        # loaded only when the engine will use it (`load_fused_draft`): it costs memory (its code; an engine built
+        # before the weight store also its own copy of the draft's weights)
         self.fused_draft_depths = 0
         fused = cfg.graph_file(rank, DRAFT_GRAPH, FUSED_KIND)
         k = cfg.num_draft_tokens

@@ -146,7 +146,7 @@ def test_greedy_through_the_fused_loop_is_lossless(compiled, reference, policy):
 def test_switched_off_it_never_runs(compiled, reference):
     engine = create_engine(compiled, executor="compiled", num_draft_tokens=K, fused_draft=False)
     assert _run(engine) == reference
-    assert FUSED_DRAFT not in engine.executor.contexts  # not even loaded: its weights are a second copy
+    assert FUSED_DRAFT not in engine.executor.contexts  # not even loaded: it costs memory
 
 
 def test_lockstep_ranks_and_the_switch_keep_one_call_per_depth(compiled):
