@@ -6,6 +6,11 @@ finished + cancelled + failed == requests sent, none failed), every completed st
 zero KV blocks held once idle, and the stub's RSS stays within RSS_BOUND_MIB of its level after warm-up.
 CI runs MTP_SOAK_REQUESTS=200 (the default); `make soak` runs 2,000. The figures are printed
 (`-s`) as one `SOAK` line.
+
+The bundled tritonserver (2.51, nvidia-pytriton 0.7.0) sometimes aborts in its own gRPC stream code while a client
+cancels (its log: `API misuse of type GRPC_CALL_ERROR_TOO_MANY_OPERATIONS`, signal 6; upstream races on gRPC
+cancellation fixed in later Triton releases, docs/RELIABILITY.md). When the server died with exactly that line, the
+soak runs once more on a fresh server and says so; any other failure, or that abort twice, fails the test.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -35,7 +41,7 @@ WARMUP = 16
 PROMPTS = ["def main(", "import numpy as np\n", "class Foo:\n    def __init__(self", "for i in range(",
            "x = 1\n" * 12, "# a comment\n" * 6]  # fmt: skip
 
-pytestmark = [pytest.mark.timeout(max(300, NUM_REQUESTS)), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(2 * max(300, NUM_REQUESTS)), pytest.mark.slow]  # two attempts at most
 
 
 def _params(rng: random.Random) -> dict:
@@ -108,15 +114,17 @@ def _disconnect(port: int, seed: int) -> str:
         proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def soak_server(tmp_path_factory):
-    repo = write_model_repo(tmp_path_factory.mktemp("soak_repo"), checkpoint=h.TINY, executor="torch",
-                            num_draft_tokens=2, threads=1, num_blocks=NUM_BLOCKS)  # fmt: skip
-    srv = TritonServer(repo, *free_ports(3), log_path=tmp_path_factory.mktemp("soak_log") / "tritonserver.log")
+UPSTREAM_GRPC_ABORT = "GRPC_CALL_ERROR_TOO_MANY_OPERATIONS"
+
+
+def _soak_on_a_fresh_server(root: Path) -> None:
+    repo = write_model_repo(root / "soak_repo", checkpoint=h.TINY, executor="torch", num_draft_tokens=2, threads=1,
+                            num_blocks=NUM_BLOCKS)  # fmt: skip
+    srv = TritonServer(repo, *free_ports(3), log_path=root / "soak_log" / "tritonserver.log")
     try:
         srv.start()
         srv.wait_ready(90)
-        yield srv
+        _soak(srv)
     finally:
         rc = srv.stop(drain_timeout_s=5)
     assert rc == 0 and not h.leftovers(srv), (rc, h.leftovers(srv))
@@ -135,8 +143,21 @@ def _wait_idle(srv: TritonServer, admitted: int, timeout_s: float = 120) -> dict
         time.sleep(0.2)
 
 
-def test_soak(soak_server):
-    srv, rng = soak_server, random.Random(20261201)
+def test_soak(tmp_path):
+    for attempt in (1, 2):
+        try:
+            _soak_on_a_fresh_server(tmp_path / f"attempt{attempt}")
+            return
+        except Exception:
+            log = tmp_path / f"attempt{attempt}" / "soak_log" / "tritonserver.log"
+            if attempt == 2 or not log.exists() or UPSTREAM_GRPC_ABORT not in log.read_text(errors="replace"):
+                raise
+            print(f"\nSOAK attempt 1: tritonserver aborted in its gRPC layer ({UPSTREAM_GRPC_ABORT}, upstream); "
+                  f"running the soak again on a fresh server")  # fmt: skip
+
+
+def _soak(srv: TritonServer) -> None:
+    rng = random.Random(20261201)
     port, stub = srv.grpc_port, srv.stub_pids[0]
     for i in range(WARMUP):  # allocator and caches settle before the RSS baseline
         assert _normal(port, _params(random.Random(i))) == "ok"
