@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,23 @@ def engine(checkpoint, tmp_path_factory) -> Path:
         argv += [f"--{k.replace('_', '-')}", str(v)]
     assert cli.main(argv) == 0
     return out
+
+
+COMPILED_K = 3  # the shared compiled build's draft depth (< block size 4): the fused draft package needs K >= 2
+
+
+@pytest.fixture(scope="session")
+def compiled_build(checkpoint, tmp_path_factory) -> tuple[Path, str]:
+    """(engine dir, what mtp-build printed): the default build (no --compile flag: aoti here) with K=3, shared by
+    test_compiled_engine.py and test_fused_draft_engine.py (one AOTInductor build of the tiny checkpoint, ~1 CPU-min)."""
+    out = tmp_path_factory.mktemp("compiled") / "engine"
+    argv = ["--checkpoint", str(checkpoint), "--output", str(out)]
+    for k, v in {**LIMITS, "num_draft_tokens": COMPILED_K}.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    capture = io.StringIO()
+    with contextlib.redirect_stdout(capture):
+        assert cli.main(argv) == 0
+    return out, capture.getvalue()
 
 
 @pytest.fixture(scope="session")

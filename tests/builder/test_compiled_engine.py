@@ -1,15 +1,15 @@
 """`mtp-build` (its default `--compile auto` is `aoti` here): the AOTInductor packages reproduce the torch executor
 (outputs and every KV plane), greedy decoding through them is lossless, `--check` verifies them, and `auto` runs them.
 
-One compiled build of the package's tiny checkpoint (minutes on a loaded 2-core machine) serves every test; it is
-built with no --compile flag, so it is also what a user who follows the README gets.
+One compiled build of the package's tiny checkpoint (tests/builder/conftest.py `compiled_build`, shared with
+test_fused_draft_engine.py) serves every test; it is built with no --compile flag, so it is also what a user who follows
+the README gets.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import json
 import shutil
 from pathlib import Path
@@ -26,27 +26,14 @@ from runtime.core.sampling import SamplingParams
 from runtime.executors.compiled_executor import CompiledExecutor
 from runtime.executors.torch_executor import TorchExecutor
 from runtime.factory import create_engine
-from tests.builder.conftest import LIMITS
+from tests.builder.conftest import COMPILED_K, LIMITS
 from tests.builder.test_ort_executor import check_ort_matches_torch
 from tests.runtime.engine_utils import random_prompts
 
-K = 3  # < block size 4
+K = COMPILED_K
 PROMPTS = random_prompts((5, 13, 9, 22, 3, 17), seed=0)
 PROMPTS.append(PROMPTS[3][:17] + [1, 2, 3])  # shares 4 full blocks with prompt 3: a prefix-cache hit
 PARAMS = SamplingParams(max_tokens=24)
-
-
-@pytest.fixture(scope="module")
-def compiled_build(checkpoint, tmp_path_factory):
-    """(engine dir, what mtp-build printed): the default build, no --compile flag."""
-    out = tmp_path_factory.mktemp("compiled") / "engine"
-    argv = ["--checkpoint", str(checkpoint), "--output", str(out)]
-    for k, v in {**LIMITS, "num_draft_tokens": K}.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    capture = io.StringIO()
-    with contextlib.redirect_stdout(capture):
-        assert cli.main(argv) == 0
-    return out, capture.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,11 @@
 the fused package, it drafts and writes exactly what the per-depth loop does with ragged k_i (a row with k_i = 0 and a
 padding row among them), and greedy decoding through it stays token-identical to K=0 of the same engine.
 
-One compiled build of the package's tiny checkpoint with K=3 (minutes on a loaded 2-core machine) serves every test.
+The compiled build of test_compiled_engine.py (tests/builder/conftest.py `compiled_build`: the default build, which
+is aoti here, K=3) serves every test.
 """
 
 from __future__ import annotations
-
-import contextlib
-import io
 
 import numpy as np
 import pytest
@@ -24,24 +22,18 @@ from runtime.core.sampling import SamplingParams
 from runtime.core.verify_lengths import FixedPattern
 from runtime.executors.compiled_executor import CompiledExecutor
 from runtime.factory import create_engine
-from tests.builder.conftest import LIMITS
+from tests.builder.conftest import COMPILED_K
 from tests.runtime.engine_utils import random_prompts
 
-K = 3  # < block size 4
+K = COMPILED_K
 PROMPTS = random_prompts((5, 13, 9, 22, 3, 17), seed=0)
 PROMPTS.append(PROMPTS[3][:17] + [1, 2, 3])  # shares 4 full blocks with prompt 3: a prefix-cache hit
 PARAMS = SamplingParams(max_tokens=24)
 
 
 @pytest.fixture(scope="module")
-def compiled(checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fused") / "engine"
-    argv = ["--checkpoint", str(checkpoint), "--output", str(out), "--compile", "aoti"]
-    for k, v in {**LIMITS, "num_draft_tokens": K}.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert cli.main(argv) == 0
-    return out
+def compiled(compiled_build):
+    return compiled_build[0]
 
 
 def test_build_records_and_checks_the_fused_package(compiled, capsys):
