@@ -117,12 +117,30 @@ def test_an_interval_snapshot_is_the_state_after_its_block(checkpoint):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # the op's chunking differs: rounding only
 
 
+class WriteSlotsSeen:
+    """The executor, recording the slots each main forward writes (`state_write_slots` >= 0)."""
+
+    def __init__(self, inner):
+        self.inner, self.writes = inner, []
+
+    def run_main(self, inp):
+        self.writes.append(inp.state_write_slots[inp.state_write_slots >= 0].tolist())
+        return self.inner.run_main(inp)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def test_a_long_prompt_keeps_its_share_and_leaves_other_prefixes_their_snapshots(checkpoint):
     """Budget 8 at max_batch 4: a 50-token prompt asking for an interval snapshot at every block keeps only its share
-    (2) of them, its latest, so a short prompt's snapshot from before survives and its repeat still hits."""
-    engine = engine_for(checkpoint, 2, num_state_snapshots=8, state_snapshot_interval=4)
+    (2) of them, its latest, so a short prompt's snapshot from before survives and its repeat still hits; no forward
+    writes a slot from two rows (a claim past the share never replaces a row of the same forward)."""
+    seen: list[WriteSlotsSeen] = []
+    engine = engine_for(checkpoint, 2, num_state_snapshots=8, state_snapshot_interval=4,
+                        wrap_executor=lambda ex: seen.append(WriteSlotsSeen(ex)) or seen[0])  # fmt: skip
     short, long_ = random_prompts((10, 50), vocab=VOCAB, seed=9)
     ids, cached = run_waves(engine, [[short], [long_], [short], [long_[:45]]])
+    assert all(len(set(w)) == len(w) for w in seen[0].writes) and len(seen[0].writes) > 4
     assert cached == [0, 0, 8, 44], cached  # long_[:45] resumes from the latest interval snapshot it kept (block 10)
     assert engine.state_slots.snapshots.num_cached <= 2 + 2 + 1  # short's two, long_'s share and last boundary
     assert_nothing_leaked(engine)
