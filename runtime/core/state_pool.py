@@ -156,7 +156,7 @@ class StateSlots:
                 first = (s.start // every + 1) * every - 1  # the first position p >= s.start with (p + 1) % every == 0
                 # at most its share per forward: a claim past it replaces a snapshot of an earlier forward, never a
                 # row of this one (whose slot would then be written twice)
-                mine = [p for p in range(first, prompt_end, every) if p not in last][-self.interval_share:]
+                mine = [p for p in range(first, prompt_end, every) if p not in last][-self.interval_share :]
                 at_intervals += [(r, s, p) for p in mine]
         for r, s, p in at_intervals:
             self._store(rows[r], s, p, self.snapshots.claim_interval(s.req.req_id, p // b, self.interval_share))
