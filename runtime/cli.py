@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--num-state-snapshots", type=int, default=None, metavar="N",
                    help="hybrid (Gated DeltaNet) models: recurrent-state snapshots kept for prefix caching "
                         "(default 4 x max batch; 0 turns their prefix caching off)")
+    r.add_argument("--state-snapshot-interval", type=int, default=None, metavar="TOKENS",
+                   help="hybrid (Gated DeltaNet) models: prompt tokens between two state snapshots a prefill stores "
+                        "for prefix caching, a multiple of the block size (default 128; 0: only each chunk's last)")
     r.add_argument("--tp-size", type=int, default=None,
                    help="--checkpoint under mpirun: tensor-parallel group size (an engine records its own)")
     r.add_argument("--acceptance-check", choices=CHECK_MODES, default=DEFAULT_CHECK_MODE,
@@ -139,6 +142,7 @@ def run(args, rank: int = 0, world: int = 1) -> int:
         num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch, max_num_tokens=args.max_num_tokens,
         num_blocks=args.num_blocks, max_prefill_chunk=args.prefill_chunk,
         enable_prefix_caching=False if args.no_prefix_caching else None, num_state_snapshots=args.num_state_snapshots,
+        state_snapshot_interval=args.state_snapshot_interval,
         commit_pass=False if args.no_commit_pass else None, fused_draft=False if args.no_fused_draft else None,
         collective_timeout=args.collective_timeout, prog=PROG,
         tp_size=args.tp_size,

@@ -14,6 +14,10 @@ __all__ = ["DEFAULT_DRAFT_TOKENS", "ConfigError", "RuntimeConfig"]
 # each request its own k_i <= the engine's built K per step, priced by the profiled cost model (verify_lengths.py)
 DEFAULT_DRAFT_TOKENS = "per-request"
 
+# Hybrid prefix caching: a long prompt's hit can resume this close to its shared prefix's end (docs/MODELS.md "Prefix
+# caching through state snapshots": 128 puts a 2,000-token prefix's hit past 90%, 256 falls short at 89.6%)
+DEFAULT_SNAPSHOT_INTERVAL = 128
+
 
 @dataclass(frozen=True, slots=True)
 class RuntimeConfig:
@@ -34,6 +38,9 @@ class RuntimeConfig:
     # Hybrid (Gated DeltaNet) models: recurrent-state snapshot slots kept for prefix caching (runtime/core/
     # state_snapshots.py); None = SNAPSHOTS_PER_REQUEST per request of max_batch (each costs one request's state)
     num_state_snapshots: int | None = None
+    # ... and the prompt tokens between two of them inside a forward, beside its last block boundary (a multiple of
+    # block_size; 0 = that last boundary only); None = DEFAULT_SNAPSHOT_INTERVAL rounded up to whole blocks
+    state_snapshot_interval: int | None = None
     commit_pass: bool = True  # False = ablation: skip the decode refresh of the MTP plane (measurement only)
     # Models with several MTP modules (MiMo-V2-Flash): "per-depth" = depth d runs module d (past the last module: the
     # last again); "first" = module 0 at every depth (runtime/executors/base.py draft_module)
@@ -56,6 +63,10 @@ class RuntimeConfig:
             (self.max_prefill_chunk >= 1, f"max_prefill_chunk={self.max_prefill_chunk}: must be >= 1"),
             (self.num_state_snapshots is None or self.num_state_snapshots >= 0,
              f"num_state_snapshots={self.num_state_snapshots}: must be >= 0 (0 turns hybrid prefix caching off)"),
+            (self.state_snapshot_interval is None or (self.state_snapshot_interval >= 0
+                                                       and self.state_snapshot_interval % self.block_size == 0),
+             f"state_snapshot_interval={self.state_snapshot_interval}: must be a multiple of block_size="
+             f"{self.block_size} (0: only the last block boundary of each forward)"),
             (self.num_blocks >= 2, f"num_blocks={self.num_blocks}: need at least 2 (block 0 is reserved)"),
             (self.mtp_modules in MTP_MODULE_POLICIES,
              f"mtp_modules={self.mtp_modules!r}: choose one of {', '.join(MTP_MODULE_POLICIES)}"),
@@ -71,6 +82,13 @@ class RuntimeConfig:
             return 0
         default = SNAPSHOTS_PER_REQUEST * self.max_batch
         return default if self.num_state_snapshots is None else self.num_state_snapshots
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Prompt tokens between two state snapshots one forward stores (runtime/core/state_pool.py); 0 = none."""
+        if self.state_snapshot_interval is not None:
+            return self.state_snapshot_interval
+        return -(-DEFAULT_SNAPSHOT_INTERVAL // self.block_size) * self.block_size
 
     @property
     def max_blocks_per_request(self) -> int:

@@ -75,7 +75,7 @@ class StateSlots:
     state snapshots after them: slots max_batch x (K+2) onwards (runtime/core/state_snapshots.py)."""
 
     def __init__(self, max_batch: int, num_draft_tokens: int, kv: KVCacheManager | None = None,
-                 num_snapshots: int = 0) -> None:  # fmt: skip
+                 num_snapshots: int = 0, snapshot_interval: int = 0) -> None:  # fmt: skip
         self.group_size = num_draft_tokens + 2  # the current slot + one per verify row (1 + K)
         self.num_group_slots = max_batch * self.group_size
         self._free = list(range(max_batch))[::-1]
@@ -83,11 +83,13 @@ class StateSlots:
         self.kv = kv
         self.snapshots = StateSnapshots(self.num_group_slots, num_snapshots, kv.pool) if kv and num_snapshots else None
         self.num_slots = self.num_group_slots + num_snapshots
+        self.snapshot_interval = snapshot_interval
+        self.interval_share = max(1, num_snapshots // max_batch)  # interval snapshots one request keeps at most
 
     @classmethod
     def for_engine(cls, cfg: RuntimeConfig, kv: KVCacheManager) -> StateSlots:
         """The engine's slots: `cfg` as `hybrid_runtime_config` returned it (its snapshot count decided)."""
-        return cls(cfg.max_batch, cfg.num_draft_tokens, kv, cfg.num_state_snapshots or 0)
+        return cls(cfg.max_batch, cfg.num_draft_tokens, kv, cfg.num_state_snapshots or 0, cfg.snapshot_interval)
 
     def usable_prefix(self, block_ids: list[int]) -> int:
         """A prefix hit's reusable blocks, cut back to the last one with a state snapshot (KVCacheManager's hook)."""
@@ -95,21 +97,22 @@ class StateSlots:
 
     def plan(self, scheduled: list[ScheduledRequest], inp: MainInput) -> HybridMainInput:
         """`inp` plus the slot each request reads [R] and the slot each row writes [T]: its group's slots for the last
-        rows (never the slot it reads, so a parallel kernel has no read-after-write race), and a snapshot slot for the
-        row that completes its last full block among its real rows. Groups are assigned on first use; a request
-        resuming from a prefix hit reads the snapshot of its last cached block (pinned before any claim below)."""
+        rows (never the slot it reads, so a parallel kernel has no read-after-write race), and snapshot slots
+        (`_claim_snapshots`). Groups are assigned on first use; a request resuming from a prefix hit reads the
+        snapshot of its last cached block (pinned before any claim below)."""
         reads = np.full(len(scheduled), -1, dtype=np.int32)
         writes = np.full(len(inp.input_ids), -1, dtype=np.int32)
         for r, s in enumerate(scheduled):
             reads[r] = self._group(s).current
+        snapshots = self._claim_snapshots(scheduled)
         row = 0
-        for s, q in zip(scheduled, inp.q_counts.tolist(), strict=True):
+        for s, q, snapshot_rows in zip(scheduled, inp.q_counts.tolist(), snapshots, strict=True):
             g = self._groups[s.req.req_id]
             m = min(q, self.group_size - 1)
             free = [g.base + (g.current - g.base + 1 + i) % self.group_size for i in range(self.group_size)]
             free = [slot for slot in free if slot != g.current]  # g.current outside the group (a snapshot): all G
             g.written = {q - m + i: free[i] for i in range(m)}  # the last m rows, into the slots after `current`
-            g.written |= self._snapshots_of(s)  # a row that is both stores only its snapshot (read from there)
+            g.written |= snapshot_rows  # a row that is both stores only its snapshot (read from there)
             for i, slot in g.written.items():
                 writes[row + i] = slot
             row += q
@@ -131,20 +134,38 @@ class StateSlots:
         g = self._groups[s.req.req_id] = _Group(base, current)
         return g
 
-    def _snapshots_of(self, s: ScheduledRequest) -> dict[int, int]:
-        """Rows of this forward that store a state snapshot -> their slots: among its prompt rows the last that completes
-        a block, and the end of the prefix hit it was cut back from (a branch point: the next request sharing it then
-        hits it whole). Decode steps take none: they would churn the budget the prompts' snapshots need."""
+    def _claim_snapshots(self, scheduled: list[ScheduledRequest]) -> list[dict[int, int]]:
+        """Per request, the rows of this forward that store a state snapshot -> their slots. First, for every request,
+        the last of its prompt rows that completes a block and the end of the prefix its hit was cut back from (a
+        branch point: the next request sharing it then hits it whole); then the rows every `snapshot_interval` prompt
+        tokens (so a later prompt sharing only part of this one resumes near the end of the shared part), each request
+        keeping at most `interval_share` of those: one long prompt never takes the slot another request's last boundary
+        needs, nor flushes the cache. Decode steps take none: they would churn the budget the prompts' snapshots need."""
+        rows: list[dict[int, int]] = [{} for _ in scheduled]
         if self.snapshots is None or self.kv is None:
-            return {}
-        b, end = self.kv.block_size, s.start + s.num_new_tokens  # real rows: s.start .. end-1 (drafts after them)
-        positions = {min(end, s.req.num_prompt_tokens) // b * b - 1, (self.kv.cut_at(s.req.req_id) or 0) - 1}
-        rows = {}
-        for p in sorted(p for p in positions if s.start <= p < end):
-            slot = self.snapshots.claim(s.req.req_id, p // b)
-            if slot is not None:
-                rows[p - s.start] = slot
+            return rows
+        b, every = self.kv.block_size, self.snapshot_interval
+        at_intervals = []
+        for r, s in enumerate(scheduled):
+            end = s.start + s.num_new_tokens  # real rows: s.start .. end-1 (drafts after them)
+            prompt_end = min(end, s.req.num_prompt_tokens)
+            last = {prompt_end // b * b - 1, (self.kv.cut_at(s.req.req_id) or 0) - 1}
+            for p in sorted(p for p in last if s.start <= p < end):
+                self._store(rows[r], s, p, self.snapshots.claim(s.req.req_id, p // b))
+            if every:
+                first = (s.start // every + 1) * every - 1  # the first position p >= s.start with (p + 1) % every == 0
+                # at most its share per forward: a claim past it replaces a snapshot of an earlier forward, never a
+                # row of this one (whose slot would then be written twice)
+                mine = [p for p in range(first, prompt_end, every) if p not in last][-self.interval_share :]
+                at_intervals += [(r, s, p) for p in mine]
+        for r, s, p in at_intervals:
+            self._store(rows[r], s, p, self.snapshots.claim_interval(s.req.req_id, p // b, self.interval_share))
         return rows
+
+    @staticmethod
+    def _store(rows: dict[int, int], s: ScheduledRequest, position: int, slot: int | None) -> None:
+        if slot is not None:
+            rows[position - s.start] = slot
 
     def commit(self, scheduled: list[ScheduledRequest], updates: list[RequestUpdate]) -> None:
         """After acceptance, per request: the state after its position num_computed-1, written by this step, becomes

@@ -9,10 +9,12 @@ and hash, and lives as long as that block keeps its hash (an evicted or reused b
 cut back to the last reused block that has a snapshot, and its first forward reads that slot: a hit is a choice of
 slot, never a recompute.
 
-One forward snapshots at most one block per request: the last block boundary among its real rows (a 2,000-token
-prompt in one chunk: one snapshot, at its last full block; chunked: one per chunk). Budget: `num_slots` slots; a
-claim with none free evicts first a snapshot whose block lost its hash, then the least recently used cached one.
-Slots a running request reads (its `current` state) are pinned and never evicted.
+Which rows store one is the caller's choice (runtime/core/state_pool.py `StateSlots.plan`): the last block boundary
+among a forward's prompt rows, a branch point, and every `snapshot interval` prompt tokens before them. Budget:
+`num_slots` slots; a claim with none free evicts first a snapshot whose block lost its hash, then the least recently
+used cached one. Slots a running request reads (its `current` state) are pinned and never evicted. Interval snapshots
+are claimed with a share: a request holding `share` of them (pending or cached) replaces its own oldest, so one long
+prompt keeps the snapshots nearest its end and never flushes the other prefixes' snapshots.
 
 Torch-free and deterministic (the same calls give the same slots on every rank).
 """
@@ -40,6 +42,7 @@ class StateSnapshots:
         self._pending: dict[str, list[_Pending]] = {}  # req_id -> its snapshots of blocks not yet published
         self._cached: OrderedDict[int, tuple[int, int]] = OrderedDict()  # block_id -> (slot, block hash); LRU first
         self._pins: dict[int, int] = {}  # slot -> requests whose current state it is
+        self._interval: dict[str, list[int]] = {}  # req_id -> slots of its live interval snapshots, oldest first
 
     # ------------------------------------------------------------------ reading (prefix hits)
     def slot_of(self, block_id: int) -> int | None:
@@ -90,6 +93,19 @@ class StateSnapshots:
         self._pending.setdefault(req_id, []).append(_Pending(slot, block_index))
         return slot
 
+    def claim_interval(self, req_id: str, block_index: int, share: int) -> int | None:
+        """`claim` for an interval snapshot: past `share` live ones the request's oldest unpinned one goes first."""
+        mine = self._interval.setdefault(req_id, [])
+        if len(mine) >= share:
+            oldest = next((slot for slot in mine if slot not in self._pins), None)
+            if oldest is None:
+                return None
+            self._drop_slot(oldest)
+        slot = self.claim(req_id, block_index)
+        if slot is not None:
+            mine.append(slot)
+        return slot
+
     def publish(self, req_id: str, block_hashes: list[int]) -> None:
         """After the request published its blocks (hashes of its blocks 0..len-1): each pending snapshot of a
         published block goes to the block that owns its hash (another request's copy when this one stayed private:
@@ -114,6 +130,7 @@ class StateSnapshots:
         """A finished or preempted request: its unpublished snapshots are of no use to anyone."""
         for p in self._pending.pop(req_id, []):
             self._release(p.slot)
+        self._interval.pop(req_id, None)  # its cached ones stay, as any cached snapshot
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -140,8 +157,21 @@ class StateSnapshots:
             p.slot == slot for ps in self._pending.values() for p in ps)  # fmt: skip
 
     def _release(self, slot: int) -> None:
+        """`slot` holds no snapshot any more (the one place a pending or cached snapshot ends)."""
+        for slots in self._interval.values():
+            if slot in slots:
+                slots.remove(slot)
         if slot not in self._pins:
             self._free.append(slot)
+
+    def _drop_slot(self, slot: int) -> None:
+        """End the snapshot in `slot`, pending or cached."""
+        for req_id, ps in self._pending.items():
+            if any(p.slot == slot for p in ps):
+                self._pending[req_id] = [p for p in ps if p.slot != slot]
+                self._release(slot)
+                return
+        self._drop_cached(next(b for b, (s, _) in self._cached.items() if s == slot))
 
     def _drop_cached(self, block_id: int) -> None:
         entry = self._cached.pop(block_id, None)

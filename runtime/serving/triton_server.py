@@ -48,6 +48,7 @@ def render_config(parameters: dict[str, str], name: str = MODEL_NAME) -> str:
 def write_model_repo(out: Path, *, engine: Path | None = None, checkpoint: Path | None = None,
                      executor: str | None = None, num_draft_tokens: int | None = None, max_batch: int | None = None,
                      num_blocks: int | None = None, num_state_snapshots: int | None = None,
+                     state_snapshot_interval: int | None = None,
                      threads: int | None = None,
                      max_prompt_bytes: int | None = None, max_queue: int | None = None) -> Path:  # fmt: skip
     """Write OUT/mtp/{config.pbtxt, 1/model.py}; the engine options travel as config parameters."""
@@ -75,6 +76,7 @@ def write_model_repo(out: Path, *, engine: Path | None = None, checkpoint: Path 
         "max_batch": "" if max_batch is None else str(max_batch),
         "num_blocks": "" if num_blocks is None else str(num_blocks),
         "num_state_snapshots": "" if num_state_snapshots is None else str(num_state_snapshots),
+        "state_snapshot_interval": "" if state_snapshot_interval is None else str(state_snapshot_interval),
         "threads": "" if threads is None else str(threads),
         "max_prompt_bytes": "" if max_prompt_bytes is None else str(max_prompt_bytes),
         "max_queue": "" if max_queue is None else str(max_queue),
@@ -101,6 +103,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-state-snapshots", type=int, default=None, metavar="N",
                    help="hybrid (Gated DeltaNet) models: recurrent-state snapshots kept for prefix caching "
                    "(default 4 x max batch; 0 turns their prefix caching off)")  # fmt: skip
+    p.add_argument("--state-snapshot-interval", type=int, default=None, metavar="TOKENS",
+                   help="hybrid (Gated DeltaNet) models: prompt tokens between two state snapshots a prefill stores "
+                   "for prefix caching, a multiple of the block size (default 128; 0: only each chunk's last)")  # fmt: skip
     p.add_argument("--threads", "--torch-threads", dest="threads", type=int, default=None, metavar="N",
                    help="CPU threads of the model (torch, our kernels, ONNX Runtime); default: OMP_NUM_THREADS, else "
                    "the cores this process may use (--torch-threads: the old name)")  # fmt: skip
@@ -154,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                                 executor=args.executor, num_draft_tokens=args.num_draft_tokens,
                                 max_batch=args.max_batch, num_blocks=args.num_blocks,
                                 num_state_snapshots=args.num_state_snapshots,
+                                state_snapshot_interval=args.state_snapshot_interval,
                                 threads=args.threads, max_prompt_bytes=args.max_prompt_bytes,
                                 max_queue=args.max_queue)  # fmt: skip
     except ServeError as e:

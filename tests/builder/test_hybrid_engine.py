@@ -2,7 +2,8 @@
 (config.json `state`), `--check` passes, the main graph holds one GdnStep node per GDN layer while the draft and
 commit graphs take no state at all (the MTP layer is full attention), and the ONNX Runtime engine and (qwen3_next,
 built with mtp-build's default `--compile auto`) the compiled engine decode greedy token-identical to the torch
-executor at K=0..3 with prefill chunks shorter than the prompts, prefix hits and a state pool poisoned with NaN (a
+executor at K=0..3 with prefill chunks shorter than the prompts, prefix hits (one resuming from a snapshot stored
+inside a prefill chunk, every 8 tokens) and a state pool poisoned with NaN (a
 slot is only read after its request wrote it); the compiled engine is then the default executor. A `state` that
 disagrees with the model is refused with one line."""
 
@@ -33,6 +34,8 @@ LAYERS = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attent
 LIMITS = dict(max_batch=4, max_num_tokens=32, max_seq_len=64, kv_block_size=4, num_draft_tokens=3)
 PROMPTS = random_prompts((5, 13, 9, 22, 3), vocab=VOCAB, seed=0)
 PARAMS = SamplingParams(max_tokens=12)
+# shares 9 tokens with PROMPTS[3]: a hit of 8, from the snapshot every 8 tokens stores inside a prefill chunk of 6..11
+BRANCH = PROMPTS[3][:9] + [(t + 1) % VOCAB for t in PROMPTS[3][9:14]]
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
@@ -95,9 +98,11 @@ def test_engines_are_lossless_against_the_torch_executor(hybrid):
     ref = create_engine(checkpoint=ckpt, executor="torch", num_draft_tokens=0, block_size=4, num_blocks=200,
                         max_batch=4, max_num_tokens=32, max_seq_len=64)  # fmt: skip
     want = [o.output_ids for o in ref.generate(PROMPTS, PARAMS)]
+    want_branch = [o.output_ids for o in ref.generate([BRANCH], PARAMS)]
     assert len(set(map(tuple, want))) > 1
     for executor, k in [(e, k) for e in _executors(engine) for k in (0, 1, 2, 3)]:
-        eng = create_engine(engine_dir=engine, executor=executor, num_draft_tokens=k, max_prefill_chunk=6)
+        eng = create_engine(engine_dir=engine, executor=executor, num_draft_tokens=k, max_prefill_chunk=6,
+                            state_snapshot_interval=8)  # fmt: skip
         eng.executor.state.conv.fill_(float("nan"))  # every state slot poisoned: read only after written
         eng.executor.state.ssm.fill_(float("nan"))
         got = [o.output_ids for o in eng.generate(PROMPTS, PARAMS)]
@@ -106,6 +111,8 @@ def test_engines_are_lossless_against_the_torch_executor(hybrid):
             assert eng.executor.state.num_slots == 20 + eng.cfg.num_state_snapshots > 20
             again = [o.output_ids for o in eng.generate([PROMPTS[3], PROMPTS[1]], PARAMS)]
             assert again == [want[3], want[1]] and eng.metrics.prefix_hit_tokens >= 20 + 12
+            branch = next(iter(eng.generate([BRANCH], PARAMS)))
+            assert [branch.output_ids] == want_branch and branch.num_cached_tokens == 8, f"{executor}: interval hit"
             eng.state_slots.snapshots.assert_no_leaks()
         eng.kv.assert_no_leaks()
         assert eng.state_slots.num_free_groups == eng.cfg.max_batch

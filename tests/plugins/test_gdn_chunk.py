@@ -1,7 +1,7 @@
 """The chunked form of `mtp::gdn_step` (plugins/csrc/gdn_chunk.h): a run of prompt rows that store no state goes
 through the state once per 32-row chunk. It equals transformers' `torch_chunk_gated_delta_rule` and the row-by-row
 definition (plugins/reference.py `gdn_step_ref`, and the op's own row-by-row form) within fp32 tolerance, for runs
-shorter than a chunk, runs crossing chunk boundaries, and packed batches mixing prefill, verify and decode rows; it
+shorter than a chunk, runs crossing chunk boundaries, runs cut by rows storing their state, and packed batches mixing prefill, verify and decode rows; it
 is thread-count invariant; and the comparison catches one chunk's decay being off."""
 
 from __future__ import annotations
@@ -97,6 +97,19 @@ def test_chunked_run_equals_row_by_row_continuing_from_a_slot(n):
     torch.testing.assert_close(out, rows_out, **TOL)
     torch.testing.assert_close(ssm, row_ssm, **TOL)
     assert not torch.equal(out, rows_out)  # the two forms really ran (their sums round differently)
+
+
+def test_a_prompt_storing_states_at_interior_rows_equals_the_reference():
+    """State snapshots inside a prefill chunk (runtime/core/state_pool.py): one request's 150 prompt rows storing their
+    state after rows 39, 99, 127 (each ends a chunked run, two of them mid-chunk) and 149 == the reference in every
+    stored slot, and the outputs too."""
+    mixed, b, a = rows(150, seed=5)
+    writes = [-1] * 150
+    for row, slot in ((39, 1), (99, 3), (127, 4), (149, 6)):
+        writes[row] = slot
+    (out, ssm), (ref, ref_ssm) = op_and_reference(mixed, b, a, [150], [0], [0], writes)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(ssm, ref_ssm, **TOL)
 
 
 @pytest.mark.parametrize("isa", ["generic", "best"] + (["avx2"] if HAS_AVX2 else []))  # each ISA's own tiles

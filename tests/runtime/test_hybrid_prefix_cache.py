@@ -1,13 +1,15 @@
 """Prefix caching for hybrid (Gated DeltaNet) models through state snapshots (runtime/core/state_snapshots.py): a prefix
 hit resumes the recurrence from the snapshot of its last reused block, so its output is token-identical to the same
-requests without prefix caching, with MTP off and on, chunked prefill and preemption; hits are reported; no KV block,
-state group or snapshot slot leaks; the snapshot budget evicts least recently used snapshots and snapshots whose block
-was evicted. Planting a restore from the block before's snapshot fails `test_hits_are_token_identical` (checked by hand:
+requests without prefix caching, with MTP off and on, chunked prefill and preemption, also from a snapshot stored
+every `state_snapshot_interval` tokens inside a forward (holding the state after its block's last row); hits are
+reported; no KV block, state group or snapshot slot leaks; the snapshot budget evicts least recently used snapshots and
+snapshots whose block was evicted, and a long prompt keeps only its share of interval snapshots. Planting a restore from the block before's snapshot fails `test_hits_are_token_identical` (checked by hand:
 docs/RUNTIME.md)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from models.testing import make_hybrid_checkpoint
 from runtime.core.block_pool import BlockPool
@@ -90,10 +92,67 @@ def test_a_cut_back_hit_snapshots_its_branch_point_for_the_next_request(checkpoi
     assert_nothing_leaked(engine)
 
 
-def test_preemption_and_a_tiny_snapshot_budget_stay_lossless(checkpoint, reference):
+@pytest.mark.parametrize("chunk", [256, 12])
+def test_a_hit_resumes_from_an_interval_snapshot_inside_a_forward(checkpoint, reference, chunk):
+    """A snapshot every 8 tokens (2 blocks): the first sharer of the 22-token prefix resumes after token 16, from the
+    interval snapshot inside the forward that prefilled the first request (its whole prompt, or its chunk of rows
+    12..23), where each forward's last block boundary alone leaves it 0 or 12 tokens."""
+    engine = engine_for(checkpoint, 2, max_prefill_chunk=chunk, state_snapshot_interval=8)
+    ids, cached = run_waves(engine, [[SHARED + TAILS[0]], [SHARED + TAILS[1]]])
+    assert ids == reference[:2] and cached == [0, 16], cached
+    assert_nothing_leaked(engine)
+
+
+def test_an_interval_snapshot_is_the_state_after_its_block(checkpoint):
+    """Block 3's snapshot stored by an interval row inside a whole-prompt forward == the one a forward ending at that
+    block stores as its last boundary: the row completing the block stores it, not a neighbour (a state one token off
+    can still give the same tokens on this model)."""
+    states = []
+    for interval, prompt in ((8, SHARED + TAILS[0]), (0, SHARED[:17])):
+        engine = engine_for(checkpoint, 2, state_snapshot_interval=interval)
+        list(engine.generate([prompt], PARAMS))
+        slot = engine.state_slots.snapshots.slot_of(engine.kv.find_prefix(SHARED[:17]).block_ids[3])
+        states.append((engine.executor.state.conv[:, slot], engine.executor.state.ssm[:, slot]))
+    for got, want in zip(*states, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # the op's chunking differs: rounding only
+
+
+class WriteSlotsSeen:
+    """The executor, recording the slots each main forward writes (`state_write_slots` >= 0)."""
+
+    def __init__(self, inner):
+        self.inner, self.writes = inner, []
+
+    def run_main(self, inp):
+        self.writes.append(inp.state_write_slots[inp.state_write_slots >= 0].tolist())
+        return self.inner.run_main(inp)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_long_prompt_keeps_its_share_and_leaves_other_prefixes_their_snapshots(checkpoint):
+    """Budget 8 at max_batch 4: a 50-token prompt asking for an interval snapshot at every block keeps only its share
+    (2) of them, its latest, so a short prompt's snapshot from before survives and its repeat still hits; no forward
+    writes a slot from two rows (a claim past the share never replaces a row of the same forward)."""
+    seen: list[WriteSlotsSeen] = []
+    engine = engine_for(checkpoint, 2, num_state_snapshots=8, state_snapshot_interval=4,
+                        wrap_executor=lambda ex: seen.append(WriteSlotsSeen(ex)) or seen[0])  # fmt: skip
+    short, long_ = random_prompts((10, 50), vocab=VOCAB, seed=9)
+    ids, cached = run_waves(engine, [[short], [long_], [short], [long_[:45]]])
+    assert all(len(set(w)) == len(w) for w in seen[0].writes) and len(seen[0].writes) > 4
+    assert cached == [0, 0, 8, 44], cached  # long_[:45] resumes from the latest interval snapshot it kept (block 10)
+    assert engine.state_slots.snapshots.num_cached <= 2 + 2 + 1  # short's two, long_'s share and last boundary
+    assert_nothing_leaked(engine)
+
+
+@pytest.mark.parametrize("interval", [None, 4])
+def test_preemption_and_a_tiny_snapshot_budget_stay_lossless(checkpoint, reference, interval):
     """Few KV blocks: requests are preempted and recomputed (from their own published prefix when it survived); two
-    snapshot slots: snapshots are evicted while others are read. Output unchanged, nothing leaks."""
-    engine = engine_for(checkpoint, 2, num_blocks=28, max_prefill_chunk=8, num_state_snapshots=2)
+    snapshot slots: snapshots are evicted while others are read, and (interval 4) every block boundary of a prompt
+    asks for one. Output unchanged, nothing leaks."""
+    engine = engine_for(checkpoint, 2, num_blocks=28, max_prefill_chunk=8, num_state_snapshots=2,
+                        state_snapshot_interval=interval)  # fmt: skip
     assert engine.state_slots.snapshots.num_slots == 2
     ids, cached = run_waves(engine)
     assert ids == reference and engine.metrics.num_preemptions > 0
@@ -145,4 +204,22 @@ def test_a_pinned_snapshot_is_never_evicted():
     snaps.free("b")
     with pytest.raises(RuntimeError, match="no state snapshot for block 1"):
         snaps.read(1)
+    snaps.assert_no_leaks()
+
+
+def test_interval_snapshots_replace_their_own_oldest_past_the_request_share():
+    """A long prompt's interval snapshots (share 2 of 4 slots) replace each other, oldest first, whether pending or
+    cached; another prefix's cached snapshot and the fourth slot are left alone."""
+    pool = published_pool(8)
+    snaps = StateSnapshots(first_slot=0, num_slots=4, pool=pool)
+    assert snaps.claim("x", 0) == 0
+    snaps.publish("x", [1001])  # another prefix: block 1's snapshot, cached
+    assert [snaps.claim_interval("a", i, share=2) for i in (1, 2)] == [1, 2]
+    snaps.publish("a", [1001, 1002, 1003])  # a's blocks 1 and 2 are pool blocks 2 and 3
+    assert snaps.claim_interval("a", 3, share=2) == 1 and snaps.slot_of(2) is None  # the cached oldest replaced
+    assert snaps.claim_interval("a", 4, share=2) == 2 and snaps.slot_of(3) is None
+    assert snaps.claim_interval("a", 5, share=2) == 1  # a pending one replaced: block 4's never gets cached
+    snaps.publish("a", [1001, 1002, 1003, 1004, 1005, 1006])
+    assert [snaps.slot_of(b) for b in (1, 4, 5, 6)] == [0, None, 2, 1] and snaps.num_free == 4
+    snaps.free("a")
     snaps.assert_no_leaks()

@@ -51,6 +51,7 @@ BAD_FLAGS = [
     (["--stop", ""], "stop=('',): must be a tuple of non-empty strings"),
     (["--num-blocks", "1"], "num_blocks=1: need at least 2"),
     (["--num-state-snapshots", "-1"], "num_state_snapshots=-1: must be >= 0"),
+    (["--state-snapshot-interval", "24"], "state_snapshot_interval=24: must be a multiple of block_size=16"),
     (["--max-batch", "0"], "max_batch=0: must be >= 1"),
     (["--prefill-chunk", "0"], "max_prefill_chunk=0: must be >= 1"),
     (["--num-draft-tokens", "-1"], "num_draft_tokens=-1: must be >= 0"),

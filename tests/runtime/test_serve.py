@@ -65,8 +65,9 @@ def generate(srv: TritonServer, prompt: str, max_tokens: int = MAX_TOKENS, strea
 
 def test_generate_only_writes_a_decoupled_python_model(tmp_path):
     assert main(["--checkpoint", str(TINY), "--num-draft-tokens", "2", "--model-repo", str(tmp_path),
-                 "--generate-only"]) == 0  # fmt: skip
+                 "--state-snapshot-interval", "32", "--generate-only"]) == 0  # fmt: skip
     config = (tmp_path / MODEL_NAME / "config.pbtxt").read_text()
+    assert 'key: "state_snapshot_interval" value: { string_value: "32" }' in config
     assert 'backend: "python"' in config and "decoupled: true" in config
     assert f'value: {{ string_value: "{TINY}" }}' in config and 'string_value: "auto"' in config  # resolved at load
     assert (tmp_path / MODEL_NAME / "1" / "model.py").is_file()

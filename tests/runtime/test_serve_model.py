@@ -102,6 +102,7 @@ def test_control_drain_file(tmp_path, content, expected):
     (["--max-prompt-bytes", "0", "--generate-only"], "--max-prompt-bytes 0: must be >= 1"),
     (["--drain-timeout", "-1"], "--drain-timeout -1: must be >= 0"),
     (["--frontend", "openai", "--num-state-snapshots", "-1"], "num_state_snapshots=-1: must be >= 0"),
+    (["--frontend", "openai", "--state-snapshot-interval", "24"], "state_snapshot_interval=24: must be a multiple"),
 ])  # fmt: skip
 def test_bad_serve_options_are_one_line_errors(tmp_path, capsys, args, needle):
     assert main(["--checkpoint", str(TINY), "--model-repo", str(tmp_path / "repo"), *args]) == 2

@@ -41,6 +41,7 @@ def create_serving_engine(args: Any):
                            executor=args.executor or "auto",
                            num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
                            num_blocks=args.num_blocks, num_state_snapshots=getattr(args, "num_state_snapshots", None),
+                           state_snapshot_interval=getattr(args, "state_snapshot_interval", None),
                            rank=rank, world_size=world,
                            collective_timeout=getattr(args, "collective_timeout", 60.0),
                            tp_size=getattr(args, "tp_size", None), prog="mtp-serve")  # fmt: skip

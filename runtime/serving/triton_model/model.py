@@ -206,6 +206,7 @@ class TritonPythonModel:
             max_batch=as_int("max_batch"),
             num_blocks=as_int("num_blocks"),
             num_state_snapshots=as_int("num_state_snapshots"),
+            state_snapshot_interval=as_int("state_snapshot_interval"),
         )
         self.k = engine.k
         self._tokenizer = getattr(engine, "tokenizer", None)
