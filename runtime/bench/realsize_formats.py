@@ -90,10 +90,25 @@ def gguf_read_bytes(path: Path, llama_src: Path | None, c: ModelConfig) -> float
                                      c.hidden_size)  # fmt: skip
 
 
-def llama_decode(runner: LlamaCppRunner, tokens: int) -> tuple[float, int]:
+NO_REPACK = ("--no-repack",)
+
+
+def llama_decode(runner: LlamaCppRunner, tokens: int, extra: tuple[str, ...] = ()) -> tuple[float, int]:
     """One llama-completion process: (ms per decode token by its own eval timer, its peak RSS in bytes)."""
-    out, rss = llama_run(runner, tokens)
+    out, rss = llama_run(runner, tokens, extra=extra)
     return out.decode_seconds / out.decode_tokens * 1e3, rss
+
+
+def llama_flags(runner: LlamaCppRunner) -> tuple[str, ...]:
+    """() when llama.cpp runs the GGUF with its defaults; NO_REPACK when its default weight repack crashes on this CPU
+    (on AMX CPUs llama.cpp repacks Q8_0 / Q4_0 / Q4_K for its AMX matmul, which segfaults on these GGUFs: the run
+    then measures its plain CPU dot products, and the table says so). LlamaCppError when neither runs."""
+    try:
+        llama_run(runner, 2)
+        return ()
+    except LlamaCppError:
+        llama_run(runner, 2, extra=NO_REPACK)
+        return NO_REPACK
 
 
 def llama_run(
@@ -134,15 +149,17 @@ def phase(args: argparse.Namespace, threads: int, formats: list[plan.Format], gg
                                        args.context, args.ks)  # fmt: skip
         print(f"[{threads} thread(s)] {f.name}: loaded in {workers[f.name].load_s}s", flush=True)
     llama_rss: dict[str, int] = {}
+    flags: dict[str, tuple[str, ...]] = {}
     jobs: dict[str, Callable[[], dict[str, float]]] = {
         f"ours {n}": partial(w.time, args.iters) for n, w in workers.items()
     }
     if args.llama_cpp:
         for q, path in ggufs.items():
             runner = LlamaCppRunner(args.llama_cpp, path, threads, 256)
+            flags[q] = llama_flags(runner)
 
             def job(runner=runner, q=q) -> dict[str, float]:
-                ms, rss = llama_decode(runner, args.llama_tokens)
+                ms, rss = llama_decode(runner, args.llama_tokens, flags[q])
                 llama_rss[q] = max(llama_rss.get(q, 0), rss)
                 return {"decode": ms}
 
@@ -159,6 +176,7 @@ def phase(args: argparse.Namespace, threads: int, formats: list[plan.Format], gg
     print(f"[{threads} thread(s)] engine processes' memory: {rss}", flush=True)
     return {"threads": threads, "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "load_s": {n: w.load_s for n, w in workers.items()}, "rounds": rounds,
+            "llama_flags": {q: list(f) for q, f in flags.items() if f},
             "median_ms": {n: plan.medians(v) for n, v in rounds.items() if n != "bandwidth"},
             "bandwidth_gb_s_best": round(max(r["gb_s"] for r in rounds["bandwidth"]), 3),
             "engine_rss_bytes": rss,

@@ -50,7 +50,12 @@ def decode_table(ph: dict[str, Any]) -> str:
         for q, v in ph.get("llama_only", {}).items()
         if q not in shown
     ]
-    return "\n".join(lines) + (f"\n\nllama.cpp quants without a format of ours: {', '.join(extra)}." if extra else "")
+    notes = [f"llama.cpp quants without a format of ours: {', '.join(extra)}."] if extra else []
+    if fallback := [q for q, f in ph.get("llama_flags", {}).items() if f]:
+        notes.append(f"llama.cpp ran {', '.join(fallback)} with `--no-repack`: with its defaults it crashed on this CPU "
+                     "(its AMX repack of quantized weights segfaults on these GGUFs), so these are its plain CPU dot "
+                     "products, not its best on this machine.")  # fmt: skip
+    return "\n".join(lines) + "".join(f"\n\n{n}" for n in notes)
 
 
 def steps_table(ph: dict[str, Any], ks: list[int]) -> str:

@@ -149,6 +149,9 @@ def test_report_table_rows_and_projection_label(tmp_path):
     assert cells[1:5] == ["60.0", "55.0", "1.09x", "BF16"] and cells[8] == "0.75x" and cells[7] == "1.43x"
     assert cells[9:12] == ["1.70 GB (5.30 GB)", "1.60 GB", "2.10 GB (1.90 GB)"]
     assert "Q4_K_M 31.5 ms (its bound 12.2 ms)" in text and "PROJECTION x" in text and "other work inflates" in text
+    assert "--no-repack" not in text
+    res["phases"][0]["llama_flags"] = {"Q4_K_M": ["--no-repack"]}  # its defaults crashed (an AMX CPU): said under the table
+    assert "llama.cpp ran Q4_K_M with `--no-repack`" in markdown(res)
     steps = next(line for line in text.splitlines() if line.startswith("| bf16 | 60.0"))
     deep = res["phases"][0]["formats"]["bf16"]["mtp_projection_depth_46"]
     assert steps.rstrip(" |").endswith(f"{deep['2']['x_k0']:.2f}x")
