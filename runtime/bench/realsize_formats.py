@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                      "clock": "wall (perf_counter); llama.cpp: its own eval timer; medians over rounds"},
         "engines": {f.name: {"path": str(args.build_dir / f.engine), "bytes": plan.dir_bytes(args.build_dir / f.engine),
-                             "aoti_bytes": plan.dir_bytes(args.build_dir / f.engine, "*.aoti.pt2"),
+                             "aoti_bytes": plan.compiled_bytes(args.build_dir / f.engine),
                              "bytes_per_weight": f.bytes_per_weight, "build_flags": list(f.build_flags)}
                     for f in formats},
         "gguf": {q: {"path": str(p), "bytes": p.stat().st_size,

@@ -157,8 +157,13 @@ def gguf_bytes_per_token(tensors: list[tuple[str, int, int]], main_layers: int, 
 
 
 def dir_bytes(path: Path, pattern: str = "*") -> int:
-    """Bytes on disk of a file, or of the files under a directory whose names match `pattern` (an engine's size;
-    "*.aoti.pt2": its compiled packages, all that the compiled executor loads, without the ONNX graphs beside them)."""
+    """Bytes on disk of a file, or of the files under a directory whose names match `pattern` (an engine's size)."""
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob(pattern) if p.is_file())
+
+
+def compiled_bytes(engine: Path) -> int:
+    """What the compiled executor loads: the packages (`*.aoti*.pt2`, the fused draft's too) and each rank's weight
+    store (`rankN/weights.safetensors`, where the packages' weights live), without the ONNX graphs beside them."""
+    return dir_bytes(engine, "*.aoti*.pt2") + dir_bytes(engine, "weights.safetensors")

@@ -33,7 +33,7 @@ def _gb(v: int | float | None) -> str:
 def decode_table(ph: dict[str, Any]) -> str:
     """K=0 time per token per format: ours and llama.cpp, each against its bound, sizes and peak RSS."""
     lines = ["| format (ours) | ms/token | bound ms | / bound | llama.cpp quant | ms/token | its bound ms | / bound "
-             "| ours / llama.cpp | engine on disk: packages (whole dir) | GGUF on disk | peak RSS ours (after load) "
+             "| ours / llama.cpp | engine on disk: packages + weight store (whole dir) | GGUF on disk | peak RSS ours (after load) "
              "| peak RSS llama.cpp |",
              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name, r in ph["formats"].items():

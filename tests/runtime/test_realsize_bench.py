@@ -17,6 +17,7 @@ from runtime.bench.realsize_plan import (
     FORMATS,
     WEIGHT_KINDS,
     at_depth,
+    compiled_bytes,
     dir_bytes,
     format_by_name,
     gguf_bytes_per_token,
@@ -177,4 +178,7 @@ def test_dir_bytes_counts_the_compiled_packages_apart(tmp_path):
     (tmp_path / "rank0" / "main.onnx.data").write_bytes(b"x" * 11)
     (tmp_path / "config.json").write_bytes(b"x" * 2)
     assert dir_bytes(tmp_path) == 20 and dir_bytes(tmp_path, "*.aoti.pt2") == 7
+    (tmp_path / "rank0" / "mtp_draft.aoti_fused.pt2").write_bytes(b"x" * 3)
+    (tmp_path / "rank0" / "weights.safetensors").write_bytes(b"x" * 100)  # the packages' weights: loaded too
+    assert compiled_bytes(tmp_path) == 110
     assert dir_bytes(tmp_path / "config.json") == 2
