@@ -1,5 +1,6 @@
 """mtp-bench: the --quick smoke run end to end, the bandwidth bound's parameter count, the GGUF wrapper's
-pre-tokenizer guard, and (when `make bench-peers` has built llama.cpp) llama.cpp's greedy output against ours."""
+pre-tokenizer guard, (when `make bench-peers` has built llama.cpp) llama.cpp's greedy output against ours, and
+the revision A/B's round (runtime/bench/decode_round.py)."""
 
 from __future__ import annotations
 
@@ -176,3 +177,22 @@ def test_quant_quality_agreement_counts_equal_positions_and_the_first_difference
     got = agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
     assert got == {"token_agreement": 5 / 6, "mean_tokens_before_first_difference": (2 + 2) / 2}
     assert agreement([[1, 2, 3]], [[1, 2]])["token_agreement"] == 2 / 3  # a shorter output counts as different
+
+
+def test_decode_round_measures_each_k_on_its_own_engine_and_records_outputs_and_both_clocks():
+    """runtime/bench/decode_round.py run as the revision A/B runs it (python -P FILE, the tree on PYTHONPATH):
+    the torch executor on models/tiny (no engine build)."""
+    cmd = [sys.executable, "-P", str(ROOT / "runtime" / "bench" / "decode_round.py"), "--checkpoint",
+           str(TINY), "--executor", "torch", "--ks", "0,2", "--batches", "1,2", "--num-prompts", "2",
+           "--max-tokens", "12"]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout)
+    assert set(res["runs"]) == {"b1_k0", "b1_k2", "b2_k0", "b2_k2"} and len(res["prompt_files"]) == 2
+    assert res["runs"]["b1_k0"]["decode_tokens"] == res["runs"]["b1_k0"]["decode_steps"]  # one token per step
+    for b in (1, 2):
+        k0, k2 = res["runs"][f"b{b}_k0"], res["runs"][f"b{b}_k2"]
+        assert k2["outputs"] == k0["outputs"] and all(len(o) == 12 for o in k0["outputs"])
+        # K=2 drafts: fewer decode steps than K=0 for the same tokens (one K's engine for every K would not)
+        assert k2["decode_steps"] < k0["decode_steps"]
+        assert all(r["decode_tps"] > 0 and r["decode_cpu_tps"] > 0 for r in (k0, k2))
