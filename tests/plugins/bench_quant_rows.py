@@ -106,9 +106,9 @@ def bench(a: argparse.Namespace) -> None:
             cases[f"linear_{fmt} {name} {n}x{k}"] = ([partial(linear, x, w) for w in ws], size)
         if fmt != "bf16" and a.moe:
             one, per_expert = _experts(fmt, EXPERTS, HIDDEN, EXPERT, gen)
-            sets = [one] + [
-                tuple(t.clone() for t in one) for _ in range(max(1, a.cold_bytes // (EXPERTS * per_expert)) - 1)
-            ]
+            # cold_bytes of what the calls read (TOP_K experts each); every set holds all EXPERTS
+            copies = max(1, a.cold_bytes // (TOP_K * per_expert)) - 1
+            sets = [one] + [tuple(t.clone() for t in one) for _ in range(copies)]
             x, ids = torch.randn(1, HIDDEN, generator=gen), torch.randperm(EXPERTS, generator=gen)[:TOP_K][None]
             tw, moe = torch.rand(1, TOP_K, generator=gen), _moe(fmt)
             cases[f"moe_experts_{fmt} top-{TOP_K}"] = ([partial(moe, x, ids, tw, s) for s in sets], TOP_K * per_expert)
