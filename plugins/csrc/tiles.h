@@ -173,14 +173,18 @@ MTP_INLINE void quant_rows(int64_t m, const float* const* x, const typename Fmt:
 
 // quant_rows with the tile shape that fills V's registers: AVX-512 (32 zmm): 4 x 4 (16 accumulators + 4 weights + one
 // x), and 8 weight rows at one activation row (decode: 8 rows streamed at once, 8 accumulators + 8 weights (+ 8 row
-// scales for int8); linear_int8 at 14336 x 4096, 1 thread: ~0.93x the 4-row tile's time); AVX2 (16 ymm): 4 weight
-// rows x 1-2 activation rows, or 2 x 4; portable: one weight row against 4 rows.
+// scales for int8); linear_int8 at 14336 x 4096, 1 thread: ~0.93x the 4-row tile's time) unless the rows are short
+// (at most kShortRow bytes: the experts' down rows, 1408 columns; there the 4-row tile was 0.88x the 8-row one's time
+// for moe_experts_fp8, int8 even); AVX2 (16 ymm): 4 weight rows x 1-2 activation rows, or 2 x 4; portable: one weight
+// row against 4 rows. A value does not depend on the tile shape (the file's head), so neither does the choice.
+constexpr int64_t kShortRow = 2048;
 template <class V, class Fmt>
 MTP_INLINE void tiled_rows(int64_t m, const float* const* x, const typename Fmt::Elem* w, const float* s, int64_t rows,
                            int64_t k, float* const* out) {
   if constexpr (std::is_same_v<V, Generic>) quant_rows<V, Fmt, 4, 1>(m, x, w, s, rows, k, out);
   else if constexpr (V::kRegisters >= 32) {
-    if (m == 1) quant_rows<V, Fmt, 1, 8>(m, x, w, s, rows, k, out);
+    if (m == 1 && k * static_cast<int64_t>(sizeof(typename Fmt::Elem)) > kShortRow)
+      quant_rows<V, Fmt, 1, 8>(m, x, w, s, rows, k, out);
     else quant_rows<V, Fmt, 4, 4>(m, x, w, s, rows, k, out);
   } else if (m <= 2) quant_rows<V, Fmt, 2, 4>(m, x, w, s, rows, k, out);
   else quant_rows<V, Fmt, 4, 2>(m, x, w, s, rows, k, out);
