@@ -275,8 +275,9 @@ MTP_INLINE void rows_dot(int nx, const float* const* a, const T* b, int64_t ld, 
 // subnormal alike); F16C's vcvtph2ps widens it exactly (it handles fp16 subnormals, and q * 2^-8 is never an fp32
 // subnormal). Multiplying by s * 256 (exact: a power of two) then rounds q * s once, like the reference.
 // NaN: the `_nan` conversions turn 0x7f / 0xff into fp16 0xffff (NaN) lane by lane (3 more integer ops per 16
-// weights); the plain ones give a finite value for them, for callers that scan each weight row once with
-// simd.h's e4m3_has_nan (2 byte ops per 64 / 32 weights) and make that row's outputs NaN, which is what the reference gives:
+// weights); the plain ones give a finite value for them, for callers that scan each weight row once for NaN bytes
+// (simd.h's nan_line / e4m3_has_nan: 2 byte ops per 64 / 32 weights; the tiles fold each line in as they stream it)
+// and make that row's outputs NaN, which is what the reference gives:
 // a NaN weight makes its dot product NaN whatever the activation. Measured against a 256-entry LUT gather and fp32
 // bit arithmetic (denormal fp32 intermediates), with and without the per-lane NaN fix: docs/PERFORMANCE.md "FP8
 // weights". s * 256 overflows only for |s| >= 2^120; kernels check `fp8_scales_vector_safe` once per call and take

@@ -30,6 +30,9 @@
 // into the per-ISA bodies (`objdump -dr` of the library shows no call into mtp::simd::), so the ABI note GCC gives
 // for a vector return outside its ISA does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"
+// GCC 12 flags the self-initialized `_mm512_undefined_ps()` inside `_mm512_shuffle_f32x4` (reduce4) as uninitialized
+// once the 8-row tiles inline it (a known false positive of its headers, gone in GCC 13)
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace mtp {
 
@@ -54,7 +57,7 @@ MTP_AVX2_TARGET inline __m128i int4x16_signed(__m128i nibbles) {
 
 namespace simd {
 
-constexpr int64_t kTilePrefetch = 2048;  // software prefetch distance along each weight row (bytes), 2 KB ahead
+constexpr int64_t kTilePrefetch = 2048;  // software prefetch distance in each weight row's stream (bytes; Vector::line_start)
 
 // e4m3fn bytes -> fp16 bits of q * 2^-8 (common.h "float8_e4m3fn weights" says why): sign-extend, shift left 7,
 // keep sign | exponent | mantissa; `nan`: 0x7f / 0xff become fp16 NaN (0xffff) lane by lane.
@@ -72,7 +75,7 @@ struct Avx512 {
   static constexpr bool kMaskedTail = true;   // a partial chunk is one masked vector step
   static constexpr bool kRowsDotTiles = false;
   static constexpr bool kPairedE4m3 = false;  // see Avx2
-  static constexpr bool kPairedI4 = false;    // see Avx2
+  static constexpr bool kPairedI4 = true;     // load_i4_scaled_x2: 2W columns, column order, in 6 instructions
   static constexpr bool kEvenOddI4 = true;    // the int4 tile's even / odd 2W-column step (load_i4_even_odd)
 
   static MTP_AVX512_TARGET inline __mmask16 tail(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
@@ -182,6 +185,17 @@ struct Avx512 {
     const __m128i nib = int4x16_nibbles(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (n / 2)) - 1u), p));
     return _mm512_maskz_permutexvar_ps(tail(n), _mm512_cvtepu8_epi32(nib), table);
   }
+  // 2W columns (W bytes) in column order (the experts' int4 tiles): the even / odd columns as load_i4_even_odd
+  // gets them, interleaved back with one two-source permute per half. 6 instructions per 2W columns where two
+  // load_i4_scaled took 12 (the nibble split and the byte unpack of each 8 bytes): the experts' int4 tiles at one
+  // token were bound by them.
+  static MTP_AVX512_TARGET inline void load_i4_scaled_x2(const uint8_t* p, F table, F& lo, F& hi) {
+    F even, odd;
+    load_i4_even_odd(p, table, even, odd);
+    lo = _mm512_permutex2var_ps(even, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), odd);
+    hi = _mm512_permutex2var_ps(even, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31),
+                                odd);
+  }
   // 2W columns (W bytes) not in column order, for the int4 tile's even / odd step (linear_int4's, Vector::tile_int4):
   // the bytes widened to W int32 lanes are the permute indexes of the W even columns as they are (the permute reads
   // the low 4 bits) and of the W odd ones shifted right by 4, so a weight costs about a quarter of an instruction
@@ -195,6 +209,18 @@ struct Avx512 {
   static MTP_AVX512_TARGET inline void even_odd(F lo, F hi, F& even, F& odd) {
     even = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), hi);
     odd = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), hi);
+  }
+  // The tiles' NaN scan, one 64-byte line of a weight row at a time as the tile streams it (Vector::tile):
+  // nan_line folds the line into `most` (the largest 2 * byte, mod 256, per byte lane), nan_seen says whether a NaN
+  // byte (0x7f / 0xff: 2 * byte is 0xfe exactly then) went in.
+  using Bytes = __m512i;
+  static MTP_AVX512_TARGET inline Bytes nan_none() { return _mm512_setzero_si512(); }
+  static MTP_AVX512_TARGET inline Bytes nan_line(Bytes most, const uint8_t* p) {
+    const __m512i b = _mm512_loadu_si512(p);
+    return _mm512_max_epu8(most, _mm512_add_epi8(b, b));
+  }
+  static MTP_AVX512_TARGET inline bool nan_seen(Bytes most) {
+    return _mm512_cmpeq_epi8_mask(most, _mm512_set1_epi8(static_cast<char>(0xfe))) != 0;
   }
   // Whether any of n e4m3 bytes is a NaN (0x7f / 0xff): the largest of 2 * byte (mod 256) is 0xfe exactly then.
   static MTP_AVX512_TARGET inline bool e4m3_has_nan(const uint8_t* p, int64_t n) {
@@ -323,6 +349,16 @@ struct Avx2 {
     const __m128i q = int4x16_signed(int4x16_nibbles(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale);
     hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), scale);
+  }
+  using Bytes = __m256i;  // the tiles' NaN scan (see Avx512): a 64-byte line is two 32-byte halves
+  static MTP_AVX2_TARGET inline Bytes nan_none() { return _mm256_setzero_si256(); }
+  static MTP_AVX2_TARGET inline Bytes nan_line(Bytes most, const uint8_t* p) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+    return _mm256_max_epu8(most, _mm256_max_epu8(_mm256_add_epi8(a, a), _mm256_add_epi8(b, b)));
+  }
+  static MTP_AVX2_TARGET inline bool nan_seen(Bytes most) {
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi8(most, _mm256_set1_epi8(static_cast<char>(0xfe)))) != 0;
   }
   static MTP_AVX2_TARGET inline bool e4m3_has_nan(const uint8_t* p, int64_t n) {
     __m256i most = _mm256_setzero_si256();

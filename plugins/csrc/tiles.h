@@ -33,10 +33,10 @@ namespace mtp {
 // Elem: the stored element. times(q, scale_at(s, j, i)): the fp32 weight q = w[i] of row j, scaled, as the reference
 // rounds it (the portable paths and scalar tails; scale_at is the same for 8 columns from a multiple of 8). kScaled: the vector loads give q, to be multiplied by scale<S>(s, j, c0) (the scale of row j for columns
 // c0 .. c0 + kCols - 1). kRowScales: s is one scale per weight row (quant_rows passes s + o), else one scale row for
-// the whole block of rows (FP8's 128 x 128 blocks).
+// the whole block of rows (FP8's 128 x 128 blocks). kNanBytes: some bytes are NaN (FP8), which the vector tile scans.
 struct Bf16Weights {  // bf16 bits: a 16-bit shift, exact
   using Elem = c10::BFloat16;
-  static constexpr bool kScaled = false, kRowScales = false;
+  static constexpr bool kScaled = false, kRowScales = false, kNanBytes = false;
   static constexpr int64_t kCols = std::numeric_limits<int64_t>::max();
   static MTP_INLINE float scale_at(const float*, int, int64_t) { return 1.0f; }
   static MTP_INLINE float times(Elem q, float) { return f32(q); }
@@ -44,15 +44,15 @@ struct Bf16Weights {  // bf16 bits: a 16-bit shift, exact
   template <class S> static MTP_INLINE typename S::F load(const Elem* p) { return S::load(p); }
   template <class S> static MTP_INLINE typename S::F load_n(const Elem* p, int64_t n) { return S::load_n(p, n); }
   template <class S> static MTP_INLINE typename S::F load_exact(const Elem* p) { return S::load(p); }
-  template <class S> static MTP_INLINE bool has_nan(const Elem*, int64_t) { return false; }
 };
 
 // float8_e4m3fn (common.h "float8_e4m3fn weights"): the vector loads give q * 2^-8 and the scale is s * 256;
-// load_exact (the dequantizing conversion) turns NaN bytes into NaN lane by lane, the tiles scan each row once
-// (has_nan) and make its outputs NaN instead. The portable paths read q from the table (NaN included).
+// load_exact (the dequantizing conversion) turns NaN bytes into NaN lane by lane, the vector tiles scan each row
+// for NaN bytes as they stream it (kNanBytes: simd_body.inc `line_start`) and make its outputs NaN instead. The portable
+// paths read q from the table (NaN included).
 struct Fp8Weights {
   using Elem = uint8_t;
-  static constexpr bool kScaled = true, kRowScales = false;
+  static constexpr bool kScaled = true, kRowScales = false, kNanBytes = true;
   static constexpr int64_t kCols = kFp8Block;
   static MTP_INLINE float scale_at(const float* s, int, int64_t i) { return s[i / kCols]; }
   static MTP_INLINE float times(Elem q, float s) { return e4m3_times(q, s); }
@@ -66,16 +66,12 @@ struct Fp8Weights {
   }
   template <class S> static MTP_INLINE typename S::F load_n(const Elem* p, int64_t n) { return S::load_e4m3_n(p, n); }
   template <class S> static MTP_INLINE typename S::F load_exact(const Elem* p) { return S::load_e4m3_nan(p); }
-  template <class S> static MTP_INLINE bool has_nan(const Elem* w, int64_t k) {
-    if constexpr (std::is_same_v<S, Generic>) return false;  // the table gives NaN itself
-    else return S::e4m3_has_nan(w, k);
-  }
 };
 
 // int8 with one fp32 scale per weight row (`mtp-build --quantize int8`, plugins/reference.py quantize_int8)
 struct Int8Weights {
   using Elem = int8_t;
-  static constexpr bool kScaled = true, kRowScales = true;
+  static constexpr bool kScaled = true, kRowScales = true, kNanBytes = false;
   static constexpr int64_t kCols = std::numeric_limits<int64_t>::max();
   static MTP_INLINE float scale_at(const float* s, int j, int64_t) { return s[j]; }
   static MTP_INLINE float times(Elem q, float s) { return static_cast<float>(q) * s; }
@@ -84,7 +80,6 @@ struct Int8Weights {
   template <class S> static MTP_INLINE typename S::F load(const Elem* p) { return S::load_i8(p); }
   template <class S> static MTP_INLINE typename S::F load_n(const Elem* p, int64_t n) { return S::load_i8_n(p, n); }
   template <class S> static MTP_INLINE typename S::F load_exact(const Elem* p) { return S::load_i8(p); }
-  template <class S> static MTP_INLINE bool has_nan(const Elem*, int64_t) { return false; }
 };
 
 // Group-wise int4 (`mtp-build --quantize int4`, plugins/reference.py quantize_int4): a row of k columns is k / 2 bytes
@@ -151,8 +146,6 @@ template <class V, class Fmt, int MR, int NR>
 MTP_INLINE void quant_block(int64_t m, const float* const* x, const typename Fmt::Elem* w, const float* s, int64_t k,
                             float* const* out, int64_t o) {
   float res[MR * NR];
-  bool nan[NR];
-  for (int j = 0; j < NR; ++j) nan[j] = Fmt::template has_nan<V>(w + j * k, k);
   for (int64_t m0 = 0; m0 < m; m0 += MR) {
     const int mr = static_cast<int>(std::min<int64_t>(MR, m - m0));
     const float* const* xs = x + m0;
@@ -163,7 +156,7 @@ MTP_INLINE void quant_block(int64_t m, const float* const* x, const typename Fmt
       default: run_tile<V, Fmt, 1, NR>(xs, w, s, k, res); break;
     }
     for (int r = 0; r < mr; ++r)
-      for (int j = 0; j < NR; ++j) out[m0 + r][o + j] = nan[j] ? std::numeric_limits<float>::quiet_NaN() : res[r * NR + j];
+      for (int j = 0; j < NR; ++j) out[m0 + r][o + j] = res[r * NR + j];
   }
 }
 
@@ -179,13 +172,21 @@ MTP_INLINE void quant_rows(int64_t m, const float* const* x, const typename Fmt:
 }
 
 // quant_rows with the tile shape that fills V's registers: AVX-512 (32 zmm): 4 x 4 (16 accumulators + 4 weights + one
-// x); AVX2 (16 ymm): 4 weight rows x 1-2 activation rows, or 2 x 4; portable: one weight row against 4 rows.
+// x), and 8 weight rows at one activation row (decode: 8 rows streamed at once, 8 accumulators + 8 weights (+ 8 row
+// scales for int8); linear_int8 at 14336 x 4096, 1 thread: ~0.93x the 4-row tile's time) unless the rows are short
+// (at most kShortRow bytes: the experts' down rows, 1408 columns; there the 4-row tile was 0.88x the 8-row one's time
+// for moe_experts_fp8, int8 even); AVX2 (16 ymm): 4 weight rows x 1-2 activation rows, or 2 x 4; portable: one weight
+// row against 4 rows. A value does not depend on the tile shape (the file's head), so neither does the choice.
+constexpr int64_t kShortRow = 2048;
 template <class V, class Fmt>
 MTP_INLINE void tiled_rows(int64_t m, const float* const* x, const typename Fmt::Elem* w, const float* s, int64_t rows,
                            int64_t k, float* const* out) {
   if constexpr (std::is_same_v<V, Generic>) quant_rows<V, Fmt, 4, 1>(m, x, w, s, rows, k, out);
-  else if constexpr (V::kRegisters >= 32) quant_rows<V, Fmt, 4, 4>(m, x, w, s, rows, k, out);
-  else if (m <= 2) quant_rows<V, Fmt, 2, 4>(m, x, w, s, rows, k, out);
+  else if constexpr (V::kRegisters >= 32) {
+    if (m == 1 && k * static_cast<int64_t>(sizeof(typename Fmt::Elem)) > kShortRow)
+      quant_rows<V, Fmt, 1, 8>(m, x, w, s, rows, k, out);
+    else quant_rows<V, Fmt, 4, 4>(m, x, w, s, rows, k, out);
+  } else if (m <= 2) quant_rows<V, Fmt, 2, 4>(m, x, w, s, rows, k, out);
   else quant_rows<V, Fmt, 4, 2>(m, x, w, s, rows, k, out);
 }
 
