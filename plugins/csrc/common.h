@@ -205,8 +205,17 @@ using Avx2 = isa_avx2::Vector<simd::Avx2>;
 
 
 // dot_multi / axpy_multi for a run-time row count 1..4 (tiles of keys, values or tokens)
-template <class V, class T>
+template <class V, class T, bool kAhead = false>
 MTP_INLINE void dot_n(int rows, const float* const* a, const T* b, int64_t n, float* out) {
+  if constexpr (kAhead && !std::is_same_v<V, Generic>) {  // the vector bodies' stream prefetch (simd_body.inc)
+    switch (rows) {
+      case 4: V::template dot_multi<4, T, true>(a, b, n, out); break;
+      case 3: V::template dot_multi<3, T, true>(a, b, n, out); break;
+      case 2: V::template dot_multi<2, T, true>(a, b, n, out); break;
+      default: V::template dot_multi<1, T, true>(a, b, n, out); break;
+    }
+    return;
+  }
   switch (rows) {
     case 4: V::template dot_multi<4>(a, b, n, out); break;
     case 3: V::template dot_multi<3>(a, b, n, out); break;
@@ -234,7 +243,8 @@ MTP_INLINE void rows_dot(int nx, const float* const* a, const T* b, int64_t ld, 
   } else {
     float tmp[4];
     for (int64_t o = 0; o < rows; ++o) {
-      dot_n<V>(nx, a, b + o * ld, n, tmp);
+      if (ld == n) dot_n<V, T, true>(nx, a, b + o * ld, n, tmp);  // contiguous rows: one stream, prefetched ahead
+      else dot_n<V>(nx, a, b + o * ld, n, tmp);
       for (int i = 0; i < nx; ++i) out[i][o] = tmp[i];
     }
   }

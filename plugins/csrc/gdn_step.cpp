@@ -10,10 +10,12 @@
 // over a state that stays in L1 for these head sizes; requests and value heads on torch's threads (run_requests).
 // Prompt rows: a run of >= kGdnMinChunkRun rows storing no state (all but maybe its last) takes the chunked form
 // (gdn_chunk.h), which goes through S once per chunk of kGdnChunk rows; verify rows (each stores) stay row by row.
-// Plain C++ the compiler vectorises (-O3): the inner loops run over Dv, contiguous in the state. fp32 math, the pool's conv window in its own dtype.
+// Plain C++ the compiler vectorises (-O3; the row's two passes per ISA, gdn_row): the inner loops run over Dv,
+// contiguous in the state. fp32 math, the pool's conv window in its own dtype.
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
 #include <atomic>
@@ -129,53 +131,73 @@ std::atomic<int64_t> g_min_chunk_run{kGdnMinChunkRun};
 
 MTP_ISA_KERNEL(conv_rows, conv_rows_body)
 
-// Value head h of request q over its rows, in order: the gated delta rule on S_h [Dk, Dv] (the calling thread's
-// scratch slot 1), o = S^T q into out, S_h to the ssm pool at write_slots[t] after row t. Reads x from conv_rows.
-// A run of rows that store no state (write_slots -1, the run's last row may store) of at least g_min_chunk_run rows
-// goes through the chunked form (gdn_chunk.h: prompt rows touch S once per chunk); shorter runs and rows that each
-// store their state (verify rows) go row by row.
+// One row of the gated delta rule on one value head's state [Dk, Dv]: S = decay * src into dst, then
+// S <- S + k (beta (v - S^T k))^T and o += S^T q over dst, two passes over S (decay with S^T k, then the update with
+// S^T q), each sum over Dk in order, multiply then add (-ffp-contract=off): every lane the scalar loop's operations.
+// src is the pool's read slot (decode: no copy into scratch first) or dst itself; dst is the head's scratch state or,
+// for a request's last row that stores, its pool slot (no copy out after). Compiled per ISA (MTP_ISA_KERNEL): baseline
+// x86-64 vectorised these loops 4 lanes wide, and a decode token spent ~6% of its time here (docs/PERFORMANCE.md).
+template <class V>
+void gdn_row_body(const float* src, float* dst, float* __restrict__ d, const float* k, const float* q,
+                  const float* v, float decay, float beta, float* __restrict__ o, int64_t dk, int64_t dv) {
+  for (int64_t e = 0; e < dv; ++e) d[e] = 0.0f;
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* si = src + i * dv;
+    float* __restrict__ ti = dst + i * dv;
+    const float ki = k[i];
+    for (int64_t e = 0; e < dv; ++e) {
+      const float x = si[e] * decay;
+      ti[e] = x;
+      d[e] += x * ki;
+    }
+  }
+  for (int64_t e = 0; e < dv; ++e) d[e] = (v[e] - d[e]) * beta;
+  for (int64_t i = 0; i < dk; ++i) {
+    float* __restrict__ ti = dst + i * dv;
+    const float ki = k[i], qi = q[i];
+    for (int64_t e = 0; e < dv; ++e) {
+      const float x = ti[e] + ki * d[e];
+      ti[e] = x;
+      o[e] += x * qi;
+    }
+  }
+}
+MTP_ISA_KERNEL(gdn_row, gdn_row_body)
+
+// Value head h of request q over its rows, in order: the gated delta rule on S_h [Dk, Dv], o = S^T q into out, S_h to
+// the ssm pool at write_slots[t] after row t. Reads x from conv_rows. Row by row, S_h lives in the calling thread's
+// scratch slot 1, except that the first row reads the pool's read slot itself and a last row that stores writes its
+// slot itself (gdn_row). A run of rows that store no state (write_slots -1, the run's last row may store) of at least
+// g_min_chunk_run rows goes through the chunked form (gdn_chunk.h: prompt rows touch S once per chunk) on the scratch
+// copy; shorter runs and rows that each store their state (verify rows) go row by row.
 void head_rows(const Gdn& g, const GdnRequest& q, int64_t h, const Ints& writes, GdnActs acts) {
   const int64_t rep = g.hv / g.hk, head_size = g.dk * g.dv, state_size = g.hv * head_size;
   float* s = scratch(1, head_size);
   float* __restrict__ d = scratch(2, g.dv);
+  const float* src = s;  // where S_h is now: the scratch copy or, until a row has run, the read slot
   if (q.fresh) std::fill(s, s + head_size, 0.0f);
-  else std::memcpy(s, g.ssm + q.read_slot * state_size + h * head_size, sizeof(float) * head_size);
+  else src = g.ssm + q.read_slot * state_size + h * head_size;
+  auto in_scratch = [&] {  // the chunked form works on the scratch copy
+    if (src != s) std::memcpy(s, src, sizeof(float) * head_size);
+    src = s;
+  };
   const float a_scale = -std::exp(g.a_log[h]);
   auto log_decay = [&](int64_t t) { return a_scale * softplus(g.a[t * g.hv + h] + g.dt_bias[h]); };
   auto beta_of = [&](int64_t t) { return 1.0f / (1.0f + std::exp(-g.b[t * g.hv + h])); };
+  auto slot_of = [&](int64_t t) { return g.ssm + writes[t] * state_size + h * head_size; };
   auto store = [&](int64_t t) {
-    const int64_t slot = writes[t];
-    if (slot >= 0) std::memcpy(g.ssm + slot * state_size + h * head_size, s, sizeof(float) * head_size);
+    if (writes[t] >= 0) std::memcpy(slot_of(t), s, sizeof(float) * head_size);
   };
+  const int64_t end = q.row0 + q.n;
   auto row = [&](int64_t t) {
-    const float* qh = acts.q(t, h / rep);
-    const float* k = acts.k(t, h / rep);
-    const float* v = acts.v(t, h);
-    const float decay = std::exp(log_decay(t));
-    const float beta = beta_of(t);
-    // two passes over S (decay with S^T k, then the update with S^T q); each sum runs over Dk in order
-    for (int64_t e = 0; e < g.dv; ++e) d[e] = 0.0f;
-    for (int64_t i = 0; i < g.dk; ++i) {
-      float* __restrict__ si = s + i * g.dv;
-      const float ki = k[i];
-      for (int64_t e = 0; e < g.dv; ++e) {
-        si[e] *= decay;
-        d[e] += si[e] * ki;
-      }
-    }
-    for (int64_t e = 0; e < g.dv; ++e) d[e] = (v[e] - d[e]) * beta;
-    float* __restrict__ o = g.out + (t * g.hv + h) * g.dv;  // starts at zero
-    for (int64_t i = 0; i < g.dk; ++i) {
-      float* __restrict__ si = s + i * g.dv;
-      const float ki = k[i], qi = qh[i];
-      for (int64_t e = 0; e < g.dv; ++e) {
-        si[e] += ki * d[e];
-        o[e] += si[e] * qi;
-      }
-    }
-    store(t);
+    const bool last_stores = t == end - 1 && writes[t] >= 0;
+    float* dst = last_stores ? slot_of(t) : s;
+    gdn_row(src, dst, d, acts.k(t, h / rep), acts.q(t, h / rep), acts.v(t, h), std::exp(log_decay(t)), beta_of(t),
+            g.out + (t * g.hv + h) * g.dv, g.dk, g.dv);  // out starts at zero
+    src = dst;
+    if (!last_stores) store(t);
   };
-  const int64_t end = q.row0 + q.n, min_run = std::max<int64_t>(g_min_chunk_run.load(), 1);
+  const int64_t min_run = std::max<int64_t>(g_min_chunk_run.load(), 1);
   for (int64_t t = q.row0; t < end;) {
     int64_t last = t;  // the run: rows t..last, none but the last storing its state
     while (last + 1 < end && writes[last] < 0) ++last;
@@ -183,6 +205,7 @@ void head_rows(const Gdn& g, const GdnRequest& q, int64_t h, const Ints& writes,
       for (; t <= last; ++t) row(t);
       continue;
     }
+    in_scratch();
     float* buf = scratch(4, gdn_chunk_scratch(g.dk, g.dv));
     float lg[kGdnChunk], beta[kGdnChunk];
     for (; t <= last; t += kGdnChunk) {  // leaves t past the run
@@ -247,6 +270,18 @@ at::Tensor f32_contiguous(const at::Tensor& t, const char* name) {
   return t.to(at::kFloat).contiguous();
 }
 
+// The conv weights [C, K] as conv_rows reads them, [K, C]: a plain loop (ATen's strided copy of the transposed view
+// took ~75 us of a 128 KB weight per layer and decode step, more than the conv itself)
+at::Tensor conv_rows_major(const at::Tensor& w) {
+  const int64_t c = w.size(0), kk = w.size(1);
+  at::Tensor t = at::empty({kk, c}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = t.data_ptr<float>();
+  for (int64_t ch = 0; ch < c; ++ch)
+    for (int64_t j = 0; j < kk; ++j) dst[j * c + ch] = src[ch * kk + j];
+  return t;
+}
+
 at::Tensor gdn_step_cpu(const at::Tensor& mixed, const at::Tensor& b, const at::Tensor& a, const at::Tensor& q_counts,
                         const at::Tensor& starts, const at::Tensor& read_slots, const at::Tensor& write_slots,
                         const at::Tensor& conv_pool_ptr, const at::Tensor& ssm_pool_ptr, const at::Tensor& conv_weight,
@@ -297,7 +332,7 @@ at::Tensor gdn_step_cpu(const at::Tensor& mixed, const at::Tensor& b, const at::
   at::Tensor out = at::zeros({rows, num_v_heads, head_v_dim}, mixed.options().dtype(at::kFloat));
   if (rows == 0 || total == 0) return out;
   const at::Tensor xm = f32_contiguous(mixed, "mixed"), xb = f32_contiguous(b, "b"), xa = f32_contiguous(a, "a");
-  const at::Tensor w = f32_contiguous(conv_weight, "conv_weight").t().contiguous(), al = f32_contiguous(a_log, "a_log");
+  const at::Tensor w = conv_rows_major(f32_contiguous(conv_weight, "conv_weight")), al = f32_contiguous(a_log, "a_log");
   const at::Tensor dt = f32_contiguous(dt_bias, "dt_bias");
   const int64_t win = conv_kernel - 1, state_size = num_v_heads * head_k_dim * head_v_dim;
   auto run = [&](auto p) {

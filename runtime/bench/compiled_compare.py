@@ -33,7 +33,7 @@ import torch
 from models.checkpoint import load_model
 from models.engine_format import load_engine_config
 from models.engine_format.compiled import AOTI_KIND
-from runtime.executors.base import MainInput, MainOutput
+from runtime.executors.base import HybridMainInput, MainInput, MainOutput
 from runtime.executors.compiled_executor import CompiledExecutor
 from runtime.executors.ort_executor import OrtExecutor
 from runtime.executors.torch_executor import TorchExecutor
@@ -43,8 +43,13 @@ from runtime.executors.torch_executor import TorchExecutor
 CLOCK = time.process_time
 
 
-def step_inputs(batch: int, rows: int, context: int, block: int, width: int, vocab: int):
-    """A prefill of `context` tokens per request, then the timed verify step of `rows` rows per request."""
+def step_inputs(batch: int, rows: int, context: int, block: int, width: int, vocab: int, hybrid: bool = False):
+    """A prefill of `context` tokens per request, then the timed verify step of `rows` rows per request.
+
+    hybrid: HybridMainInput, request r owning state slots r*(rows+2) onwards: its prefill starts fresh (position 0: the
+    slot it names is not read) and leaves its state in the group's first slot, which the step reads; the step's rows
+    write the slots after it (never the one read, as runtime/core/state_pool.py plans them), so repeating the step
+    repeats the same work."""
     g = np.random.default_rng(0)
     blocks_per = -(-(context + rows) // block)
     tables = np.full((batch, width), -1, np.int32)
@@ -54,8 +59,17 @@ def step_inputs(batch: int, rows: int, context: int, block: int, width: int, voc
 
     def main(lo: int, hi: int, reqs: list[int]) -> MainInput:
         n, r = hi - lo, len(reqs)
-        return MainInput(ids[reqs, lo:hi].reshape(-1), np.tile(np.arange(lo, hi), r), np.full(r, n, np.int32),
-                         np.full(r, hi, np.int32), tables[reqs], np.arange(r * n))  # fmt: skip
+        inp = (ids[reqs, lo:hi].reshape(-1), np.tile(np.arange(lo, hi), r), np.full(r, n, np.int32),
+               np.full(r, hi, np.int32), tables[reqs], np.arange(r * n))  # fmt: skip
+        if not hybrid:
+            return MainInput(*inp)
+        base = np.array(reqs, np.int32) * (rows + 2)
+        if lo == 0:  # the prefill: fresh state, its last row into the group's first slot
+            read, write = base + rows + 1, np.full((r, n), -1, np.int32)
+            write[:, -1] = base
+        else:
+            read, write = base, base[:, None] + 1 + np.arange(n, dtype=np.int32)
+        return HybridMainInput(*inp, read, write.reshape(-1))
 
     prefills = [main(0, context, [r]) for r in range(batch)]  # one request per prefill: within max_num_tokens
     return prefills, main(context, context + rows, list(range(batch))), 1 + batch * blocks_per
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {n: [] for n in runners}
         names = list(runners)
         for rnd in range(args.rounds):
-            order = names[rnd % len(names):] + names[: rnd % len(names)]
+            order = names[rnd % len(names) :] + names[: rnd % len(names)]
             for name in order:
                 ex = runners[name]
                 ts = []

@@ -32,7 +32,7 @@ def profile_shape(ex: CompiledExecutor, batch: int, rows: int, context: int, ite
     """({op: self CPU ms per forward}, median forward CPU ms) of one verify step shape."""
     cfg = ex.config
     prefills, step, need = step_inputs(batch, rows, context, cfg.kv.block_size, cfg.kv.table_width,
-                                      cfg.model.vocab_size)  # fmt: skip
+                                      cfg.model.vocab_size, ex.state is not None)  # fmt: skip
     if need > cfg.kv.num_blocks:
         raise SystemExit(f"batch {batch} needs {need} blocks, the engine has {cfg.kv.num_blocks}")
     for prefill in prefills:
@@ -61,7 +61,7 @@ def ab_shape(ex: CompiledExecutor, batch: int, rows: int, context: int, iters: i
     """(median ms AMX off, median ms AMX on, median per-round off / on) of one shape, interleaved rounds."""
     cfg = ex.config
     prefills, step, _ = step_inputs(batch, rows, context, cfg.kv.block_size, cfg.kv.table_width,
-                                    cfg.model.vocab_size)  # fmt: skip
+                                    cfg.model.vocab_size, ex.state is not None)  # fmt: skip
     for prefill in prefills:
         ex.run_main(prefill)
     got: dict[int, list[float]] = {1 << 30: [], on: []}
