@@ -89,7 +89,19 @@ BENCH_THREADS ?= 1
 PEERS         := build/peers
 LLAMA_PY_VER  := 0.3.36
 LLAMA_SRC     := $(PEERS)/llama_cpp_python-$(LLAMA_PY_VER)/vendor/llama.cpp
+# -DGGML_NATIVE=ON compiles llama.cpp for this CPU. On a CPU with AMX its AMX repack of Q8_0 / Q4_0 / Q4_K_M segfaults
+# on the realistic-size GGUFs (the bench then falls back to --no-repack); its best path that runs there is a build
+# without AMX that keeps its AVX-512 code and AVX2 repacks: `make bench-realsize LLAMA_AMX=off` (docs/BENCHMARKS.md,
+# "llama.cpp at its best on an AMX CPU").
+LLAMA_AMX     ?= native
+ifeq ($(LLAMA_AMX),off)
+LLAMA_BUILD   := $(PEERS)/llama-noamx
+LLAMA_CPU_FLAGS := -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON \
+	-DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+else
 LLAMA_BUILD   := $(PEERS)/llama-build
+LLAMA_CPU_FLAGS := -DGGML_NATIVE=ON
+endif
 LLAMA_BINS    := llama-speculative-simple llama-completion llama-tokenize llama-quantize
 
 # Ours (torch eager, ONNX Runtime, the compiled engine: the bench builds $(BENCH_ENGINE) with --compile aoti),
@@ -188,7 +200,7 @@ $(LLAMA_SRC)/CMakeLists.txt:
 
 # CPU only, Release, just the binaries the bench runs; ~13 min on 2 cores (log: $(PEERS)/build.log).
 $(LLAMA_BUILD)/bin/llama-speculative-simple: $(LLAMA_SRC)/CMakeLists.txt
-	nice -n 19 cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+	nice -n 19 cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) -DCMAKE_BUILD_TYPE=Release $(LLAMA_CPU_FLAGS) \
 		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
 		-DBUILD_SHARED_LIBS=OFF > $(PEERS)/build.log 2>&1
 	nice -n 19 cmake --build $(LLAMA_BUILD) -j2 --target $(LLAMA_BINS) >> $(PEERS)/build.log 2>&1

@@ -50,7 +50,10 @@ def _serve(conn: Connection, engine: str, checkpoint: str, threads: int, context
         fns = step_fns(ex, c, context, ks, ex.config.kv.block_size, ex.config.kv.table_width)
     conn.send({"load_s": round(time.perf_counter() - t0, 2), "rss_after_load_bytes": _current_rss()})
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:  # the bench left (it stopped on an error of its own and said so): nothing to report
+            return
         if msg == "stop":
             conn.send({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                        "rss_at_end_bytes": _current_rss()})  # fmt: skip
