@@ -4,8 +4,9 @@ tokens per second of the same engine directory on each executor, K=0 and K=2, me
     PYTHONPATH=. OMP_NUM_THREADS=1 python tests/runtime/hybrid_executor_figures.py [--rounds 3] [--batch 1 4]
 
 The random Qwen3-Next checkpoint of hybrid_prefix_figures.py (`DEEP`: hidden 256, 6 GDN + 2 gated attention layers,
-8 experts), built by `mtp-build` with its defaults (compiled packages) and K=2; prompts of 32 random tokens, 48 new
-tokens each, greedy (every executor's ids are checked equal).
+8 experts), built by `mtp-build` with its defaults (compiled packages), K=2 and `--keep-onnx` (so the ONNX Runtime
+executor runs the same directory); prompts of 32 random tokens, 48 new tokens each, greedy (every executor's ids are
+checked equal).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def main() -> None:
     make_hybrid_checkpoint(root / "ckpt", "qwen3_next", seed=2, **DEEP)
     t0 = time.perf_counter()
     assert cli.main(["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"), "--max-batch", "4",
-                     "--max-seq-len", "128", "--num-draft-tokens", "2"]) == 0  # fmt: skip
+                     "--max-seq-len", "128", "--num-draft-tokens", "2", "--keep-onnx"]) == 0  # fmt: skip
     print(f"build (with the compiled packages): {time.perf_counter() - t0:.0f} s")
     params = SamplingParams(max_tokens=48)
     engines = {(ex, k): create_engine(engine_dir=root / "engine", executor=ex, num_draft_tokens=k,
