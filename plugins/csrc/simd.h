@@ -74,7 +74,9 @@ struct Avx512 {
   static constexpr int kRegisters = 32;       // zmm registers a tile may fill
   static constexpr bool kMaskedTail = true;   // a partial chunk is one masked vector step
   static constexpr bool kRowsDotTiles = false;
-  static constexpr bool kPairedE4m3 = false;  // see Avx2
+  // FP8 tiles step 2W columns: one 32-byte e4m3 -> fp16 conversion (sign-extend, shift, mask on 32 lanes) gives both
+  // 16-lane halves (load_e4m3_x2); see Avx2
+  static constexpr bool kPairedE4m3 = true;
   static constexpr bool kPairedI4 = true;     // load_i4_scaled_x2: 2W columns, column order, in 6 instructions
   static constexpr bool kEvenOddI4 = true;    // the int4 tile's even / odd 2W-column step (load_i4_even_odd)
 
@@ -152,6 +154,12 @@ struct Avx512 {
   static MTP_AVX512_TARGET inline F load_e4m3(const uint8_t* p) {
     const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xbf80))));
+  }
+  static MTP_AVX512_TARGET inline void load_e4m3_x2(const uint8_t* p, F& lo, F& hi) {  // 32 bytes: columns 0-15, 16-31
+    __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(static_cast<short>(0xbf80)));
+    lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
   }
   static MTP_AVX512_TARGET inline F load_e4m3_n(const uint8_t* p, int64_t n) {
     return _mm512_cvtph_ps(e4m3_fp16(p, tail(n)));
