@@ -3,8 +3,8 @@ hit resumes the recurrence from the snapshot of its last reused block, so its ou
 requests without prefix caching, with MTP off and on, chunked prefill and preemption, also from a snapshot stored
 every `state_snapshot_interval` tokens inside a forward (holding the state after its block's last row); hits are
 reported; no KV block, state group or snapshot slot leaks; the snapshot budget evicts least recently used snapshots and
-snapshots whose block was evicted, and a long prompt keeps only its share of interval snapshots. Planting a restore from the block before's snapshot fails `test_hits_are_token_identical` (checked by hand:
-docs/RUNTIME.md)."""
+snapshots whose block was evicted, and a long prompt keeps only its share of interval snapshots. A restore planted from
+the block before's snapshot changes the outputs (test_a_restore_from_the_block_befores_snapshot_is_caught)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from models.testing import make_hybrid_checkpoint
 from runtime.core.block_pool import BlockPool
 from runtime.core.sampling import SamplingParams
+from runtime.core.state_pool import StateSlots
 from runtime.core.state_snapshots import StateSnapshots
 from runtime.factory import create_engine
 from tests.runtime.engine_utils import random_prompts
@@ -100,6 +101,35 @@ def test_a_hit_resumes_from_an_interval_snapshot_inside_a_forward(checkpoint, re
     engine = engine_for(checkpoint, 2, max_prefill_chunk=chunk, state_snapshot_interval=8)
     ids, cached = run_waves(engine, [[SHARED + TAILS[0]], [SHARED + TAILS[1]]])
     assert ids == reference[:2] and cached == [0, 16], cached
+    assert_nothing_leaked(engine)
+
+
+def test_a_restore_from_the_block_befores_snapshot_is_caught(checkpoint, reference, monkeypatch):
+    """The planted bug: a hit resumes from the snapshot of the block before its last reused one (the state one block
+    short). The hit itself still happens and the accounting stays whole, so only the outputs can tell: they must
+    differ from the reference, or the token-identity tests above could not catch a restore off by a block."""
+    planted = []
+    right_group = StateSlots._group
+
+    def group_from_the_block_before(self, s):
+        resumes = s.start > 0 and s.req.req_id not in self._groups  # a new group for a request with a prefix hit
+        g = right_group(self, s)
+        if resumes:
+            table = self.kv.block_table(s.req.req_id)
+            before = self.snapshots.slot_of(table[s.start // self.kv.block_size - 2])
+            assert before is not None, "every block has a snapshot at interval 4: the block before must too"
+            self.snapshots.unpin(g.current)
+            self.snapshots.pin(before)
+            g.current = before
+            planted.append(s.req.req_id)
+        return g
+
+    monkeypatch.setattr(StateSlots, "_group", group_from_the_block_before)
+    engine = engine_for(checkpoint, 2, state_snapshot_interval=4)
+    ids, cached = run_waves(engine, [[SHARED + TAILS[0]], [SHARED + TAILS[1]]])
+    assert planted and cached[1] >= 8, (planted, cached)  # the second request resumed from a (planted) snapshot
+    assert ids[0] == reference[0], "the first request has no hit: the plant must not touch it"
+    assert ids[1] != reference[1], "a restore one block short went unnoticed"
     assert_nothing_leaked(engine)
 
 
