@@ -61,11 +61,16 @@ constexpr int64_t kTilePrefetch = 2048;  // software prefetch distance in each w
 
 // e4m3fn bytes -> fp16 bits of q * 2^-8 (common.h "float8_e4m3fn weights" says why): sign-extend, shift left 7,
 // keep sign | exponent | mantissa; `nan`: 0x7f / 0xff become fp16 NaN (0xffff) lane by lane.
+constexpr short kE4m3Fp16Bits = static_cast<short>(0xbf80);  // sign | exponent | mantissa of the shifted word
 MTP_AVX2_TARGET inline __m128i e4m3x8_fp16(__m128i bytes, bool nan) {
   __m128i h = _mm_cvtepi8_epi16(bytes);
-  h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<short>(0xbf80)));
+  h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(kE4m3Fp16Bits));
   if (nan) h = _mm_or_si128(h, _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x3f80)));
   return h;
+}
+// The same for 16 bytes (no NaN lanes): both 8-lane halves of AVX2's paired step, or one AVX-512 vector.
+MTP_AVX2_TARGET inline __m256i e4m3x16_fp16(__m128i bytes) {
+  return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), _mm256_set1_epi16(kE4m3Fp16Bits));
 }
 
 struct Avx512 {
@@ -148,16 +153,14 @@ struct Avx512 {
   }
   // W e4m3 bytes -> fp32 of q * 2^-8 (a NaN byte: finite; the tiles scan rows with e4m3_has_nan) / NaN (`_nan`)
   static MTP_AVX512_TARGET inline __m256i e4m3_fp16(const uint8_t* p, __mmask16 m) {
-    const __m256i h = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, p));
-    return _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+    return e4m3x16_fp16(_mm_maskz_loadu_epi8(m, p));
   }
   static MTP_AVX512_TARGET inline F load_e4m3(const uint8_t* p) {
-    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xbf80))));
+    return _mm512_cvtph_ps(e4m3x16_fp16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   static MTP_AVX512_TARGET inline void load_e4m3_x2(const uint8_t* p, F& lo, F& hi) {  // 32 bytes: columns 0-15, 16-31
     __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(static_cast<short>(0xbf80)));
+    h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(kE4m3Fp16Bits));  // e4m3x16_fp16, 32 lanes
     lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
   }
@@ -331,8 +334,7 @@ struct Avx2 {
     return _mm256_cvtph_ps(e4m3x8_fp16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), false));
   }
   static MTP_AVX2_TARGET inline void load_e4m3_x2(const uint8_t* p, F& lo, F& hi) {  // 16 bytes: columns 0-7, 8-15
-    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+    const __m256i h = e4m3x16_fp16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   }
